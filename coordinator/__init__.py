@@ -1,0 +1,1 @@
+"""Driver-side coordinator."""

@@ -1,0 +1,1 @@
+"""Shipped sinks: files, Kafka, PostgreSQL."""

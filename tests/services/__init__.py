@@ -1,0 +1,201 @@
+"""Real servers for tests, benchmarks and the demo, started on loopback by the project itself.
+
+Each backend is one module (``kafka``, ``postgres``, ``hdfs``, ``s3``) defining a
+:class:`Service` subclass.  ``python -m tests.services start|stop|status [NAME ...]``
+drives them by hand; pytest session fixtures call :func:`ensure`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+#: Where pids, logs and data of the services live (outside the repository).
+STATE_DIR = Path(os.environ.get("TWOPHASE_SERVICES_DIR", Path.home() / ".cache" / "twophase" / "services"))
+#: Where downloaded jars are cached (outside the repository; never committed).
+JAR_CACHE = Path(os.environ.get("TWOPHASE_JAR_CACHE", Path.home() / ".cache" / "twophase" / "jars"))
+
+NAMES = ("kafka", "postgres", "hdfs", "s3")
+
+
+class ServiceError(RuntimeError):
+    """A service could not be installed, started or reached; the message says where its log is."""
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is not alive for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def wait_until(pred, timeout: float, what: str, log: Path | None = None, interval: float = 0.25) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(interval)
+    tail = ""
+    if log is not None and log.exists():
+        tail = "\n--- last lines of %s ---\n%s" % (log, "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+    raise ServiceError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
+
+
+class Service:
+    """One real server.  Subclasses set ``name`` and implement ``install``, ``launch``, ``ready``, ``info``.
+
+    ``start`` is idempotent (a running, ready server is left alone); ``stop`` kills
+    only the process group whose pid this module recorded.
+    """
+
+    name: str = ""
+    start_timeout: float = 120.0
+
+    @property
+    def dir(self) -> Path:
+        d = STATE_DIR / self.name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / f"{self.name}.log"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.dir / f"{self.name}.pid"
+
+    # -- to implement -------------------------------------------------------
+    def install(self) -> None:
+        """Download / install what the server needs (idempotent, cached)."""
+
+    def launch(self, log) -> subprocess.Popen | None:
+        """Start the server; return the Popen (its pid is recorded) or None if it manages its own pid."""
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """True when the server answers real requests."""
+        raise NotImplementedError
+
+    def after_ready(self) -> None:
+        """Create databases, buckets, topics... (idempotent)."""
+
+    def info(self) -> dict[str, Any]:
+        """Connection facts for clients (ports, urls, dsn); never secrets beyond test credentials."""
+        raise NotImplementedError
+
+    def stop_extra(self) -> None:
+        """Stop anything not covered by the recorded process group."""
+
+    # -- shared -------------------------------------------------------------
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if pid_alive(pid) else None
+
+    def running(self) -> bool:
+        return (self.pid() is not None or self.pid_path.exists() is False) and self.ready()
+
+    def start(self) -> dict[str, Any]:
+        if self.ready():
+            self.after_ready()
+            return self.info()
+        self.install()
+        log = open(self.log_path, "ab")
+        proc = self.launch(log)
+        if proc is not None:
+            self.pid_path.write_text(str(proc.pid))
+        try:
+            wait_until(self.ready, self.start_timeout, f"{self.name} to become ready", self.log_path)
+        except ServiceError:
+            if proc is not None and proc.poll() is not None:
+                raise ServiceError(f"{self.name} exited with code {proc.returncode}; log: {self.log_path}") from None
+            raise
+        self.after_ready()
+        return self.info()
+
+    def stop(self) -> None:
+        pid = self.pid()
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 20
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if pid_alive(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.pid_path.unlink(missing_ok=True)
+        self.stop_extra()
+
+    def status(self) -> dict[str, Any]:
+        up = self.ready()
+        st: dict[str, Any] = {"name": self.name, "ready": up, "pid": self.pid(), "log": str(self.log_path)}
+        if up:
+            st.update(self.info())
+        return st
+
+
+def popen(cmd: list[str], log, env: dict[str, str] | None = None, cwd: str | Path | None = None) -> subprocess.Popen:
+    """Start a server in its own process group (so ``stop`` can kill it and its children)."""
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=full_env, cwd=cwd, start_new_session=True,
+    )
+
+
+def get(name: str) -> Service:
+    if name not in NAMES:
+        raise ServiceError(f"unknown service {name!r}; known: {', '.join(NAMES)}")
+    mod = importlib.import_module(f"tests.services.{name}")
+    return mod.SERVICE
+
+
+def ensure(*names: str) -> dict[str, dict[str, Any]]:
+    """Start the named services if they are not running; return their connection info."""
+    return {n: get(n).start() for n in names}
+
+
+def stop(*names: str) -> None:
+    for n in names:
+        get(n).stop()
+
+
+def status(*names: str) -> list[dict[str, Any]]:
+    return [get(n).status() for n in names]
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=str)

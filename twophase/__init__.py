@@ -1,0 +1,1 @@
+"""twophase: exactly-once sinks for PySpark by two-phase commit."""
