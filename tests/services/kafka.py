@@ -1,0 +1,286 @@
+"""Apache Kafka 4.x, KRaft single node (combined broker + controller) from Maven Central jars.
+
+Jars: ``org.apache.kafka:kafka_2.13`` + runtime deps + a log4j2 SLF4J binding, resolved
+with :mod:`tests.services.maven` into ``JAR_CACHE/kafka-<ver>/``.  The storage is
+formatted once with ``kafka.tools.StorageTool format --standalone`` (dynamic quorum,
+KIP-853) and the broker runs as ``java -cp ... kafka.Kafka server.properties``.
+
+Also :func:`spark_kafka_jars` — the jars Spark's Kafka source needs on top of pyspark.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import re
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tests.services import JAR_CACHE, Service, ServiceError, pid_alive, popen, port_open
+from tests.services.maven import resolve
+
+KAFKA_VERSION = "4.1.2"
+SCALA = "2.13"
+LOG4J_VERSION = "2.25.3"  # the log4j-core version kafka 4.1.2 itself depends on
+PORT = 39092
+CONTROLLER_PORT = 39093
+BOOTSTRAP = f"127.0.0.1:{PORT}"
+NODE_ID = 1
+
+COORDS = [
+    f"org.apache.kafka:kafka_{SCALA}:{KAFKA_VERSION}",
+    # Kafka 4.1 is built against slf4j-api 1.7.x: the matching log4j2 binding is log4j-slf4j-impl.
+    f"org.apache.logging.log4j:log4j-slf4j-impl:{LOG4J_VERSION}",
+    f"org.apache.logging.log4j:log4j-core:{LOG4J_VERSION}",
+]
+
+JVM_OPTS = [
+    "-Xms256m", "-Xmx768m",
+    "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+    "-Djava.awt.headless=true",
+    "-Djava.net.preferIPv4Stack=true",
+]
+
+LOG4J2_XML = """<?xml version="1.0" encoding="UTF-8"?>
+<Configuration status="WARN">
+  <Appenders>
+    <Console name="stdout" target="SYSTEM_OUT">
+      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
+    </Console>
+  </Appenders>
+  <Loggers>
+    <Logger name="kafka" level="INFO"/>
+    <Logger name="org.apache.kafka" level="INFO"/>
+    <Logger name="kafka.log.LogCleaner" level="WARN"/>
+    <Logger name="state.change.logger" level="WARN"/>
+    <Logger name="kafka.request.logger" level="WARN"/>
+    <Logger name="org.apache.kafka.storage.internals.log" level="WARN"/>
+    <Root level="INFO">
+      <AppenderRef ref="stdout"/>
+    </Root>
+  </Loggers>
+</Configuration>
+"""
+
+
+def _cluster_id() -> str:
+    # Kafka's Uuid string form: url-safe base64 of 16 bytes, no padding, not starting with '-'.
+    while True:
+        s = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not s.startswith("-"):
+            return s
+
+
+class KafkaService(Service):
+    name = "kafka"
+    start_timeout = 120.0
+
+    # -- layout ---------------------------------------------------------------
+    @property
+    def data_dir(self) -> Path:
+        return self.dir / "data"
+
+    @property
+    def config_path(self) -> Path:
+        return self.dir / "server.properties"
+
+    @property
+    def log4j_path(self) -> Path:
+        return self.dir / "log4j2.xml"
+
+    def jars(self) -> list[Path]:
+        return resolve(COORDS, f"kafka-{KAFKA_VERSION}")
+
+    def server_properties(self) -> str:
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": NODE_ID,
+            "controller.quorum.bootstrap.servers": f"127.0.0.1:{CONTROLLER_PORT}",
+            "listeners": f"PLAINTEXT://127.0.0.1:{PORT},CONTROLLER://127.0.0.1:{CONTROLLER_PORT}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{PORT},CONTROLLER://127.0.0.1:{CONTROLLER_PORT}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(self.data_dir),
+            "num.partitions": 1,
+            "default.replication.factor": 1,
+            "min.insync.replicas": 1,
+            "offsets.topic.replication.factor": 1,
+            "offsets.topic.num.partitions": 10,
+            "transaction.state.log.replication.factor": 1,
+            "transaction.state.log.min.isr": 1,
+            "transaction.state.log.num.partitions": 10,
+            "transaction.max.timeout.ms": 900000,
+            "share.coordinator.state.topic.replication.factor": 1,
+            "share.coordinator.state.topic.min.isr": 1,
+            "group.initial.rebalance.delay.ms": 0,
+            "auto.create.topics.enable": "true",
+            "delete.topic.enable": "true",
+            "log.retention.hours": 24,
+        }
+        return "".join(f"{k}={v}\n" for k, v in props.items())
+
+    # -- Service API --------------------------------------------------------------
+    def install(self) -> None:
+        self.jars()
+
+    def _java(self, main: str, args: list[str], jars: list[Path]) -> list[str]:
+        return [
+            "java", *JVM_OPTS,
+            f"-Dlog4j2.configurationFile={self.log4j_path}",
+            f"-Dkafka.logs.dir={self.dir}",
+            "-cp", ":".join(str(j) for j in jars),
+            main, *args,
+        ]
+
+    def _our_pid_running(self) -> bool:
+        pid = self.pid()
+        if pid is None:
+            return False
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return b"kafka.Kafka" in cmd and pid_alive(pid)
+
+    def launch(self, log) -> subprocess.Popen | None:
+        if self._our_pid_running():
+            return None  # already starting (not ready yet): wait for it, never start a second broker
+        if port_open(PORT) or port_open(CONTROLLER_PORT):
+            raise ServiceError(
+                f"ports {PORT}/{CONTROLLER_PORT} are taken by a process this module did not start "
+                f"(no live pid in {self.pid_path}); stop it first"
+            )
+        jars = self.jars()
+        self.log4j_path.write_text(LOG4J2_XML)
+        self.config_path.write_text(self.server_properties())
+        if not (self.data_dir / "meta.properties").exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            cmd = self._java("kafka.tools.StorageTool", [
+                "format", "--standalone", "--ignore-formatted",
+                "-t", _cluster_id(), "-c", str(self.config_path),
+            ], jars)
+            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+            log.write(f"$ {' '.join(cmd[:3])} ... StorageTool format\n{r.stdout}{r.stderr}\n".encode())
+            log.flush()
+            if r.returncode != 0:
+                tail = "\n".join((r.stdout + r.stderr).splitlines()[-20:])
+                raise ServiceError(f"kafka StorageTool format failed (exit {r.returncode}):\n{tail}")
+        return popen(self._java("kafka.Kafka", [str(self.config_path)], jars), log, cwd=self.dir)
+
+    def start(self) -> dict[str, Any]:
+        # Serialise concurrent `start`s (CLI + pytest) so exactly one broker is launched.
+        with open(self.dir / ".start.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return super().start()
+
+    def ready(self) -> bool:
+        if not port_open(PORT):
+            return False
+        try:
+            from confluent_kafka.admin import AdminClient
+
+            admin = AdminClient({"bootstrap.servers": BOOTSTRAP, "socket.timeout.ms": 2000, "log_level": 0})
+            md = admin.list_topics(timeout=3)
+            return len(md.brokers) >= 1 and md.controller_id is not None and md.controller_id >= 0
+        except Exception:
+            return False
+
+    def info(self) -> dict[str, Any]:
+        return {"bootstrap_servers": BOOTSTRAP}
+
+
+SERVICE = KafkaService()
+
+
+# -- Spark's Kafka source --------------------------------------------------------------
+
+_VERSION_TAIL = re.compile(r"^\d+(\.\d+)+")
+
+
+def jar_artifact(filename: str) -> str:
+    """``artifactId`` of a ``<artifactId>-<version>[-<classifier>].jar`` file name.
+
+    The version starts at the last ``-<digits>.<digits>`` boundary, so names like
+    ``spark-token-provider-kafka-0-10_2.13-4.3.0.jar`` and ``log4j-1.2-api-2.24.3.jar``
+    come out right.
+    """
+    stem = filename[:-4] if filename.endswith(".jar") else filename
+    parts = stem.split("-")
+    for i in range(len(parts) - 1, 0, -1):
+        if _VERSION_TAIL.match(parts[i]):
+            return "-".join(parts[:i])
+    return stem
+
+
+def pyspark_jars_dir() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent / "jars"
+
+
+MAVEN_CENTRAL = "https://repo.maven.apache.org/maven2"
+
+
+def _release_key(v: str) -> tuple[int, ...] | None:
+    """Numeric key of a plain release version (``4.2.0``); None for previews, RCs, snapshots."""
+    if not re.fullmatch(r"\d+(\.\d+)*", v):
+        return None
+    return tuple(int(x) for x in v.split("."))
+
+
+def _spark_kafka_version(spark_ver: str, cache: Path) -> str:
+    """Version of ``spark-sql-kafka-0-10`` to use with pyspark ``spark_ver``.
+
+    The exact version when Maven Central has it; otherwise (pyspark sometimes reaches
+    PyPI before the Maven artifacts exist) the newest plain release of the same major
+    version that is not newer than pyspark.  The choice is remembered in the cache so
+    later calls need no network.  ``TWOPHASE_SPARK_KAFKA_VERSION`` overrides it.
+    """
+    import os
+    import urllib.request
+
+    if os.environ.get("TWOPHASE_SPARK_KAFKA_VERSION"):
+        return os.environ["TWOPHASE_SPARK_KAFKA_VERSION"]
+    chosen = cache / ".artifact-version"
+    if chosen.exists():
+        return chosen.read_text().strip()
+    url = f"{MAVEN_CENTRAL}/org/apache/spark/spark-sql-kafka-0-10_{SCALA}/maven-metadata.xml"
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            meta = r.read().decode()
+    except OSError as e:
+        raise ServiceError(f"cannot read {url}: {e}") from None
+    versions = re.findall(r"<version>([^<]+)</version>", meta)
+    if spark_ver in versions:
+        ver = spark_ver
+    else:
+        want = _release_key(spark_ver) or (0,)
+        ok = [v for v in versions if _release_key(v) and _release_key(v)[0] == want[0] and _release_key(v) <= want]
+        if not ok:
+            raise ServiceError(f"no spark-sql-kafka-0-10_{SCALA} release usable with pyspark {spark_ver} in {url}")
+        ver = max(ok, key=_release_key)
+    cache.mkdir(parents=True, exist_ok=True)
+    chosen.write_text(ver + "\n")
+    return ver
+
+
+def spark_kafka_jars() -> list[str]:
+    """Absolute paths of ``spark-sql-kafka-0-10_2.13`` (pyspark's version, see
+    :func:`_spark_kafka_version`) and the runtime deps pyspark does not already ship (any
+    version of an artifact pyspark has is left out: duplicates on the classpath can break
+    Spark).  Comma-join them for ``spark.jars``."""
+    import pyspark
+
+    name = f"spark-kafka-{pyspark.__version__}"
+    ver = _spark_kafka_version(pyspark.__version__, JAR_CACHE / name)
+    jars = resolve([f"org.apache.spark:spark-sql-kafka-0-10_{SCALA}:{ver}"], name)
+    shipped = {jar_artifact(p.name) for p in pyspark_jars_dir().glob("*.jar")}
+    if not shipped:
+        raise ServiceError(f"no jars found in {pyspark_jars_dir()}: is pyspark installed completely?")
+    out = [str(p) for p in jars if jar_artifact(p.name) not in shipped]
+    if not any("spark-sql-kafka" in Path(p).name for p in out):
+        raise ServiceError(f"spark-sql-kafka jar missing from {JAR_CACHE / name}")
+    return out
