@@ -1,1 +1,42 @@
-"""twophase: exactly-once sinks for PySpark by two-phase commit."""
+"""twophase: exactly-once sinks for PySpark by two-phase commit (Flink's TwoPhaseCommitSinkFunction).
+
+The protocol core: the abstract sink, transaction context and handles, the
+transaction log, crash points and config registry.  Sinks live in
+``twophase.sinks``, the Spark coordinator in ``twophase.coordinator``, the
+conformance harness in ``twophase.testing``.
+"""
+
+from twophase.context import TransactionContext
+from twophase.errors import (
+    CommitError,
+    ConfigurationError,
+    CorruptLogError,
+    DataLossError,
+    HandleError,
+    LogError,
+    LogOwnershipError,
+    MissingDependencyError,
+    QueryMismatchError,
+    TwoPhaseError,
+)
+from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommitError",
+    "CommitOutcome",
+    "CommitResult",
+    "ConfigurationError",
+    "CorruptLogError",
+    "DataLossError",
+    "HandleError",
+    "LogError",
+    "LogOwnershipError",
+    "MissingDependencyError",
+    "QueryMismatchError",
+    "TransactionContext",
+    "TwoPhaseCommitSink",
+    "TwoPhaseError",
+    "__version__",
+]

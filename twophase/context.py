@@ -1,0 +1,31 @@
+"""What an executor-side transaction knows about where it runs: query, batch, partition, attempt."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TransactionContext:
+    """Identity of one sink transaction: one partition's writes for one batch.
+
+    ``query_name`` is the coordinator's name, ``batch_id`` Spark's micro-batch id,
+    ``partition_id`` and ``attempt`` the Spark task's partition and attempt number.
+    ``intent`` is the batch's INTENT payload (what transactions this batch may
+    open: transactional ids, staging prefixes, gid prefixes), as the sink's
+    :meth:`~twophase.TwoPhaseCommitSink.plan_batch` returned it.
+    """
+
+    query_name: str
+    batch_id: int
+    partition_id: int
+    attempt: int = 0
+    intent: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.query_name} batch {self.batch_id} partition {self.partition_id} attempt {self.attempt}"

@@ -1,0 +1,51 @@
+"""Exceptions raised by twophase.  Every message names the batch, the handle or the file
+involved and what the user can do; none carries a secret."""
+
+from __future__ import annotations
+
+
+class TwoPhaseError(Exception):
+    """Base class of every error twophase raises on purpose."""
+
+
+class ConfigurationError(TwoPhaseError):
+    """A setting would break the exactly-once guarantee or cannot work (raised before any write)."""
+
+
+class MissingDependencyError(TwoPhaseError, ImportError):
+    """An optional dependency is not installed; the message names the ``pip install`` that fixes it."""
+
+
+class HandleError(TwoPhaseError):
+    """A transaction handle cannot be decoded (unknown version, wrong sink, malformed)."""
+
+
+class LogError(TwoPhaseError):
+    """The transaction log cannot be used."""
+
+
+class CorruptLogError(LogError):
+    """A log record is unreadable or fails its checksum.  The job stops; the record is never skipped."""
+
+
+class LogOwnershipError(LogError):
+    """Another coordinator owns this log (or owns a newer epoch of it): this one must not commit."""
+
+
+class QueryMismatchError(LogError):
+    """The log belongs to another streaming query (a deleted or replaced checkpoint)."""
+
+
+class CommitError(TwoPhaseError):
+    """Committing a pre-committed transaction failed after retries; replaying the batch retries it."""
+
+
+class DataLossError(TwoPhaseError):
+    """A transaction whose commit was decided can no longer be committed (expired, aborted, fenced)."""
+
+    def __init__(self, message: str, *, batch_id: int | None = None, handle: object = None,
+                 reason: str | None = None):
+        super().__init__(message)
+        self.batch_id = batch_id
+        self.handle = handle
+        self.reason = reason

@@ -1,0 +1,552 @@
+"""The durable transaction log: one record per batch state (INTENT, PREPARED, COMMITTED).
+
+PREPARED is the commit decision: once its file exists, the batch's handles are
+committed, after any crash, by whoever owns the log next.  Records are written by
+atomic create (never overwritten), carry a SHA-256 checksum, and a record that
+cannot be read stops the job with an error naming the file; it is never skipped.
+
+Layout under the log URL::
+
+    log.json                       format marker
+    generations/0001.json          the streaming query id this generation belongs to
+    epochs/0000000003.json         one per coordinator start; the highest epoch owns the log
+    lease.json                     owner, host, pid and heartbeat of the current epoch
+    g0001/batch-000000000042.intent.json / .prepared.json / .committed.json
+
+Ownership: a coordinator takes the next epoch by exclusive create.  Before
+writing a decision it checks that no newer epoch exists, so a coordinator that
+was taken over cannot commit.  A second coordinator is refused while the lease
+holder is alive (same host: its pid exists; other host: heartbeat younger than
+``lease_timeout``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from twophase.errors import ConfigurationError, CorruptLogError, LogError, LogOwnershipError, QueryMismatchError
+
+FORMAT = "twophase-log"
+FORMAT_VERSION = 1
+
+INTENT, PREPARED, COMMITTED = "intent", "prepared", "committed"
+STATES = (INTENT, PREPARED, COMMITTED)
+
+
+# --------------------------------------------------------------------------- stores
+class LogStore(ABC):
+    """Byte storage under one root with atomic exclusive create and atomic replace."""
+
+    url: str
+
+    @abstractmethod
+    def read(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or None if it does not exist."""
+
+    @abstractmethod
+    def create(self, name: str, data: bytes) -> bool:
+        """Atomically create ``name``; False (and nothing written) if it already exists."""
+
+    @abstractmethod
+    def replace(self, name: str, data: bytes) -> None:
+        """Atomically set ``name`` to ``data`` (readers see old or new, never a mix)."""
+
+    @abstractmethod
+    def list(self, folder: str) -> list[str]:
+        """Names of the files directly in ``folder`` ('' = root); [] if it does not exist."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name`` if it exists."""
+
+    def location(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}"
+
+
+class LocalStore(LogStore):
+    """Local (or POSIX-mounted) directory: temp file + fsync + link/rename + directory fsync."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise LogError(f"cannot create the transaction log directory {self.root}: {e.strerror}") from None
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            with open(self._path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _write_tmp(self, path: str, data: bytes) -> str:
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return tmp
+
+    @staticmethod
+    def _fsync_dir(folder: str) -> None:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def create(self, name: str, data: bytes) -> bool:
+        path = self._path(name)
+        tmp = self._write_tmp(path, data)
+        try:
+            os.link(tmp, path)  # fails with EEXIST instead of overwriting: exclusive and atomic
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        self._fsync_dir(os.path.dirname(path))
+        return True
+
+    def replace(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        tmp = self._write_tmp(path, data)
+        os.replace(tmp, path)
+        self._fsync_dir(os.path.dirname(path))
+
+    def list(self, folder: str) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self._path(folder)) if not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def delete(self, name: str) -> None:
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+
+class FsspecStore(LogStore):
+    """Any fsspec filesystem whose ``mv`` is an atomic rename and whose ``open(mode='xb')`` is exclusive.
+
+    Used for ``memory://`` in tests; other schemes get their own store.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        import fsspec
+
+        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.url = url
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def _path(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            with self.fs.open(self._path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def create(self, name: str, data: bytes) -> bool:
+        path = self._path(name)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        return True
+
+    def replace(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        self.fs.mv(tmp, path)
+
+    def list(self, folder: str) -> list[str]:
+        path = self._path(folder) if folder else self.root
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+        return sorted(n for n in names if not n.endswith(".tmp"))
+
+    def delete(self, name: str) -> None:
+        try:
+            self.fs.rm(self._path(name))
+        except FileNotFoundError:
+            pass
+
+
+_STORES: dict[str, Any] = {}
+
+
+def register_store(scheme: str, factory) -> None:
+    """Register a :class:`LogStore` factory ``(url, storage_options) -> LogStore`` for a URL scheme."""
+    _STORES[scheme] = factory
+
+
+def open_store(url: str, storage_options: dict[str, Any] | None = None) -> LogStore:
+    """The store for a log URL: local paths and ``file://`` natively, others by registered scheme."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if scheme == "file":
+        return LocalStore(url.split("://", 1)[1] if "://" in url else url)
+    if scheme == "memory":
+        return FsspecStore(url, storage_options)
+    if scheme in _STORES:
+        return _STORES[scheme](url, storage_options)
+    if scheme in ("hdfs", "webhdfs", "viewfs"):
+        from twophase.sinks import files as _files  # registers the HDFS store if available
+
+        _ = _files
+        if scheme in _STORES:
+            return _STORES[scheme](url, storage_options)
+    if scheme in ("s3", "s3a", "gs", "gcs", "abfs", "az"):
+        raise ConfigurationError(
+            f"the transaction log cannot live on {scheme}:// : an object store offers no atomic "
+            "exclusive create or rename here, so two writers could both believe they decided a batch. "
+            "Put the log on local disk or HDFS (log_location=...) and keep the data on the object store.")
+    raise ConfigurationError(f"no transaction-log store for URL scheme {scheme!r} ({url})")
+
+
+# -------------------------------------------------------------------------- records
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_record(body: dict[str, Any]) -> bytes:
+    digest = hashlib.sha256(_canonical(body)).hexdigest()
+    return json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "body": body, "sha256": digest},
+                      sort_keys=True, indent=1).encode()
+
+
+def decode_record(data: bytes, location: str, advice: str) -> dict[str, Any]:
+    def corrupt(why: str) -> CorruptLogError:
+        return CorruptLogError(f"transaction log record {location} is unreadable ({why}). "
+                               f"The job stops rather than skip it. {advice}")
+
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise corrupt(f"not JSON: {e}") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT or "body" not in obj:
+        raise corrupt("not a twophase log record")
+    if obj.get("version") != FORMAT_VERSION:
+        raise corrupt(f"record format version {obj.get('version')!r}, this twophase reads {FORMAT_VERSION}")
+    body = obj["body"]
+    if not isinstance(body, dict) or hashlib.sha256(_canonical(body)).hexdigest() != obj.get("sha256"):
+        raise corrupt("checksum mismatch: the file was changed or partly written")
+    return body
+
+
+def _advice(state: str, batch_id: int | None) -> str:
+    if state == PREPARED:
+        return (f"It holds the commit decision and the transaction handles of batch {batch_id}: do NOT "
+                "delete it. Restore it from a backup or a filesystem snapshot; 'twophase status' shows "
+                "the other batches. If it cannot be restored, the batch's pre-committed transactions "
+                "must be found and committed by hand in the target system.")
+    if state == COMMITTED:
+        return (f"Batch {batch_id} was fully committed before its PREPARED record; if the PREPARED "
+                f"record of batch {batch_id} is intact you may delete this file and restart: the "
+                "coordinator re-commits idempotently.")
+    if state == INTENT:
+        return (f"No commit decision was taken for batch {batch_id} yet; if no PREPARED record exists "
+                "for it you may delete this file and restart: the batch is re-run and leftovers of "
+                "the crashed attempt are aborted.")
+    return "Restore it from a backup, or move the log aside and start a new log generation."
+
+
+def _batch_name(generation: int, batch_id: int, state: str) -> str:
+    return f"g{generation:04d}/batch-{batch_id:012d}.{state}.json"
+
+
+@dataclass
+class BatchRecord:
+    batch_id: int
+    state: str
+    body: dict[str, Any]
+    location: str
+
+    @property
+    def handles(self) -> list[dict[str, Any]]:
+        return list(self.body.get("handles", []))
+
+    @property
+    def written_at(self) -> float:
+        return float(self.body.get("written_at", 0.0))
+
+
+@dataclass
+class Lease:
+    epoch: int
+    owner: str
+    host: str
+    pid: int
+    heartbeat_at: float
+    query_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ log
+class TransactionLog:
+    """The log of one coordinator: ownership, generation, and batch records.
+
+    ``retain_batches``: how many committed batches keep their records (older ones
+    are deleted after each commit; records of uncommitted batches are never deleted).
+    """
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
+                 retain_batches: int = 100, lease_timeout: float = 120.0):
+        if retain_batches < 1:
+            raise ConfigurationError("retain_batches must be at least 1")
+        self.url = url
+        self.store = open_store(url, storage_options)
+        self.retain_batches = retain_batches
+        self.lease_timeout = lease_timeout
+        self.owner = uuid.uuid4().hex
+        self.epoch: int | None = None
+        self.generation: int | None = None
+        self.query_id: str | None = None
+        self._ensure_format()
+
+    # -- basics
+    def _read(self, name: str, state: str = "", batch_id: int | None = None) -> dict[str, Any] | None:
+        data = self.store.read(name)
+        if data is None:
+            return None
+        return decode_record(data, self.store.location(name), _advice(state, batch_id))
+
+    def _ensure_format(self) -> None:
+        if self._read("log.json") is None:
+            self.store.create("log.json", encode_record({"kind": "log", "created_at": time.time()}))
+
+    # -- generations
+    def generations(self) -> list[dict[str, Any]]:
+        out = []
+        for n in self.store.list("generations"):
+            if n.endswith(".json"):
+                rec = self._read(f"generations/{n}")
+                if rec is not None:
+                    out.append(rec)
+        return sorted(out, key=lambda r: r["generation"])
+
+    def _bind_generation(self, query_id: str, name: str, new_generation: bool) -> int:
+        gens = self.generations()
+        if gens and not new_generation:
+            latest = gens[-1]
+            if latest["query_id"] == query_id:
+                return int(latest["generation"])
+            raise QueryMismatchError(
+                f"the transaction log {self.url} belongs to streaming query {latest['query_id']} "
+                f"(generation {latest['generation']}, coordinator {latest.get('name')!r}), but this "
+                f"is query {query_id}. The checkpoint was probably deleted or replaced: Spark restarts "
+                "batch ids at 0, and the log would wrongly skip them as already committed. Either "
+                "point log_location at a fresh location, or start a new log generation explicitly "
+                "(Coordinator(..., new_generation=True)); 'twophase offsets' prints where the old "
+                "generation's committed input ends.")
+        g = (int(gens[-1]["generation"]) + 1) if gens else 1
+        body = {"kind": "generation", "generation": g, "query_id": query_id, "name": name,
+                "created_at": time.time()}
+        if not self.store.create(f"generations/{g:04d}.json", encode_record(body)):
+            raise LogOwnershipError(f"another coordinator created generation {g} of {self.url} at the same time")
+        return g
+
+    # -- ownership
+    def epochs(self) -> list[int]:
+        out = []
+        for n in self.store.list("epochs"):
+            stem = n.split(".", 1)[0]
+            if stem.isdigit():
+                out.append(int(stem))
+        return sorted(out)
+
+    def lease(self) -> Lease | None:
+        rec = self._read("lease.json")
+        if rec is None:
+            return None
+        return Lease(epoch=rec["epoch"], owner=rec["owner"], host=rec["host"], pid=rec["pid"],
+                     heartbeat_at=rec["heartbeat_at"], query_id=rec.get("query_id"))
+
+    def _holder_alive(self, lease: Lease) -> bool:
+        if lease.owner == self.owner:
+            return False
+        if lease.host == socket.gethostname():
+            if lease.pid == os.getpid():
+                return False  # an earlier coordinator object in this very process
+            try:
+                os.kill(lease.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        return time.time() - lease.heartbeat_at < self.lease_timeout
+
+    def acquire(self, query_id: str, name: str, *, new_generation: bool = False, takeover: bool = False) -> None:
+        """Become the owner of this log for ``query_id`` (or refuse, naming the live owner)."""
+        lease = self.lease()
+        if lease is not None and not takeover and self._holder_alive(lease):
+            raise LogOwnershipError(
+                f"the transaction log {self.url} is owned by a live coordinator (epoch {lease.epoch}, "
+                f"host {lease.host}, pid {lease.pid}, last heartbeat {time.time() - lease.heartbeat_at:.0f}s "
+                "ago). Two coordinators must never commit for one log. Stop the other query first; if it "
+                f"is dead on another host, wait {self.lease_timeout:.0f}s for its lease to expire or "
+                "pass takeover=True.")
+        self.generation = self._bind_generation(query_id, name, new_generation)
+        self.query_id = query_id
+        current = self.epochs()
+        epoch = (current[-1] + 1) if current else 1
+        body = {"kind": "epoch", "epoch": epoch, "owner": self.owner, "host": socket.gethostname(),
+                "pid": os.getpid(), "query_id": query_id, "name": name, "started_at": time.time()}
+        if not self.store.create(f"epochs/{epoch:010d}.json", encode_record(body)):
+            raise LogOwnershipError(f"another coordinator took epoch {epoch} of {self.url} at the same time; "
+                                    "only one may own the log")
+        self.epoch = epoch
+        self.heartbeat()
+        # Keep the epoch folder small: older epochs are fenced and only the highest matters.
+        for old in current[:-2]:
+            self.store.delete(f"epochs/{old:010d}.json")
+
+    def heartbeat(self) -> None:
+        self._require_owner()
+        self.store.replace("lease.json", encode_record({
+            "kind": "lease", "epoch": self.epoch, "owner": self.owner, "host": socket.gethostname(),
+            "pid": os.getpid(), "heartbeat_at": time.time(), "query_id": self.query_id}))
+
+    def _require_owner(self) -> None:
+        if self.epoch is None:
+            raise LogOwnershipError("the transaction log was not acquired: call acquire() first")
+
+    def check_fence(self) -> None:
+        """Raise LogOwnershipError if a newer coordinator has taken this log over."""
+        self._require_owner()
+        latest = self.epochs()
+        if latest and latest[-1] != self.epoch:
+            raise LogOwnershipError(
+                f"this coordinator (epoch {self.epoch}) was fenced: coordinator epoch {latest[-1]} took "
+                f"over the transaction log {self.url}. It stops without committing; the newer one "
+                "finishes the batch.")
+
+    # -- batches
+    def record(self, batch_id: int, state: str, generation: int | None = None) -> BatchRecord | None:
+        g = generation if generation is not None else self.generation
+        if g is None:
+            raise LogError("no log generation selected")
+        name = _batch_name(g, batch_id, state)
+        body = self._read(name, state, batch_id)
+        if body is None:
+            return None
+        if body.get("batch_id") != batch_id or body.get("state") != state:
+            raise CorruptLogError(f"transaction log record {self.store.location(name)} names batch "
+                                  f"{body.get('batch_id')} state {body.get('state')}: a file was moved or "
+                                  f"renamed by hand. {_advice(state, batch_id)}")
+        return BatchRecord(batch_id, state, body, self.store.location(name))
+
+    def state(self, batch_id: int) -> BatchRecord | None:
+        """The most advanced record of a batch (COMMITTED > PREPARED > INTENT), or None."""
+        for st in (COMMITTED, PREPARED, INTENT):
+            rec = self.record(batch_id, st)
+            if rec is not None:
+                if st == COMMITTED:
+                    prepared = self.record(batch_id, PREPARED)
+                    if prepared is not None:
+                        rec.body.setdefault("handles", prepared.handles)
+                return rec
+        return None
+
+    def write(self, batch_id: int, state: str, payload: dict[str, Any]) -> BatchRecord:
+        """Atomically create a batch record.  If it already exists, return the existing one.
+
+        PREPARED and COMMITTED are decisions and are written only after checking
+        that this coordinator was not fenced.
+        """
+        if state not in STATES:
+            raise ValueError(state)
+        self._require_owner()
+        if state in (PREPARED, COMMITTED):
+            self.check_fence()
+        body = dict(payload, batch_id=batch_id, state=state, epoch=self.epoch, generation=self.generation,
+                    written_at=time.time())
+        name = _batch_name(self.generation or 0, batch_id, state)
+        if not self.store.create(name, encode_record(body)):
+            existing = self.record(batch_id, state)
+            assert existing is not None
+            return existing
+        return BatchRecord(batch_id, state, body, self.store.location(name))
+
+    def batches(self, generation: int | None = None) -> dict[int, dict[str, BatchRecord]]:
+        """Every batch record of a generation, by batch id and state."""
+        g = generation if generation is not None else self.generation
+        if g is None:
+            gens = self.generations()
+            if not gens:
+                return {}
+            g = int(gens[-1]["generation"])
+        out: dict[int, dict[str, BatchRecord]] = {}
+        for n in self.store.list(f"g{g:04d}"):
+            parts = n.split(".")
+            if len(parts) != 3 or not parts[0].startswith("batch-") or parts[1] not in STATES:
+                continue
+            bid = int(parts[0][6:])
+            rec = self.record(bid, parts[1], generation=g)
+            if rec is not None:
+                out.setdefault(bid, {})[parts[1]] = rec
+        return out
+
+    def prune(self, committed_batch: int) -> int:
+        """Delete records of committed batches older than the last ``retain_batches``."""
+        if self.generation is None:
+            return 0
+        horizon = committed_batch - self.retain_batches
+        if horizon < 0:
+            return 0
+        folder = f"g{self.generation:04d}"
+        names = self.store.list(folder)
+        committed = {int(n[6:18]) for n in names if n.endswith(".committed.json") and n.startswith("batch-")}
+        deleted = 0
+        # Delete the committed marker last, so a crash mid-prune leaves a batch still marked committed.
+        for n in sorted(names, key=lambda x: x.endswith(".committed.json")):
+            if not n.startswith("batch-"):
+                continue
+            try:
+                bid = int(n[6:18])
+            except ValueError:
+                continue
+            if bid <= horizon and bid in committed:
+                self.store.delete(f"{folder}/{n}")
+                deleted += 1
+        return deleted
+
+    def last_committed(self, generation: int | None = None) -> BatchRecord | None:
+        batches = self.batches(generation)
+        for bid in sorted(batches, reverse=True):
+            if COMMITTED in batches[bid]:
+                rec = batches[bid][COMMITTED]
+                if PREPARED in batches[bid]:
+                    rec.body.setdefault("handles", batches[bid][PREPARED].handles)
+                    rec.body.setdefault("source", batches[bid][PREPARED].body.get("source"))
+                return rec
+        return None
+

@@ -1,0 +1,194 @@
+"""The abstract two-phase-commit sink: what runs on executors, what runs on the driver.
+
+Modelled on Flink's ``TwoPhaseCommitSinkFunction``.  A *transaction* is one
+partition's writes for one batch.  Executors call :meth:`begin_transaction`,
+:meth:`write`, :meth:`pre_commit` (or :meth:`abort`); the driver-side coordinator
+logs the returned handles as its commit decision, then calls :meth:`commit` on
+each.  After a crash the coordinator calls :meth:`recover_and_commit` for
+handles whose decision was logged and :meth:`abort_lingering` for anything an
+unfinished attempt may have left open.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from twophase import handles as _handles
+from twophase.context import TransactionContext
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+TxnT = TypeVar("TxnT")
+HandleT = TypeVar("HandleT")
+
+
+class CommitOutcome(enum.Enum):
+    """What :meth:`TwoPhaseCommitSink.commit` found, as a value rather than a guess from an exception."""
+
+    COMMITTED = "committed"
+    """This call made the transaction visible."""
+    ALREADY_COMMITTED = "already_committed"
+    """An earlier call (perhaps before a crash) made it visible; nothing was done."""
+    RETRY_LATER = "retry_later"
+    """A transient condition (coordinator moving, server busy): the coordinator retries with backoff."""
+    LOST = "lost"
+    """The transaction can never be committed (expired, aborted, fenced): data loss."""
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    outcome: CommitOutcome
+    reason: str = ""
+
+    @classmethod
+    def committed(cls) -> CommitResult:
+        return cls(CommitOutcome.COMMITTED)
+
+    @classmethod
+    def already_committed(cls, reason: str = "") -> CommitResult:
+        return cls(CommitOutcome.ALREADY_COMMITTED, reason)
+
+    @classmethod
+    def retry_later(cls, reason: str) -> CommitResult:
+        return cls(CommitOutcome.RETRY_LATER, reason)
+
+    @classmethod
+    def lost(cls, reason: str) -> CommitResult:
+        return cls(CommitOutcome.LOST, reason)
+
+    @property
+    def done(self) -> bool:
+        return self.outcome in (CommitOutcome.COMMITTED, CommitOutcome.ALREADY_COMMITTED)
+
+
+class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
+    """Base class of every exactly-once sink.
+
+    Subclasses set :attr:`kind` (a short name, also the key in the config
+    registry) and implement the abstract methods.  A sink object is built on
+    the driver and shipped to executors by pickling, so it must hold only
+    configuration until an executor-side method opens a connection.
+
+    **Runs on executors:** :meth:`begin_transaction`, :meth:`write`,
+    :meth:`pre_commit`, :meth:`abort`.
+
+    **Runs on the driver** (or in an operator tool, from a config, without
+    Spark): :meth:`open`, :meth:`plan_batch`, :meth:`commit`,
+    :meth:`recover_and_commit`, :meth:`recover_and_abort`, :meth:`abort_lingering`,
+    :meth:`to_config` / :meth:`from_config`.
+    """
+
+    #: Registry name, and the ``sink`` field of every handle envelope.
+    kind: ClassVar[str] = ""
+    #: The handle format written by this version.
+    handle_version: ClassVar[int] = 1
+    #: Every handle format this version can still read (old logs must stay recoverable).
+    handle_versions: ClassVar[frozenset[int]] = frozenset({1})
+    #: True only if two concurrent attempts of one task cannot both become visible
+    #: (attempt-isolated transactions).  The coordinator refuses ``spark.speculation`` otherwise.
+    supports_speculation: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------ driver
+    def open(self) -> None:
+        """Validate configuration and reachability before the first batch (driver).
+
+        Raise :class:`~twophase.errors.ConfigurationError` for settings that would
+        break the guarantee (e.g. ``max_prepared_transactions = 0``).
+        """
+
+    def plan_batch(self, query_name: str, batch_id: int) -> dict[str, Any]:
+        """Return the INTENT payload for a batch (driver): what transactions it may open.
+
+        Logged before any executor runs, and handed back to executors in
+        :attr:`TransactionContext.intent` and to :meth:`abort_lingering`, so that
+        recovery can find exactly the leftovers of this batch.  Must be JSON and
+        secret-free.  Default: nothing beyond the batch identity.
+        """
+        return {}
+
+    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
+                        keep: list[HandleT]) -> int:
+        """Abort every transaction this batch's attempts may have left open, except ``keep`` (driver).
+
+        Called before a batch's executors run (with ``keep=[]``: leftovers of a
+        crashed attempt) and after its handles are committed (leftovers of failed
+        task attempts).  Must be idempotent.  Returns how many it aborted.
+        """
+        return 0
+
+    @abstractmethod
+    def commit(self, handle: HandleT) -> CommitResult:
+        """Make a pre-committed transaction visible (driver).  Must be idempotent.
+
+        Return ``ALREADY_COMMITTED`` when a previous call did it, ``RETRY_LATER`` for
+        transient trouble, ``LOST`` when it can never be committed.  May raise for
+        unexpected errors (retried, then the batch fails and its replay retries).
+        """
+
+    def recover_and_commit(self, handle: HandleT) -> CommitResult:
+        """Commit a handle found in the log after a restart (driver).  Default: :meth:`commit`."""
+        return self.commit(handle)
+
+    def recover_and_abort(self, handle: HandleT) -> None:
+        """Abort a pre-committed transaction from its handle (driver).  Default: does nothing."""
+
+    # ---------------------------------------------------------------- executor
+    @abstractmethod
+    def begin_transaction(self, ctx: TransactionContext) -> TxnT:
+        """Open a transaction for one partition of one batch (executor)."""
+
+    @abstractmethod
+    def write(self, txn: TxnT, batch: pa.RecordBatch) -> None:
+        """Add rows to the transaction (executor; Flink's ``invoke``).  Called once per Arrow batch."""
+
+    @abstractmethod
+    def pre_commit(self, txn: TxnT) -> HandleT:
+        """Make the transaction durable but invisible and return its handle (executor).
+
+        After this returns, the transaction must survive the death of this
+        process, and :meth:`commit` on the handle from any other process must
+        make it visible.  The handle must be small, JSON-serialisable, secret-free.
+        """
+
+    @abstractmethod
+    def abort(self, txn: TxnT) -> None:
+        """Discard an open (not yet pre-committed) transaction (executor).  Best effort, idempotent."""
+
+    # ----------------------------------------------------------------- handles
+    def handle_to_json(self, handle: HandleT) -> dict[str, Any]:
+        """Turn a handle into plain JSON data.  Default: the handle is already a dict."""
+        return dict(handle)  # type: ignore[call-overload]
+
+    def handle_from_json(self, data: dict[str, Any], version: int) -> HandleT:
+        """Rebuild a handle from :meth:`handle_to_json` output of format ``version``."""
+        return data  # type: ignore[return-value]
+
+    def encode_handle(self, handle: HandleT) -> dict[str, Any]:
+        """The versioned JSON envelope stored in the log."""
+        return _handles.encode(self.kind, self.handle_version, self.handle_to_json(handle))
+
+    def decode_handle(self, envelope: Any) -> HandleT:
+        """Inverse of :meth:`encode_handle`; refuses other sinks and unknown versions."""
+        v, data = _handles.decode(envelope, self.kind, self.handle_versions)
+        return self.handle_from_json(data, v)
+
+    def describe_handle(self, handle: HandleT) -> str:
+        """A short, secret-free description for messages ("file part-3.parquet", "tid app-0-1 pid 7")."""
+        return _handles.dumps(self.handle_to_json(handle))[:300]
+
+    # ------------------------------------------------------------------ config
+    def to_config(self) -> dict[str, Any]:
+        """A plain dict from which :meth:`from_config` rebuilds this sink without Spark.
+
+        Secrets appear only by reference (``{"env": "VAR"}``), never by value.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt from a config")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TwoPhaseCommitSink[Any, Any]:
+        params = {k: v for k, v in config.items() if k != "sink"}
+        return cls(**params)
