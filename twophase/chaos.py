@@ -1,0 +1,148 @@
+"""Kill a real driver process again and again, restart it, and count records by id afterwards.
+
+Used by ``twophase demo``, by the project's crash tests, and by users who want to
+see their own pipeline survive crashes.  The driver is a command (normally a
+Python script running a streaming query with ``trigger(availableNow=True)``) that
+exits 0 once all its input is committed.  Each run either arms a named crash
+point (``TWOPHASE_CRASH_AT``: the driver dies by ``os._exit`` there) or is
+SIGKILLed, with its whole process group (Python driver, Spark JVM, Python
+workers: a machine dying), after a random delay.  Finally the driver runs
+without faults until it completes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from twophase import crash
+
+
+@dataclass
+class Run:
+    """One start of the driver and how it ended."""
+
+    number: int
+    fault: str  # "crash:<point>", "sigkill@<s>s" or "none"
+    exit_code: int | None
+    seconds: float
+    completed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Verdict:
+    """Records in vs records out, by unique id."""
+
+    records_in: int
+    records_out: int
+    lost: int
+    duplicated: int
+    unexpected: int
+    lost_sample: list[Any]
+    duplicated_sample: list[Any]
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.lost == 0 and self.duplicated == 0 and self.unexpected == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(asdict(self), exactly_once=self.exactly_once)
+
+
+def verify(expected_ids: Iterable[Any], actual_ids: Iterable[Any]) -> Verdict:
+    """Compare ids written by the source with ids found in the committed output."""
+    exp = Counter(expected_ids)
+    act = Counter(actual_ids)
+    if any(c > 1 for c in exp.values()):
+        raise ValueError("expected ids must be unique")
+    lost = [i for i in exp if i not in act]
+    dup = [i for i, c in act.items() if c > 1 and i in exp]
+    unexpected = [i for i in act if i not in exp]
+    return Verdict(
+        records_in=sum(exp.values()), records_out=sum(act.values()), lost=len(lost),
+        duplicated=sum(act[i] - 1 for i in dup), unexpected=sum(act[i] for i in unexpected),
+        lost_sample=sorted(lost, key=str)[:10], duplicated_sample=sorted(dup, key=str)[:10])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_once(cmd: Sequence[str], *, env: dict[str, str] | None = None, crash_at: str | None = None,
+             kill_after: float | None = None, timeout: float = 600.0, log_file=None) -> tuple[int | None, float]:
+    """Start the driver once; arm ``crash_at`` or SIGKILL its process group after ``kill_after`` s.
+
+    Returns (exit code, seconds).  The process group is always killed at the end,
+    so no JVM or worker of a dead driver outlives it.
+    """
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop(crash.ENV, None)
+    if crash_at:
+        full_env[crash.ENV] = crash_at
+    t0 = time.monotonic()
+    proc = subprocess.Popen(list(cmd), env=full_env, start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        code = proc.wait(timeout=kill_after if kill_after is not None else timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        code = proc.wait()
+        if kill_after is None:
+            raise TimeoutError(f"driver did not finish within {timeout:.0f}s: {' '.join(cmd)}") from None
+    finally:
+        _kill_group(proc)
+    return code, time.monotonic() - t0
+
+
+def run_with_faults(cmd: Sequence[str], *, crash_points: Sequence[str] = (), random_kills: int = 0,
+                    kill_window: tuple[float, float] = (5.0, 30.0), seed: int | None = None,
+                    env: dict[str, str] | None = None, max_final_runs: int = 5, timeout: float = 600.0,
+                    log_path: str | None = None,
+                    progress: Callable[[str], None] | None = None) -> list[Run]:
+    """Run the driver once per crash point, then ``random_kills`` times with a random SIGKILL,
+    then without faults until it exits 0.  Returns every run; raises if it never completes."""
+    rng = random.Random(seed)
+    say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
+    plan: list[tuple[str, str | None, float | None]] = [(f"crash:{p}", p, None) for p in crash_points]
+    for _ in range(random_kills):
+        delay = rng.uniform(*kill_window)
+        plan.append((f"sigkill@{delay:.1f}s", None, delay))
+    runs: list[Run] = []
+    total = len(plan) + 1
+    log_file = open(log_path, "ab") if log_path else None
+    try:
+        for i, (label, point, delay) in enumerate(plan, 1):
+            say(f"[run {i}/{total}+] {label} ...")
+            code, secs = run_once(cmd, env=env, crash_at=point, kill_after=delay, timeout=timeout,
+                                  log_file=log_file)
+            completed = code == 0
+            runs.append(Run(i, label, code, round(secs, 1), completed))
+            say(f"[run {i}/{total}+] {label}: exit {code} after {secs:.1f}s"
+                + (" (finished before the fault)" if completed else ""))
+        for j in range(max_final_runs):
+            n = len(runs) + 1
+            say(f"[run {n}] no fault, until done ...")
+            code, secs = run_once(cmd, env=env, timeout=timeout, log_file=log_file)
+            runs.append(Run(n, "none", code, round(secs, 1), code == 0))
+            say(f"[run {n}] no fault: exit {code} after {secs:.1f}s")
+            if code == 0:
+                return runs
+        raise RuntimeError(f"the driver did not complete in {max_final_runs} fault-free runs"
+                           + (f"; see {log_path}" if log_path else ""))
+    finally:
+        if log_file:
+            log_file.close()
