@@ -228,8 +228,10 @@ class Coordinator:
                 log.info("%s: batch %d: aborted %d transactions left by a crashed attempt",
                          self.name, batch_id, prog.aborted_lingering)
         else:
-            intent = self.sink.plan_batch(self.name, batch_id)
-            tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind})
+            num_partitions = df.rdd.getNumPartitions()
+            intent = self.sink.plan_batch(self.name, batch_id, num_partitions)
+            tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind,
+                                          "num_partitions": num_partitions})
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
 

@@ -136,7 +136,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         if not os.access(self.root, os.W_OK):
             raise ConfigurationError(f"FileSink cannot write to {self.root}: permission denied")
 
-    def plan_batch(self, query_name: str, batch_id: int) -> dict[str, Any]:
+    def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         return {"staging": self._batch_staging(query_name, batch_id)}
 
     # -------------------------------------------------------------- executor

@@ -100,8 +100,11 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         break the guarantee (e.g. ``max_prepared_transactions = 0``).
         """
 
-    def plan_batch(self, query_name: str, batch_id: int) -> dict[str, Any]:
+    def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         """Return the INTENT payload for a batch (driver): what transactions it may open.
+
+        ``num_partitions`` is the number of Spark partitions (tasks) the batch runs
+        with; partition ids are ``0 .. num_partitions-1``.
 
         Logged before any executor runs, and handed back to executors in
         :attr:`TransactionContext.intent` and to :meth:`abort_lingering`, so that
