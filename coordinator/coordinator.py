@@ -223,6 +223,10 @@ class Coordinator:
         t0 = time.perf_counter()
         if state is not None:  # an INTENT from a crashed attempt: reuse it, so recovery fences exactly it
             intent = state.body.get("intent", {})
+            planned = state.body.get("num_partitions")
+            if planned and df.rdd.getNumPartitions() > planned:
+                # The INTENT names the transactions of partitions 0..planned-1 only; stay inside it.
+                df = df.coalesce(planned)
             prog.aborted_lingering = self.sink.abort_lingering(self.name, batch_id, intent, [])
             if prog.aborted_lingering:
                 log.info("%s: batch %d: aborted %d transactions left by a crashed attempt",
