@@ -1,0 +1,934 @@
+"""Exactly-once PostgreSQL sink: COPY each partition's rows into a prepared transaction, commit it on the driver.
+
+Executors stream Arrow batches into the target table with ``COPY ... FROM STDIN``
+(CSV encoded by Arrow's C++ writer), insert a marker row naming the transaction,
+and ``PREPARE TRANSACTION`` under a deterministic gid.  The driver runs ``COMMIT
+PREPARED`` after the coordinator logged its decision.
+
+Delivery guarantee: with the coordinator, every row of a batch becomes visible
+exactly once (insert mode), or the table ends as if each batch were upserted
+once (upsert mode), after any number of driver, executor or server crashes.
+
+How it recovers: a prepared transaction survives the death of the executor, of
+the driver and a restart of PostgreSQL; its handle (gid and database) is in the
+log and ``COMMIT PREPARED`` can be run from any process.  A second ``COMMIT
+PREPARED`` fails with 42704 ("does not exist"); the marker row, written inside
+the transaction, then tells "already committed" (present) from "lost" (absent).
+Prepared transactions of attempts that never reached the decision are found in
+``pg_prepared_xacts`` by the batch's gid prefix and rolled back, promptly,
+because they hold their locks until then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+from twophase._deps import require
+from twophase.config import is_secret_ref, resolve_secret
+from twophase.context import TransactionContext
+from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
+from twophase.sink import CommitResult, TwoPhaseCommitSink
+
+log = logging.getLogger("twophase.sinks.postgres")
+
+MODES = ("insert", "upsert")
+MAX_GID_BYTES = 199  # PostgreSQL: "transaction identifier ... is too long" at 200 bytes
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+# Keys of a libpq connection string that hold secrets: never stored in the config, handles or messages.
+_SECRET_DSN_KEYS = ("password", "sslpassword")
+# What a leaked connection string would look like inside a server or driver message.
+_DSN_SECRET_RE = re.compile(r"((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_URI_SECRET_RE = re.compile(r"(postgres(?:ql)?://[^:/@\s]*:)[^@\s]*@", re.IGNORECASE)
+
+# SQLSTATEs: connection trouble and server going away are transient for the driver's commit.
+_UNDEFINED_OBJECT = "42704"
+_OBJECT_IN_USE = "55000"
+_TRANSIENT_CLASSES = ("08", "53", "57", "58")
+
+
+class PostgresWriteError(TwoPhaseError):
+    """A batch could not be written (bad row, type mismatch, missing column); raised on the executor.
+
+    The transaction was rolled back: nothing of the batch became visible and no
+    prepared transaction is left.  ``column``, ``constraint`` and ``sqlstate`` say
+    what PostgreSQL (or the sink's own check) refused.
+    """
+
+    def __init__(self, message: str, *, column: str | None = None, constraint: str | None = None,
+                 sqlstate: str | None = None):
+        super().__init__(message)
+        self.column = column
+        self.constraint = constraint
+        self.sqlstate = sqlstate
+
+
+def scrub(text: str) -> str:
+    """Remove passwords from anything that could echo a connection string."""
+    text = _DSN_SECRET_RE.sub(r"\1***", text)
+    return _URI_SECRET_RE.sub(r"\1***@", text)
+
+
+def _safe(s: str) -> str:
+    return _SAFE.sub("_", s)
+
+
+def _pg() -> Any:
+    """psycopg2 with its ``sql``, ``extensions`` and ``errors`` submodules loaded."""
+    pg = require("psycopg2", "PostgresSink")
+    import psycopg2.errors  # noqa: F401
+    import psycopg2.extensions  # noqa: F401
+    import psycopg2.sql  # noqa: F401
+
+    return pg
+
+
+# ------------------------------------------------------------------------ catalog
+@dataclass(frozen=True)
+class _Column:
+    name: str
+    typname: str  # pg_type.typname, e.g. int8, text, _int4 (arrays start with "_")
+    category: str  # pg_type.typcategory: N numeric, S string, B bool, D date/time, A array, U user, ...
+    sqltype: str  # format_type(): "bigint", "numeric(10,2)", "timestamp with time zone"
+    not_null: bool
+    has_default: bool
+    generated: bool
+
+
+_COLUMNS_SQL = """
+SELECT a.attname, t.typname, t.typcategory, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+       a.atthasdef OR a.attidentity <> '', a.attgenerated <> ''
+FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
+WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum
+"""
+
+
+def _fetch_columns(cur: Any, oid: int) -> dict[str, _Column]:
+    cur.execute(_COLUMNS_SQL, (oid,))
+    return {r[0]: _Column(*r) for r in cur.fetchall()}
+
+
+def _arrow_fits(at: pa.DataType, col: _Column) -> bool:
+    """Whether Arrow type ``at`` can be written to ``col`` through COPY text (coarse, before any I/O).
+
+    Strings go anywhere (the server parses them and names the column if it cannot);
+    other types must land in a column of a matching family.
+    """
+    t = pa.types
+    if t.is_dictionary(at):
+        at = at.value_type
+    if t.is_null(at) or t.is_string(at) or t.is_large_string(at):
+        return True
+    if col.category == "S" and not (t.is_binary(at) or t.is_large_binary(at) or t.is_fixed_size_binary(at)):
+        return True  # text, varchar, char: every scalar and nested value renders as text
+    if t.is_integer(at) or t.is_floating(at) or t.is_decimal(at):
+        return col.category == "N"
+    if t.is_boolean(at):
+        return col.category == "B"
+    if t.is_date(at):
+        return col.typname in ("date", "timestamp", "timestamptz")
+    if t.is_timestamp(at):
+        return col.typname in ("timestamp", "timestamptz", "date")
+    if t.is_time(at):
+        return col.typname in ("time", "timetz")
+    if t.is_duration(at):
+        return col.typname == "interval"
+    if t.is_binary(at) or t.is_large_binary(at) or t.is_fixed_size_binary(at):
+        return col.typname == "bytea"
+    if t.is_list(at) or t.is_large_list(at) or t.is_fixed_size_list(at):
+        return col.category == "A" or col.typname in ("json", "jsonb")
+    if t.is_struct(at) or t.is_map(at):
+        return col.typname in ("json", "jsonb")
+    return False
+
+
+def _pg_array_literal(value: Any) -> str:
+    """A Python list as a PostgreSQL array literal: {1,2,NULL,"a \\"b\\""}."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, list):
+        return "{" + ",".join(_pg_array_literal(v) for v in value) + "}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (bytes, bytearray)):
+        value = "\\x" + bytes(value).hex()
+    s = str(value)
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, list):
+        # Arrow maps come back as lists of (key, value) tuples.
+        if value and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+            return {str(k): _jsonable(v) for k, v in value}
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    return value
+
+
+def _to_text_friendly(arr: pa.Array, col: _Column) -> pa.Array:
+    """Convert one Arrow column to something Arrow's CSV writer renders the way COPY reads it."""
+    t = pa.types
+    if t.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    at = arr.type
+    if t.is_null(at):
+        return pa.array([None] * len(arr), pa.string())
+    if t.is_binary(at) or t.is_large_binary(at) or t.is_fixed_size_binary(at):
+        return pa.array([None if v is None else "\\x" + v.hex() for v in arr.to_pylist()], pa.string())
+    if t.is_duration(at):
+        unit = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "microseconds"}[at.unit]
+        vals = arr.cast(pa.int64()).to_pylist()
+        if at.unit == "ns":
+            vals = [None if v is None else v // 1000 for v in vals]
+        return pa.array([None if v is None else f"{v} {unit}" for v in vals], pa.string())
+    if t.is_list(at) or t.is_large_list(at) or t.is_fixed_size_list(at) or t.is_struct(at) or t.is_map(at):
+        if col.category == "A":
+            return pa.array([None if v is None else _pg_array_literal(v) for v in arr.to_pylist()], pa.string())
+        return pa.array([None if v is None else json.dumps(_jsonable(v), default=str, ensure_ascii=False)
+                         for v in arr.to_pylist()], pa.string())
+    if t.is_boolean(at) or t.is_integer(at) or t.is_floating(at) or t.is_decimal(at) or t.is_string(at) \
+            or t.is_large_string(at) or t.is_date(at) or t.is_timestamp(at) or t.is_time(at):
+        return arr
+    return pa.array([None if v is None else str(v) for v in arr.to_pylist()], pa.string())
+
+
+def encode_csv(batch: pa.RecordBatch, columns: list[_Column] | None = None) -> bytes:
+    """Encode a RecordBatch as COPY-compatible CSV (no header; NULL = empty unquoted field).
+
+    Arrow quotes every string (so an empty string is ``""`` and a lone ``\\.`` is
+    not COPY's end-of-data marker) and writes timestamps as ISO text, tz-aware
+    ones in UTC with ``Z``.  ``columns`` (the target columns, same order) drive
+    conversions for bytea, intervals, arrays and JSON; without them nested values
+    become JSON text.
+    """
+    import pyarrow.csv as pacsv
+
+    arrays, names = [], []
+    for i, name in enumerate(batch.schema.names):
+        col = columns[i] if columns else _Column(name, "text", "S", "text", False, False, False)
+        arrays.append(_to_text_friendly(batch.column(i), col))
+        names.append(f"c{i}")  # header is not written; unique names keep Arrow happy
+    buf = io.BytesIO()
+    pacsv.write_csv(pa.RecordBatch.from_arrays(arrays, names=names), buf,
+                    pacsv.WriteOptions(include_header=False))
+    return buf.getvalue()
+
+
+# -------------------------------------------------------------------- transaction
+@dataclass
+class PostgresTransaction:
+    """One partition's open PostgreSQL transaction of one batch (executor side)."""
+
+    ctx: TransactionContext
+    gid: str
+    conn: Any
+    database: str
+    table_oid: int
+    columns: dict[str, _Column]
+    stage: str | None = None  # upsert: the per-transaction staging table
+    copy_columns: list[str] | None = None  # the batch's columns, fixed by the first write
+    rows: int = 0
+    bytes: int = 0
+    prepared: bool = False
+    closed: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
+    """Write each batch into a PostgreSQL table exactly once, by prepared transactions.
+
+    ``dsn``: a libpq connection string or URI (``host=... port=... dbname=... user=...``);
+    ``None`` uses libpq's environment (``PGHOST``, ``PGPASSWORD``, ``~/.pgpass`` ...).  A
+    password in the DSN is taken out at once and kept only in memory; ``password``
+    may instead be a secret reference ``{"env": "VAR"}`` / ``{"file": "/path"}``,
+    resolved where a connection is made (driver and executors).
+
+    ``table`` (and optional ``schema``) name the target table literally: they are
+    identifiers, quoted, never parsed (``"my.table"`` is one name with a dot).
+
+    ``mode="insert"`` appends rows with COPY.  ``mode="upsert"`` COPYs into a
+    staging table created inside the transaction, then ``INSERT ... ON CONFLICT
+    (key_columns) DO UPDATE``; the table needs a UNIQUE constraint or index on
+    exactly ``key_columns``.  Within one transaction the last row of a key wins.
+
+    ``marker_table`` (in ``marker_schema``, default: the role's current schema)
+    holds one row per committed transaction, the proof that a gid was committed;
+    rows of batches older than ``marker_retention_batches`` are deleted.
+    ``lock_timeout`` bounds how long an executor waits for a row lock (e.g. held by
+    a leftover prepared transaction) before failing the batch.
+    """
+
+    kind = "postgres"
+
+    def __init__(self, dsn: str | None = None, table: str | None = None, *, schema: str | None = None,
+                 mode: str = "insert", key_columns: list[str] | tuple[str, ...] | None = None,
+                 password: str | dict[str, str] | None = None, marker_table: str = "twophase_commits",
+                 marker_schema: str | None = None, gid_prefix: str = "tp",
+                 lock_timeout: str | None = "60s", connect_timeout: int = 10,
+                 marker_retention_batches: int = 100, application_name: str = "twophase"):
+        pg = _pg()
+        if not table or not isinstance(table, str):
+            raise ConfigurationError("PostgresSink needs table=... (the target table's name)")
+        if mode not in MODES:
+            raise ConfigurationError(f"PostgresSink mode must be one of {', '.join(MODES)}, got {mode!r}")
+        keys = list(key_columns or [])
+        if mode == "upsert" and not keys:
+            raise ConfigurationError("PostgresSink(mode='upsert') needs key_columns=[...] (the columns of "
+                                     "a UNIQUE constraint or index of the table)")
+        if mode == "insert" and keys:
+            raise ConfigurationError("key_columns only apply to mode='upsert'; remove them or set "
+                                     "mode='upsert'")
+        if len(set(keys)) != len(keys):
+            raise ConfigurationError(f"key_columns has duplicates: {keys}")
+        if not gid_prefix or _safe(gid_prefix) != gid_prefix or ":" in gid_prefix:
+            raise ConfigurationError(f"gid_prefix {gid_prefix!r} must be letters, digits, '_', '-' or '.'")
+        if marker_retention_batches < 1:
+            raise ConfigurationError("marker_retention_batches must be >= 1")
+        params: dict[str, str] = {}
+        if dsn:
+            try:
+                params = dict(pg.extensions.parse_dsn(dsn))
+            except pg.ProgrammingError as e:
+                raise ConfigurationError(f"PostgresSink dsn is not a valid connection string: "
+                                         f"{scrub(str(e)).strip()}") from None
+        inline = {k: params.pop(k) for k in _SECRET_DSN_KEYS if k in params}
+        if password is not None and "password" in inline:
+            raise ConfigurationError("give the password either in the dsn or as password=..., not both")
+        if password is not None and not is_secret_ref(password) and not isinstance(password, str):
+            raise ConfigurationError('password must be a string or a secret reference {"env": "VAR"}')
+        self.params = params  # connection parameters, never a secret
+        self.table = table
+        self.schema = schema
+        self.mode = mode
+        self.key_columns = keys
+        self.marker_table = marker_table
+        self.marker_schema = marker_schema
+        self.gid_prefix = gid_prefix
+        self.lock_timeout = lock_timeout
+        self.connect_timeout = int(connect_timeout)
+        self.marker_retention_batches = int(marker_retention_batches)
+        self.application_name = application_name
+        # A secret reference is configuration; an inline password is only kept in memory.
+        self._password_ref = password if is_secret_ref(password) else None
+        self._password_inline = password if isinstance(password, str) else inline.get("password")
+        self._sslpassword = inline.get("sslpassword")
+        self._max_prepared: int | None = None
+        self._pool: list[Any] = []
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- plumbing
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = []
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PostgresSink({self.where}, table={self.target_name}, mode={self.mode!r})"
+
+    @property
+    def dsn(self) -> str:
+        """The connection string without any secret."""
+        return _pg().extensions.make_dsn(**self.params) if self.params else ""
+
+    @property
+    def where(self) -> str:
+        """``user@host:port/dbname`` for messages (no password)."""
+        p = self.params
+        return f"{p.get('user', '')}{'@' if p.get('user') else ''}{p.get('host', '(libpq default)')}" \
+               f":{p.get('port', '5432')}/{p.get('dbname', '(default)')}"
+
+    @property
+    def target_name(self) -> str:
+        return f"{self.schema}.{self.table}" if self.schema else self.table
+
+    def _ident(self, schema: str | None, name: str) -> Any:
+        sql = _pg().sql
+        return sql.Identifier(schema, name) if schema else sql.Identifier(name)
+
+    @property
+    def _target(self) -> Any:
+        return self._ident(self.schema, self.table)
+
+    @property
+    def _marker(self) -> Any:
+        return self._ident(self.marker_schema, self.marker_table)
+
+    def _connect(self, autocommit: bool) -> Any:
+        """A new connection (driver or executor); errors name the server, never the password."""
+        pg = _pg()
+        kw: dict[str, Any] = {"connect_timeout": self.connect_timeout}
+        if "application_name" not in self.params:
+            kw["application_name"] = self.application_name
+        pw = resolve_secret(self._password_ref, "PostgresSink password") if self._password_ref \
+            else self._password_inline
+        if pw is not None:
+            kw["password"] = pw
+        if self._sslpassword is not None:
+            kw["sslpassword"] = self._sslpassword
+        try:
+            conn = pg.connect(self.dsn, **kw)
+        except pg.Error as e:
+            raise _ConnectError(f"cannot connect to PostgreSQL at {self.where}: "
+                                f"{scrub(str(e)).strip()}") from None
+        conn.autocommit = autocommit
+        return conn
+
+    @contextmanager
+    def _driver_cursor(self) -> Iterator[Any]:
+        """An autocommit cursor on a pooled driver connection (driver; thread-safe).
+
+        A connection that failed is closed, never returned to the pool.
+        """
+        pg = _pg()
+        with self._lock:
+            conn = self._pool.pop() if self._pool else None
+        if conn is not None and conn.closed:
+            conn = None
+        if conn is None:
+            conn = self._connect(autocommit=True)
+        ok = False
+        try:
+            with conn.cursor() as cur:
+                yield cur
+            ok = True
+        except pg.Error as e:
+            # A server error leaves an autocommit connection usable; a broken one is dropped.
+            ok = conn.closed == 0 and not isinstance(e, (pg.OperationalError, pg.InterfaceError))
+            raise
+        finally:
+            if ok:
+                with self._lock:
+                    if len(self._pool) < 8:
+                        self._pool.append(conn)
+                        conn = None
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        """Close the driver's pooled connections."""
+        with self._lock:
+            pool, self._pool = self._pool, []
+        for c in pool:
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ config
+    def to_config(self) -> dict[str, Any]:
+        """Everything needed to rebuild this sink, without secrets.
+
+        A password given as a reference is kept as the reference; one given inline
+        (in the dsn or as a string) is left out: the rebuilt sink then authenticates
+        through libpq's environment (``PGPASSWORD``, ``PGPASSFILE`` / ``~/.pgpass``),
+        or pass ``password={"env": "VAR"}``.
+        """
+        cfg: dict[str, Any] = {"sink": self.kind, "dsn": self.dsn, "table": self.table,
+                               "schema": self.schema, "mode": self.mode, "key_columns": list(self.key_columns),
+                               "marker_table": self.marker_table, "marker_schema": self.marker_schema,
+                               "gid_prefix": self.gid_prefix, "lock_timeout": self.lock_timeout,
+                               "connect_timeout": self.connect_timeout,
+                               "marker_retention_batches": self.marker_retention_batches,
+                               "application_name": self.application_name}
+        if self._password_ref is not None:
+            cfg["password"] = dict(self._password_ref)
+        return cfg
+
+    # ---------------------------------------------------------------- driver
+    def open(self) -> None:
+        """Check the server and the table before the first batch (driver).
+
+        Refuses ``max_prepared_transactions = 0``, a missing table, a role that
+        cannot write it, and (upsert) key columns without a UNIQUE index.  Creates
+        the marker table if it is missing.
+        """
+        pg = _pg()
+        sql = pg.sql
+        try:
+            with self._driver_cursor() as cur:
+                cur.execute("SELECT current_setting('max_prepared_transactions')::int, current_database(), "
+                            "current_user, current_schema()")
+                max_prepared, database, user, current_schema = cur.fetchone()
+                if max_prepared == 0:
+                    raise ConfigurationError(
+                        f"PostgreSQL at {self.where} has max_prepared_transactions = 0, so it cannot "
+                        "PREPARE TRANSACTION. Set max_prepared_transactions in postgresql.conf (or "
+                        "ALTER SYSTEM SET max_prepared_transactions = 64) to at least the number of "
+                        "Spark partitions per batch times the batches that may be pending (e.g. 2 x "
+                        "partitions), and restart PostgreSQL.")
+                self._max_prepared = max_prepared
+                oid = self._table_oid(cur)
+                if oid is None:
+                    raise ConfigurationError(
+                        f"table {self._quoted(cur, self._target)} does not exist in database {database!r} "
+                        f"(as user {user!r}, current schema {current_schema!r}); create it first")
+                cur.execute("SELECT relkind FROM pg_class WHERE oid = %s", (oid,))
+                if cur.fetchone()[0] not in ("r", "p"):
+                    raise ConfigurationError(f"{self._quoted(cur, self._target)} is not a table "
+                                             "(a view or foreign table cannot take COPY)")
+                needed = ["INSERT"] + (["SELECT", "UPDATE"] if self.mode == "upsert" else [])
+                for priv in needed:
+                    cur.execute("SELECT has_table_privilege(%s, %s)", (oid, priv))
+                    if not cur.fetchone()[0]:
+                        raise ConfigurationError(
+                            f"role {user!r} lacks {priv} on {self._quoted(cur, self._target)}; "
+                            f"GRANT {', '.join(needed)} ON {self._quoted(cur, self._target)} TO "
+                            f"{sql.Identifier(user).as_string(cur)}")
+                columns = _fetch_columns(cur, oid)
+                if self.mode == "upsert":
+                    self._check_keys(cur, oid, columns)
+                self._ensure_marker(cur, user)
+        except _ConnectError as e:
+            raise ConfigurationError(str(e)) from None
+        except pg.Error as e:
+            raise ConfigurationError(f"PostgresSink could not check {self.target_name} at {self.where}: "
+                                     f"{_describe_pg_error(e)}") from None
+
+    def _quoted(self, cur: Any, ident: Any) -> str:
+        return ident.as_string(cur)
+
+    def _table_oid(self, cur: Any) -> int | None:
+        cur.execute("SELECT to_regclass(%s)::oid", (self._quoted(cur, self._target),))
+        return cur.fetchone()[0]
+
+    def _check_keys(self, cur: Any, oid: int, columns: dict[str, _Column]) -> None:
+        target = self._quoted(cur, self._target)
+        missing = [k for k in self.key_columns if k not in columns]
+        if missing:
+            raise ConfigurationError(f"key_columns {missing} are not columns of {target} "
+                                     f"(columns: {', '.join(columns)})")
+        cur.execute("""
+            SELECT array_agg(a.attname::text ORDER BY a.attname)
+            FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+            WHERE i.indrelid = %s AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+            GROUP BY i.indexrelid""", (oid,))
+        wanted = sorted(self.key_columns)
+        if not any(sorted(r[0]) == wanted for r in cur.fetchall()):
+            cols = ", ".join(_pg().sql.Identifier(k).as_string(cur) for k in self.key_columns)
+            raise ConfigurationError(
+                f"upsert on {target} needs a UNIQUE constraint or index on exactly ({cols}) for "
+                f"ON CONFLICT; create one: ALTER TABLE {target} ADD UNIQUE ({cols})")
+
+    def _ensure_marker(self, cur: Any, user: str) -> None:
+        pg = _pg()
+        sql = pg.sql
+        marker = self._quoted(cur, self._marker)
+        cur.execute("SELECT to_regclass(%s)::oid", (marker,))
+        if cur.fetchone()[0] is None:
+            ddl = sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {m} (gid text PRIMARY KEY, query_name text NOT NULL, "
+                "batch_id bigint NOT NULL, partition_id integer NOT NULL, attempt integer NOT NULL, "
+                "target_table text NOT NULL, row_count bigint NOT NULL, "
+                "prepared_at timestamptz NOT NULL DEFAULT now())").format(m=self._marker)
+            idx = sql.SQL("CREATE INDEX IF NOT EXISTS {i} ON {m} (query_name, batch_id)").format(
+                i=sql.Identifier((self.marker_table + "_query_batch")[:63]), m=self._marker)
+            try:
+                cur.execute(ddl)
+                cur.execute(idx)
+            except pg.errors.InsufficientPrivilege:
+                raise ConfigurationError(
+                    f"the marker table {marker} does not exist and role {user!r} may not create it; "
+                    f"have an administrator run: {ddl.as_string(cur)}; {idx.as_string(cur)}; "
+                    f"GRANT SELECT, INSERT, DELETE ON {marker} TO {sql.Identifier(user).as_string(cur)}"
+                ) from None
+            except pg.errors.UniqueViolation:
+                pass  # created concurrently by another driver
+        for priv in ("SELECT", "INSERT", "DELETE"):
+            cur.execute("SELECT has_table_privilege(to_regclass(%s), %s)", (marker, priv))
+            if not cur.fetchone()[0]:
+                raise ConfigurationError(f"role {user!r} lacks {priv} on the marker table {marker}; "
+                                         f"GRANT SELECT, INSERT, DELETE ON {marker} TO "
+                                         f"{sql.Identifier(user).as_string(cur)}")
+
+    def batch_prefix(self, query_name: str, batch_id: int) -> str:
+        """``{gid_prefix}:{query}:{batch}:`` — every gid of any attempt of this batch starts so."""
+        return f"{self.gid_prefix}:{_safe(query_name)}:{int(batch_id)}:"
+
+    def make_gid(self, intent_prefix: str, partition_id: int, attempt: int) -> str:
+        """The gid of one task attempt; deterministic given the batch's INTENT.  < 200 bytes or refused."""
+        gid = f"{intent_prefix}{int(partition_id)}:{int(attempt)}"
+        n = len(gid.encode())
+        if n > MAX_GID_BYTES:
+            raise ConfigurationError(
+                f"prepared-transaction gid {gid!r} is {n} bytes; PostgreSQL allows at most "
+                f"{MAX_GID_BYTES}. Shorten the coordinator's name=... or the sink's gid_prefix=...")
+        return gid
+
+    def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        """INTENT: the gid prefix of this batch (driver).
+
+        The prefix carries a random token, drawn once per INTENT: a replay of the
+        batch reuses the INTENT (same gids), while a new log generation, whose batch
+        ids restart at 0, can never reuse the gid (and marker row) of an old batch.
+        """
+        prefix = f"{self.batch_prefix(query_name, batch_id)}{uuid.uuid4().hex[:8]}:"
+        # Longest gid this batch may use (attempt numbers up to 9999).
+        self.make_gid(prefix, max(num_partitions - 1, 0), 9999)
+        if self._max_prepared is not None and num_partitions > self._max_prepared:
+            raise ConfigurationError(
+                f"batch {batch_id} runs {num_partitions} partitions, each a prepared transaction, but "
+                f"max_prepared_transactions = {self._max_prepared} at {self.where}. Raise it to at "
+                f"least {2 * num_partitions} (restart PostgreSQL) or coalesce the DataFrame.")
+        return {"gid_prefix": prefix, "table": self.target_name, "database": self.params.get("dbname")}
+
+    def _intent_prefix(self, query_name: str, batch_id: int, intent: dict[str, Any]) -> str:
+        prefix = intent.get("gid_prefix") if intent else None
+        if prefix is None:
+            return self.batch_prefix(query_name, batch_id)  # every attempt of the batch
+        if not isinstance(prefix, str) or not prefix.startswith(self.batch_prefix(query_name, batch_id)):
+            raise HandleError(f"INTENT of batch {batch_id} has gid_prefix {prefix!r}, which does not belong "
+                              f"to query {query_name!r} batch {batch_id}")
+        return prefix
+
+    def prepared(self, prefix: str = "") -> list[dict[str, Any]]:
+        """Prepared transactions of this database whose gid starts with ``prefix`` (driver)."""
+        with self._driver_cursor() as cur:
+            cur.execute("SELECT gid, prepared, owner FROM pg_prepared_xacts "
+                        "WHERE database = current_database() AND left(gid, length(%s)) = %s ORDER BY gid",
+                        (prefix, prefix))
+            return [{"gid": g, "prepared_at": p.isoformat(), "owner": o} for g, p, o in cur.fetchall()]
+
+    def commit(self, handle: dict) -> CommitResult:
+        """``COMMIT PREPARED`` the handle's gid (driver; idempotent).
+
+        42704 ("does not exist") is resolved by the marker row: present = committed
+        before (already committed), absent = rolled back (lost).  Connection errors,
+        a server restarting and a gid busy in another session are retried later.
+        """
+        pg = _pg()
+        gid = handle["gid"]
+        try:
+            try:
+                with self._driver_cursor() as cur:
+                    self._check_database(cur, handle)
+                    cur.execute("COMMIT PREPARED %s", (gid,))
+            except (pg.OperationalError, pg.InterfaceError) as e:
+                if e.pgcode:
+                    raise
+                # A pooled connection that died (e.g. the server restarted): once more on a fresh one.
+                self.close()
+                with self._driver_cursor() as cur:
+                    self._check_database(cur, handle)
+                    cur.execute("COMMIT PREPARED %s", (gid,))
+            return CommitResult.committed()
+        except _ConnectError as e:
+            return CommitResult.retry_later(str(e))
+        except pg.Error as e:
+            code = e.pgcode or ""
+            if code == _UNDEFINED_OBJECT:
+                return self._resolve_missing(handle)
+            if code == _OBJECT_IN_USE or not code or code[:2] in _TRANSIENT_CLASSES \
+                    or isinstance(e, (pg.OperationalError, pg.InterfaceError)):
+                return CommitResult.retry_later(_describe_pg_error(e))
+            raise TwoPhaseError(f"COMMIT PREPARED of {self.describe_handle(handle)} failed: "
+                                f"{_describe_pg_error(e)}") from None
+
+    def _check_database(self, cur: Any, handle: dict) -> None:
+        cur.execute("SELECT current_database()")
+        db = cur.fetchone()[0]
+        if handle.get("database") and handle["database"] != db:
+            raise ConfigurationError(
+                f"{self.describe_handle(handle)} was prepared in database {handle['database']!r} but this "
+                f"sink connects to {db!r}; point the sink's dsn at the database of the log's handles")
+
+    def _resolve_missing(self, handle: dict) -> CommitResult:
+        pg = _pg()
+        gid = handle["gid"]
+        try:
+            with self._driver_cursor() as cur:
+                cur.execute(pg.sql.SQL("SELECT 1 FROM {} WHERE gid = %s").format(self._marker), (gid,))
+                found = cur.fetchone() is not None
+        except _ConnectError as e:
+            return CommitResult.retry_later(str(e))
+        except pg.errors.UndefinedTable:
+            return CommitResult.lost(f"prepared transaction {gid} does not exist and the marker table "
+                                     f"{self.marker_table!r} is missing, so it cannot be proven committed")
+        except pg.Error as e:
+            return CommitResult.retry_later(_describe_pg_error(e))
+        if found:
+            return CommitResult.already_committed(f"marker row of {gid} present")
+        return CommitResult.lost(
+            f"prepared transaction {gid} does not exist and its marker row is absent: it was rolled back "
+            "(ROLLBACK PREPARED by someone else, or the database was restored from an older backup)")
+
+    def recover_and_abort(self, handle: dict) -> None:
+        """``ROLLBACK PREPARED`` the handle's gid if it still exists (driver)."""
+        self._rollback_prepared([handle["gid"]])
+
+    def _rollback_prepared(self, gids: list[str]) -> int:
+        pg = _pg()
+        n = 0
+        for gid in gids:
+            try:
+                with self._driver_cursor() as cur:
+                    cur.execute("ROLLBACK PREPARED %s", (gid,))
+                n += 1
+            except pg.Error as e:
+                if e.pgcode != _UNDEFINED_OBJECT:  # gone already: someone else finished it
+                    raise TwoPhaseError(f"ROLLBACK PREPARED {gid} at {self.where} failed: "
+                                        f"{_describe_pg_error(e)}") from None
+        return n
+
+    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
+                        keep: list[dict]) -> int:
+        """Roll back this batch's prepared transactions (gid prefix from the INTENT) except ``keep`` (driver).
+
+        Only this database's ``pg_prepared_xacts`` are looked at.  Also deletes marker
+        rows of this query older than ``marker_retention_batches`` batches (by then
+        the log has them COMMITTED, so no commit can need them).
+        """
+        prefix = self._intent_prefix(query_name, batch_id, intent)
+        keep_gids = {h["gid"] for h in keep}
+        try:
+            gids = [p["gid"] for p in self.prepared(prefix) if p["gid"] not in keep_gids]
+            n = self._rollback_prepared(gids)
+            if n:
+                log.info("batch %d: rolled back %d prepared transactions under %s", batch_id, n, prefix)
+            self._prune_markers(query_name, batch_id)
+        except _ConnectError as e:
+            raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover prepared transactions: {e}") \
+                from None
+        return n
+
+    def _prune_markers(self, query_name: str, batch_id: int) -> int:
+        pg = _pg()
+        below = batch_id - self.marker_retention_batches
+        if below <= 0:
+            return 0
+        try:
+            with self._driver_cursor() as cur:
+                cur.execute(pg.sql.SQL("DELETE FROM {} WHERE query_name = %s AND batch_id < %s").format(
+                    self._marker), (query_name, below))
+                return cur.rowcount
+        except pg.errors.UndefinedTable:
+            return 0
+
+    def describe_handle(self, handle: dict) -> str:
+        return (f"prepared transaction {handle.get('gid')!r} in database {handle.get('database')!r} "
+                f"({handle.get('rows')} rows for {handle.get('table')})")
+
+    # -------------------------------------------------------------- executor
+    def begin_transaction(self, ctx: TransactionContext) -> PostgresTransaction:
+        """Connect and begin the partition's transaction under its gid (executor)."""
+        pg = _pg()
+        prefix = self._intent_prefix(ctx.query_name, ctx.batch_id, ctx.intent)
+        gid = self.make_gid(prefix, ctx.partition_id, ctx.attempt)
+        try:
+            conn = self._connect(autocommit=False)
+        except _ConnectError as e:
+            raise TwoPhaseError(f"{ctx.label}: {e}") from None
+        try:
+            conn.tpc_begin(gid)
+            with conn.cursor() as cur:
+                if self.lock_timeout:
+                    cur.execute("SELECT set_config('lock_timeout', %s, true)", (self.lock_timeout,))
+                cur.execute("SELECT to_regclass(%s)::oid, current_database()", (self._quoted(cur, self._target),))
+                oid, database = cur.fetchone()
+                if oid is None:
+                    raise PostgresWriteError(f"{ctx.label}: table {self._quoted(cur, self._target)} does not "
+                                             f"exist in database {database!r}")
+                columns = _fetch_columns(cur, oid)
+        except BaseException as e:
+            _close_quietly(conn)
+            if isinstance(e, pg.Error):
+                raise PostgresWriteError(f"{ctx.label} (gid {gid}): cannot begin: {_describe_pg_error(e)}",
+                                         sqlstate=e.pgcode) from None
+            raise
+        return PostgresTransaction(ctx, gid, conn, database, oid, columns)
+
+    def _map_columns(self, txn: PostgresTransaction, schema: pa.Schema) -> list[_Column]:
+        """Match the batch's columns to the table's, by exact name; errors name the column."""
+        label = f"{txn.ctx.label} (table {self.target_name})"
+        cols = txn.columns
+        mapped: list[_Column] = []
+        for f in schema:
+            col = cols.get(f.name)
+            if col is None:
+                close = [c for c in cols if c.lower() == f.name.lower()]
+                hint = f" (did you mean {close[0]!r}? names are case-sensitive)" if close else ""
+                raise PostgresWriteError(f"{label}: the DataFrame column {f.name!r} is not a column of "
+                                         f"the table{hint}; table columns: {', '.join(cols)}", column=f.name)
+            if col.generated:
+                raise PostgresWriteError(f"{label}: column {f.name!r} is a generated column and cannot be "
+                                         "written; drop it from the DataFrame", column=f.name)
+            if not _arrow_fits(f.type, col):
+                raise PostgresWriteError(
+                    f"{label}: column {f.name!r} is {col.sqltype} in the table but {f.type} in the "
+                    f"DataFrame; cast it in Spark first (e.g. F.col({f.name!r}).cast(...))", column=f.name)
+            mapped.append(col)
+        present = set(schema.names)
+        for c in cols.values():
+            if c.name not in present and c.not_null and not c.has_default and not c.generated:
+                raise PostgresWriteError(f"{label}: the table's column {c.name!r} is NOT NULL without a "
+                                         "default but the DataFrame has no such column", column=c.name)
+        if self.mode == "upsert":
+            missing = [k for k in self.key_columns if k not in present]
+            if missing:
+                raise PostgresWriteError(f"{label}: upsert key columns {missing} are missing from the "
+                                         "DataFrame", column=missing[0])
+        return mapped
+
+    def _stage_name(self, gid: str) -> str:
+        return "twophase_stage_" + hashlib.sha1(gid.encode()).hexdigest()[:20]
+
+    def write(self, txn: PostgresTransaction, batch: pa.RecordBatch) -> None:
+        """COPY one Arrow batch into the transaction (executor).  Errors name the column or constraint."""
+        pg = _pg()
+        sql = pg.sql
+        if batch.num_rows == 0:
+            return
+        if txn.copy_columns is None:
+            mapped = self._map_columns(txn, batch.schema)
+            txn.copy_columns = list(batch.schema.names)
+            txn.extra["mapped"] = mapped
+        elif list(batch.schema.names) != txn.copy_columns:
+            raise PostgresWriteError(f"{txn.ctx.label}: Arrow batches of one partition changed columns "
+                                     f"({txn.copy_columns} then {batch.schema.names})")
+        col_list = sql.SQL(", ").join(sql.Identifier(c) for c in txn.copy_columns)
+        try:
+            with txn.conn.cursor() as cur:
+                if self.mode == "upsert" and txn.stage is None:
+                    txn.stage = self._stage_name(txn.gid)
+                    cur.execute(sql.SQL("CREATE UNLOGGED TABLE {s} AS SELECT {c} FROM {t} WITH NO DATA").format(
+                        s=self._ident(self.marker_schema, txn.stage), c=col_list, t=self._target))
+                into = self._ident(self.marker_schema, txn.stage) if txn.stage else self._target
+                data = encode_csv(batch, txn.extra["mapped"])
+                cur.copy_expert(sql.SQL("COPY {t} ({c}) FROM STDIN WITH (FORMAT csv)").format(
+                    t=into, c=col_list), io.BytesIO(data))
+        except pg.Error as e:
+            raise self._write_error(txn, "COPY", e) from None
+        txn.rows += batch.num_rows
+        txn.bytes += len(data)
+
+    def _write_error(self, txn: PostgresTransaction, action: str, e: Any) -> PostgresWriteError:
+        d = e.diag
+        column, constraint = d.column_name, d.constraint_name
+        if column is None and d.context:
+            m = re.search(r"column (\w+|\"[^\"]+\")", d.context)
+            column = m.group(1).strip('"') if m else None
+        msg = (f"{txn.ctx.label} (gid {txn.gid}): {action} into table {self.target_name} failed: "
+               f"{_describe_pg_error(e)}. The transaction is rolled back; nothing of this batch became "
+               "visible. Fix the rows (or the table) and restart the query: the batch is replayed.")
+        return PostgresWriteError(msg, column=column, constraint=constraint, sqlstate=e.pgcode)
+
+    def pre_commit(self, txn: PostgresTransaction) -> dict:
+        """Upsert from staging (upsert mode), insert the marker row, PREPARE TRANSACTION (executor).
+
+        After this returns, the transaction survives this process and a server
+        restart; the connection is closed.  The handle is the gid and database.
+        """
+        pg = _pg()
+        sql = pg.sql
+        ctx = txn.ctx
+        try:
+            with txn.conn.cursor() as cur:
+                if txn.stage is not None:
+                    action = "INSERT ... ON CONFLICT"
+                    cols = txn.copy_columns or []
+                    keys = sql.SQL(", ").join(sql.Identifier(k) for k in self.key_columns)
+                    others = [c for c in cols if c not in self.key_columns]
+                    on_conflict = sql.SQL("DO NOTHING") if not others else sql.SQL("DO UPDATE SET {}").format(
+                        sql.SQL(", ").join(sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
+                                           for c in others))
+                    col_list = sql.SQL(", ").join(sql.Identifier(c) for c in cols)
+                    stage = self._ident(self.marker_schema, txn.stage)
+                    # Last row of a key wins: the staging table is filled in order, so ctid order is row order.
+                    cur.execute(sql.SQL(
+                        "INSERT INTO {t} ({c}) SELECT DISTINCT ON ({k}) {c} FROM {s} ORDER BY {k}, ctid DESC "
+                        "ON CONFLICT ({k}) {oc}").format(t=self._target, c=col_list, k=keys, s=stage,
+                                                          oc=on_conflict))
+                    cur.execute(sql.SQL("DROP TABLE {}").format(stage))
+                action = "marker row"
+                cur.execute(sql.SQL(
+                    "INSERT INTO {m} (gid, query_name, batch_id, partition_id, attempt, target_table, "
+                    "row_count) VALUES (%s, %s, %s, %s, %s, %s, %s)").format(m=self._marker),
+                    (txn.gid, ctx.query_name, ctx.batch_id, ctx.partition_id, ctx.attempt, self.target_name,
+                     txn.rows))
+            action = "PREPARE TRANSACTION"  # deferred constraints are checked here
+            txn.conn.tpc_prepare()
+            txn.prepared = True
+        except pg.Error as e:
+            raise self._write_error(txn, action, e) from None
+        _close_quietly(txn.conn)
+        txn.closed = True
+        return {"gid": txn.gid, "database": txn.database, "table": self.target_name, "rows": txn.rows,
+                "batch": ctx.batch_id, "partition": ctx.partition_id}
+
+    def abort(self, txn: PostgresTransaction) -> None:
+        """Roll back the open (or already prepared) transaction (executor; best effort, idempotent)."""
+        pg = _pg()
+        if txn.prepared:
+            try:
+                if txn.closed:
+                    txn.conn = self._connect(autocommit=True)
+                    with txn.conn.cursor() as cur:
+                        cur.execute("ROLLBACK PREPARED %s", (txn.gid,))
+                else:
+                    txn.conn.tpc_rollback()
+            except (pg.Error, _ConnectError) as e:
+                log.warning("%s: rolling back prepared %s failed (%s); the next attempt of the batch "
+                            "rolls it back", txn.ctx.label, txn.gid, scrub(str(e)).strip())
+            finally:
+                _close_quietly(txn.conn)
+                txn.closed = True
+            return
+        if not txn.closed:
+            try:
+                txn.conn.tpc_rollback()
+            except pg.Error:
+                pass  # closing the connection rolls back too
+            _close_quietly(txn.conn)
+            txn.closed = True
+
+
+class _ConnectError(TwoPhaseError):
+    """Could not connect (internal: turned into retry_later, ConfigurationError or a task error)."""
+
+
+def _close_quietly(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:
+        pass
+
+
+def _describe_pg_error(e: Any) -> str:
+    """One line from a psycopg2 error: message, SQLSTATE, column, constraint, COPY context; no secrets."""
+    d = getattr(e, "diag", None)
+    primary = (d.message_primary if d is not None and d.message_primary else str(e)).strip()
+    parts = [primary]
+    if getattr(e, "pgcode", None):
+        parts[0] += f" [SQLSTATE {e.pgcode}]"
+    if d is not None:
+        if d.column_name:
+            parts.append(f"column {d.column_name!r}")
+        if d.constraint_name:
+            parts.append(f"constraint {d.constraint_name!r}")
+        if d.message_detail:
+            parts.append(d.message_detail.strip())
+        if d.context:
+            parts.append(d.context.strip().splitlines()[0][:300])
+    return scrub("; ".join(parts))
