@@ -11,6 +11,7 @@ Also :func:`spark_kafka_jars` — the jars Spark's Kafka source needs on top of 
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import re
 import subprocess
@@ -73,9 +74,26 @@ def _cluster_id() -> str:
             return s
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _fail_if_exited(svc: Service) -> None:
+    """Raise at once (instead of waiting out start_timeout) when the process we launched died."""
+    proc = getattr(svc, "_proc", None)
+    if proc is not None and proc.poll() is not None:
+        svc._proc = None
+        tail = "\n".join(svc.log_path.read_text(errors="replace").splitlines()[-30:]) if svc.log_path.exists() else ""
+        raise ServiceError(f"{svc.name} exited with code {proc.returncode}; log: {svc.log_path}\n{tail}")
+
+
 class KafkaService(Service):
     name = "kafka"
     start_timeout = 120.0
+    _proc: subprocess.Popen | None = None
 
     # -- layout ---------------------------------------------------------------
     @property
@@ -168,15 +186,24 @@ class KafkaService(Service):
             if r.returncode != 0:
                 tail = "\n".join((r.stdout + r.stderr).splitlines()[-20:])
                 raise ServiceError(f"kafka StorageTool format failed (exit {r.returncode}):\n{tail}")
-        return popen(self._java("kafka.Kafka", [str(self.config_path)], jars), log, cwd=self.dir)
+        self._proc = popen(self._java("kafka.Kafka", [str(self.config_path)], jars), log, cwd=self.dir)
+        return self._proc
 
     def start(self) -> dict[str, Any]:
-        # Serialise concurrent `start`s (CLI + pytest) so exactly one broker is launched.
-        with open(self.dir / ".start.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        # Serialise start/stop across processes (CLI, pytest sessions) so exactly one broker
+        # is launched and a half-started one is never killed by a concurrent stop.
+        with _locked(self.dir / ".start.lock"):
+            if self._proc is not None and self._proc.poll() is not None:
+                self._proc = None  # died earlier (crash): start afresh
             return super().start()
 
+    def stop(self) -> None:
+        with _locked(self.dir / ".start.lock"):
+            super().stop()
+            self._proc = None
+
     def ready(self) -> bool:
+        _fail_if_exited(self)
         if not port_open(PORT):
             return False
         try:

@@ -9,7 +9,6 @@ user (the service dir's ancestors get o+x so that user can reach it).
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import os
 import pwd
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.services import Service, ServiceError, pid_alive, port_open, wait_until
+from tests.services.kafka import _fail_if_exited, _locked
 
 PORT = 35432
 HOST = "127.0.0.1"
@@ -60,6 +60,7 @@ def find_bindir() -> Path | None:
 class PostgresService(Service):
     name = "postgres"
     start_timeout = 60.0
+    _proc: subprocess.Popen | None = None
 
     @property
     def data_dir(self) -> Path:
@@ -181,14 +182,17 @@ class PostgresService(Service):
         if port_open(PORT):
             raise ServiceError(f"port {PORT} is taken by a server this module did not start; stop it first")
         cmd = [str(self.bindir() / "postgres"), "-D", str(self.data_dir)]
-        return subprocess.Popen(
+        self._proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env(),
             cwd=str(self.data_dir), start_new_session=True, **self._as_user(),
         )
+        return self._proc
 
     def start(self) -> dict[str, Any]:
-        with open(self.dir / ".start.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        # Serialise start/stop across processes (see kafka.py).
+        with _locked(self.dir / ".start.lock"):
+            if self._proc is not None and self._proc.poll() is not None:
+                self._proc = None  # died earlier (crash): start afresh
             return super().start()
 
     def _superuser_conn(self, timeout: int = 2):
@@ -198,6 +202,7 @@ class PostgresService(Service):
                                 user=SUPERUSER, connect_timeout=timeout)
 
     def ready(self) -> bool:
+        _fail_if_exited(self)
         if not port_open(PORT, HOST):
             return False
         try:
@@ -240,6 +245,11 @@ class PostgresService(Service):
         return {"host": HOST, "port": PORT, "dbname": DBNAME, "user": USER, "password": PASSWORD, "dsn": DSN}
 
     def stop(self) -> None:
+        with _locked(self.dir / ".start.lock"):
+            self._stop()
+            self._proc = None
+
+    def _stop(self) -> None:
         # SIGINT = fast shutdown (abort sessions, checkpoint, exit). The base class's SIGTERM
         # would be a *smart* shutdown that waits for every client to disconnect.
         pid = self.pid()
