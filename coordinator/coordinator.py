@@ -234,7 +234,7 @@ class Coordinator:
         else:
             num_partitions = df.rdd.getNumPartitions()
             intent = self.sink.plan_batch(self.name, batch_id, num_partitions)
-            tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind,
+            tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": self.name,
                                           "num_partitions": num_partitions})
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)

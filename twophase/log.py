@@ -539,6 +539,14 @@ class TransactionLog:
                 deleted += 1
         return deleted
 
+    def name_for(self, batch_id: int) -> str:
+        """The coordinator name that wrote a batch's records (its INTENT's ``name``), for recovery."""
+        rec = self.record(batch_id, INTENT)
+        if rec is not None and rec.body.get("name"):
+            return str(rec.body["name"])
+        gens = [g for g in self.generations() if g["generation"] == self.generation]
+        return str(gens[0].get("name", "twophase")) if gens else "twophase"
+
     def last_committed(self, generation: int | None = None) -> BatchRecord | None:
         batches = self.batches(generation)
         for bid in sorted(batches, reverse=True):

@@ -1,0 +1,192 @@
+"""The ``twophase`` command: inspect a transaction log, recover without Spark, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from twophase import __version__
+from twophase.errors import TwoPhaseError
+
+
+def _storage_options(args) -> dict[str, Any] | None:
+    if not getattr(args, "storage_options", None):
+        return None
+    try:
+        opts = json.loads(args.storage_options)
+    except ValueError as e:
+        raise SystemExit(f"twophase: --storage-options is not JSON: {e}") from None
+    return opts
+
+
+def _sink(args):
+    from twophase.config import sink_from_config
+
+    return sink_from_config(args.sink_config)
+
+
+def cmd_status(args) -> int:
+    from twophase.recovery import describe, dumps
+
+    sink = _sink(args) if args.sink_config else None
+    info = describe(args.log, _storage_options(args), sink)
+    if args.json:
+        print(dumps(info))
+        return 0
+    print(f"log: {info['log']}")
+    for g in info["generations"]:
+        print(f"generation {g['generation']}: query {g['query_id']} (coordinator {g.get('name')!r}), "
+              f"created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(g['created_at']))}")
+    owner = info["owner"]
+    if owner:
+        print(f"owner: epoch {owner['epoch']} on {owner['host']} pid {owner['pid']}, "
+              f"last heartbeat {owner['heartbeat_age_s']}s ago")
+    if not info["batches"]:
+        print("no batch records")
+        return 0
+    print(f"{'batch':>8}  {'state':<10} {'handles':>7} {'rows':>10} {'age':>10}")
+    for b in info["batches"]:
+        rows = "" if b["rows"] is None else str(b["rows"])
+        print(f"{b['batch_id']:>8}  {b['state']:<10} {b['handles']:>7} {rows:>10} {_age(b['age_s']):>10}")
+        if b["state"] != "committed":
+            what = ("decided, NOT yet fully committed: 'twophase recover' or restarting the query commits it"
+                    if b["state"] == "prepared" else
+                    "undecided: the query replays it; 'twophase abort-lingering' aborts its leftovers now")
+            print(f"{'':>10}{what}")
+            for h in b.get("pending_handles", []):
+                print(f"{'':>12}{json.dumps(h, sort_keys=True)[:200]}")
+            for w in b.get("warnings", []):
+                print(f"{'':>12}WARNING: {w}")
+    return 0
+
+
+def _age(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def cmd_recover(args) -> int:
+    from twophase.recovery import dumps, recover
+
+    report = recover(args.log, _sink(args), storage_options=_storage_options(args), takeover=args.takeover,
+                     abort_only=args.command == "abort-lingering", ignore_lost=args.ignore_lost)
+    if args.json:
+        print(dumps(report.to_dict()))
+    else:
+        if args.command == "recover":
+            print(f"committed batches: {report.committed_batches or 'none pending'} "
+                  f"({report.handles_committed} handles committed now, "
+                  f"{report.handles_already_committed} were already committed)")
+        aborted = ", ".join(f"batch {b}: {n}" for b, n in report.aborted.items()) or "none"
+        print(f"aborted lingering transactions: {aborted}")
+        for lost in report.lost:
+            print(f"LOST: batch {lost['batch_id']}: {lost['handle']}: {lost['reason']}")
+    return 1 if report.lost else 0
+
+
+def cmd_offsets(args) -> int:
+    from twophase.log import TransactionLog
+
+    tlog = TransactionLog(args.log, storage_options=_storage_options(args))
+    gens = tlog.generations()
+    if not gens:
+        print(f"twophase: {args.log} holds no log generation", file=sys.stderr)
+        return 1
+    g = args.generation or int(gens[-1]["generation"])
+    last = tlog.last_committed(generation=g)
+    if last is None:
+        print(f"twophase: generation {g} has no committed batch", file=sys.stderr)
+        return 1
+    source = last.body.get("source")
+    if not source:
+        print(f"twophase: batch {last.batch_id} has no source offsets (give the Coordinator "
+              "checkpoint_location=... to record them)", file=sys.stderr)
+        return 1
+    sources = source.get("sources", [])
+    if args.source >= len(sources):
+        print(f"twophase: the query has {len(sources)} source(s); --source {args.source} does not exist",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"generation": g, "batch_id": last.batch_id, "sources": sources}, indent=2))
+    else:
+        # The end offsets of the last committed batch, as Spark's Kafka source takes them for startingOffsets.
+        print(json.dumps(sources[args.source], separators=(",", ":")))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from twophase import demo
+
+    return demo.main_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="twophase", description="Exactly-once sinks for PySpark: operator tools.")
+    p.add_argument("--version", action="version", version=f"twophase {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(sp, sink_required: bool):
+        sp.add_argument("log", metavar="LOG_LOCATION", help="the transaction log URL (e.g. CHECKPOINT/twophase)")
+        sp.add_argument("--storage-options", help="JSON fsspec storage options for the log URL")
+        sp.add_argument("--sink-config", required=sink_required, metavar="CONFIG",
+                        help="the sink as JSON config (file path or inline JSON), e.g. "
+                             '\'{"sink": "files", "url": "/data/out"}\'; secrets as {"env": "VAR"}')
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = sub.add_parser("status", help="list batches with their state, handles and ages",
+                        description="List the log's generations, owner and batches (read-only).")
+    common(sp, sink_required=False)
+    sp.set_defaults(func=cmd_status)
+
+    for name, helptext in (("recover", "commit decided batches and abort leftovers, without Spark"),
+                           ("abort-lingering", "abort transactions left open by undecided batches")):
+        sp = sub.add_parser(name, help=helptext, description=helptext.capitalize() + ". Takes ownership "
+                            "of the log: refused while a live coordinator owns it.")
+        common(sp, sink_required=True)
+        sp.add_argument("--takeover", action="store_true",
+                        help="take the log over even if its lease looks alive (only if that owner is dead)")
+        sp.add_argument("--ignore-lost", action="store_true",
+                        help="report transactions that can no longer be committed instead of failing")
+        sp.set_defaults(func=cmd_recover)
+
+    sp = sub.add_parser("offsets", help="print the source offsets of the last committed batch",
+                        description="Print where the last committed batch's input ends, in the form Spark's "
+                                    "Kafka source takes as startingOffsets (for a restart from a new checkpoint).")
+    sp.add_argument("log", metavar="LOG_LOCATION")
+    sp.add_argument("--storage-options", help="JSON fsspec storage options for the log URL")
+    sp.add_argument("--generation", type=int, help="log generation (default: the latest)")
+    sp.add_argument("--source", type=int, default=0, help="index of the query's source (default 0)")
+    sp.add_argument("--json", action="store_true", help="print every source with batch and generation")
+    sp.set_defaults(func=cmd_offsets)
+
+    from twophase import demo
+
+    sp = sub.add_parser("demo", help="run an exactly-once pipeline, kill its driver many times, verify",
+                        description=demo.DESCRIPTION)
+    demo.add_arguments(sp)
+    sp.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except TwoPhaseError as e:
+        print(f"twophase: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
