@@ -52,6 +52,13 @@ def _version_key(binpath: str) -> float:
         return 0.0
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def find_bindir() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), key=_version_key)
     return Path(found[-1]).parent if found else None
@@ -177,7 +184,11 @@ class PostgresService(Service):
         return pid if pid_alive(pid) else None
 
     def launch(self, log) -> subprocess.Popen | None:
-        if self.pid() is not None or self._postmaster_pid() is not None:
+        pid = self.pid()
+        if pid is not None and b"postgres" not in _cmdline(pid):
+            self.pid_path.unlink(missing_ok=True)  # stale pid file, pid reused by something else
+            pid = None
+        if pid is not None or self._postmaster_pid() is not None:
             return None  # our cluster is already starting: wait for it, never start a second one
         if port_open(PORT):
             raise ServiceError(f"port {PORT} is taken by a server this module did not start; stop it first")
