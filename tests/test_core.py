@@ -1,0 +1,92 @@
+"""Unit tests of handles, crash points, config registry and optional-dependency errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from twophase import crash, handles
+from twophase.config import resolve_secret, sink_from_config
+from twophase.errors import ConfigurationError, HandleError, MissingDependencyError
+from twophase._deps import require
+from twophase.sinks.files import FileSink
+
+
+def test_handle_envelope_round_trip_through_json(tmp_path):
+    sink = FileSink(str(tmp_path))
+    env = sink.encode_handle({"staging": "/a", "final": "/b", "size": 3, "rows": 1})
+    again = sink.decode_handle(json.loads(json.dumps(env)))
+    assert again == {"staging": "/a", "final": "/b", "size": 3, "rows": 1}
+
+
+def test_unknown_handle_version_is_refused(tmp_path):
+    sink = FileSink(str(tmp_path))
+    env = sink.encode_handle({"staging": "/a", "final": "/b", "size": 3, "rows": 1})
+    env["v"] = 999
+    with pytest.raises(HandleError, match="version 999.*upgrade twophase"):
+        sink.decode_handle(env)
+
+
+def test_handle_of_another_sink_is_refused(tmp_path):
+    with pytest.raises(HandleError, match="belongs to sink 'kafka'"):
+        FileSink(str(tmp_path)).decode_handle({"sink": "kafka", "v": 1, "data": {}})
+
+
+@pytest.mark.parametrize("key", ["password", "sasl.password", "secret_key", "api_key", "token"])
+def test_handles_refuse_secret_looking_keys(key):
+    with pytest.raises(HandleError, match="looks like a secret"):
+        handles.encode("x", 1, {"nested": {key: "hunter2"}})
+
+
+def test_crash_point_parsing_and_unknown_name(monkeypatch):
+    monkeypatch.setenv(crash.ENV, "mid_commit:3,after_intent")
+    crash.reload()
+    assert crash.armed()
+    monkeypatch.setenv(crash.ENV, "nope")
+    with pytest.raises(ValueError, match="unknown crash point 'nope'"):
+        crash.reload()
+    monkeypatch.delenv(crash.ENV)
+    crash.reload()
+    assert not crash.armed()
+
+
+@pytest.mark.parametrize("spec,batch,dies", [("mid_commit:3", 3, True), ("mid_commit:3", 2, False),
+                                             ("mid_commit", 7, True), ("after_intent", 7, False)])
+def test_crash_point_kills_the_process_only_where_armed(spec, batch, dies):
+    code = f"from twophase.crash import crash_point; crash_point('mid_commit', {batch}); print('alive')"
+    r = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, crash.ENV: spec},
+                       capture_output=True, text=True)
+    if dies:
+        assert r.returncode == crash.EXIT_CODE and "alive" not in r.stdout
+    else:
+        assert r.returncode == 0 and "alive" in r.stdout
+
+
+def test_sink_from_config_and_secret_references(tmp_path, monkeypatch):
+    sink = sink_from_config({"sink": "files", "url": str(tmp_path), "format": "jsonl"})
+    assert isinstance(sink, FileSink) and sink.format == "jsonl"
+    assert sink_from_config(json.dumps(sink.to_config())).to_config() == sink.to_config()
+    monkeypatch.setenv("MY_SECRET", "s3cr3t")
+    assert resolve_secret({"env": "MY_SECRET"}) == "s3cr3t"
+    with pytest.raises(ConfigurationError, match="'NOT_SET_ANYWHERE', which is not set"):
+        resolve_secret({"env": "NOT_SET_ANYWHERE"})
+    with pytest.raises(ConfigurationError, match="unknown sink kind 'nosuch'"):
+        sink_from_config({"sink": "nosuch"})
+
+
+def test_missing_optional_dependency_names_the_pip_install():
+    with pytest.raises(MissingDependencyError, match=r"pip install 'twophase\[kafka\]'"):
+        require("confluent_kafka.this_module_does_not_exist", "KafkaSink")
+
+
+def test_packaging_installs_no_top_level_sinks_or_coordinator(tmp_path):
+    r = subprocess.run([sys.executable, "-c", "import sinks"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "No module named 'sinks'" in r.stderr
+    r = subprocess.run([sys.executable, "-c", "import coordinator"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0
+    r = subprocess.run([sys.executable, "-c", "import twophase.sinks.files, twophase.coordinator"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

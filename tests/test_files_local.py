@@ -1,0 +1,132 @@
+"""FileSink on local disk, driven directly (no Spark): staging is invisible, commit is idempotent."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from twophase import CommitOutcome, TransactionContext
+from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.sinks.files import FileSink
+
+
+def batch(ids):
+    return pa.RecordBatch.from_pydict({"id": ids, "v": [f"row-{i}" for i in ids]})
+
+
+def visible(root) -> list[str]:
+    return sorted(p for p in os.listdir(root) if not p.startswith(("_", ".")))
+
+
+def prepare(sink, batch_id, partition, ids, attempt=0):
+    ctx = TransactionContext("q", batch_id, partition, attempt, {})
+    txn = sink.begin_transaction(ctx)
+    half = max(1, len(ids) // 2)  # two Arrow batches per transaction, neither empty
+    for part in (ids[:half], ids[half:]):
+        if part:
+            sink.write(txn, batch(part))
+    return sink.pre_commit(txn)
+
+
+def test_pre_commit_is_invisible_and_commit_makes_it_visible(tmp_path):
+    sink = FileSink(str(tmp_path))
+    sink.open()
+    h = prepare(sink, 7, 1, [1, 2, 3, 4])
+    assert visible(tmp_path) == []
+    assert os.path.exists(h["staging"]) and "/_twophase/" in h["staging"]
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    assert visible(tmp_path) == ["part-00000007-00001.parquet"]
+    assert pq.read_table(tmp_path / "part-00000007-00001.parquet").column("id").to_pylist() == [1, 2, 3, 4]
+    assert not os.path.exists(h["staging"])
+
+
+def test_commit_twice_is_a_no_op(tmp_path):
+    sink = FileSink(str(tmp_path))
+    h = prepare(sink, 0, 0, [1, 2])
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    before = os.stat(tmp_path / "part-00000000-00000.parquet")
+    assert sink.commit(h).outcome is CommitOutcome.ALREADY_COMMITTED
+    assert os.stat(tmp_path / "part-00000000-00000.parquet").st_ino == before.st_ino
+
+
+def test_crash_between_link_and_unlink_is_completed(tmp_path):
+    sink = FileSink(str(tmp_path))
+    h = prepare(sink, 0, 0, [1, 2])
+    os.link(h["staging"], h["final"])  # what a crash right after the link leaves behind
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    assert not os.path.exists(h["staging"]) and visible(tmp_path) == ["part-00000000-00000.parquet"]
+
+
+def test_lost_when_staging_and_target_are_gone(tmp_path):
+    sink = FileSink(str(tmp_path))
+    h = prepare(sink, 0, 0, [1])
+    os.unlink(h["staging"])
+    res = sink.commit(h)
+    assert res.outcome is CommitOutcome.LOST and "neither the staged file" in res.reason
+
+
+def test_commit_never_overwrites_a_foreign_file(tmp_path):
+    sink = FileSink(str(tmp_path))
+    h = prepare(sink, 0, 0, [1, 2])
+    (tmp_path / "part-00000000-00000.parquet").write_bytes(b"someone else's data")
+    with pytest.raises(TwoPhaseError, match="already exists and is another file"):
+        sink.commit(h)
+    assert (tmp_path / "part-00000000-00000.parquet").read_bytes() == b"someone else's data"
+    assert os.path.exists(h["staging"])  # nothing lost: the staged file is kept
+
+
+def test_abort_and_abort_lingering_remove_staging_except_kept(tmp_path):
+    sink = FileSink(str(tmp_path))
+    ctx = TransactionContext("q", 3, 0, 0, {})
+    txn = sink.begin_transaction(ctx)
+    sink.write(txn, batch([1]))
+    sink.abort(txn)
+    assert not os.path.exists(txn.staging)
+    failed_attempt = prepare(sink, 3, 0, [1, 2], attempt=0)
+    winner = prepare(sink, 3, 0, [1, 2], attempt=1)
+    intent = sink.plan_batch("q", 3, 2)
+    assert sink.commit(winner).done
+    assert sink.abort_lingering("q", 3, intent, [winner]) == 1
+    assert not os.path.exists(failed_attempt["staging"])
+    assert visible(tmp_path) == ["part-00000003-00000.parquet"]
+    assert sink.abort_lingering("q", 3, intent, []) == 0  # idempotent
+
+
+@pytest.mark.parametrize("fmt,reader", [
+    ("jsonl", lambda p: [json.loads(x)["id"] for x in open(p) if x.strip()]),
+    ("csv", lambda p: pacsv.read_csv(p).column("id").to_pylist()),
+    ("parquet", lambda p: pq.read_table(p).column("id").to_pylist()),
+])
+def test_formats(tmp_path, fmt, reader):
+    sink = FileSink(str(tmp_path), format=fmt)
+    h = prepare(sink, 1, 2, [10, 11, 12])
+    assert sink.commit(h).done
+    (name,) = visible(tmp_path)
+    assert name.endswith({"jsonl": ".jsonl", "csv": ".csv", "parquet": ".parquet"}[fmt])
+    assert reader(tmp_path / name) == [10, 11, 12]
+
+
+def test_bad_configuration_is_refused(tmp_path):
+    with pytest.raises(ConfigurationError, match="unknown format"):
+        FileSink(str(tmp_path), format="xml")
+    with pytest.raises(ConfigurationError, match="must be letters"):
+        FileSink(str(tmp_path), prefix="../evil")
+    with pytest.raises(ConfigurationError, match="readers would ignore"):
+        FileSink(str(tmp_path), prefix="_hidden")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.geteuid() != 0:  # root can write anywhere
+        with pytest.raises(ConfigurationError, match="cannot write"):
+            FileSink(str(ro)).open()
+
+
+def test_config_round_trip(tmp_path):
+    sink = FileSink(str(tmp_path), format="csv", prefix="out")
+    again = FileSink.from_config(sink.to_config())
+    assert again.to_config() == sink.to_config()

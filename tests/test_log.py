@@ -1,0 +1,148 @@
+"""Unit tests of the transaction log: atomic records, fencing, corruption, retention, query binding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from twophase.errors import ConfigurationError, CorruptLogError, LogOwnershipError, QueryMismatchError
+from twophase.log import COMMITTED, INTENT, PREPARED, LocalStore, TransactionLog, encode_record
+
+
+def make_log(tmp_path, **kw) -> TransactionLog:
+    tlog = TransactionLog(str(tmp_path / "log"), **kw)
+    tlog.acquire("q-1", "test")
+    return tlog
+
+
+def test_records_round_trip_and_state_order(tmp_path):
+    tlog = make_log(tmp_path)
+    assert tlog.state(0) is None
+    tlog.write(0, INTENT, {"intent": {"staging": "/x"}})
+    assert tlog.state(0).state == INTENT
+    tlog.write(0, PREPARED, {"handles": [{"sink": "files", "v": 1, "data": {"a": 1}}], "rows": 3})
+    st = tlog.state(0)
+    assert st.state == PREPARED and st.handles[0]["data"] == {"a": 1} and st.body["rows"] == 3
+    tlog.write(0, COMMITTED, {})
+    st = tlog.state(0)
+    assert st.state == COMMITTED and st.handles[0]["data"] == {"a": 1}
+
+
+def test_records_are_never_overwritten(tmp_path):
+    tlog = make_log(tmp_path)
+    first = tlog.write(5, PREPARED, {"handles": [], "rows": 1})
+    second = tlog.write(5, PREPARED, {"handles": [], "rows": 999})
+    assert second.body["rows"] == 1 and first.body["rows"] == 1
+
+
+def test_local_store_create_is_exclusive_and_leaves_no_temp_files(tmp_path):
+    store = LocalStore(str(tmp_path / "s"))
+    assert store.create("a/b.json", b"1") is True
+    assert store.create("a/b.json", b"2") is False
+    assert store.read("a/b.json") == b"1"
+    store.replace("a/b.json", b"3")
+    assert store.read("a/b.json") == b"3"
+    assert sorted(os.listdir(tmp_path / "s" / "a")) == ["b.json"]
+
+
+@pytest.mark.parametrize("garbage", [b"{not json", b'{"format": "twophase-log", "version": 1}', b"\xff\xfe"])
+def test_corrupt_record_stops_with_file_name_and_advice(tmp_path, garbage):
+    tlog = make_log(tmp_path)
+    tlog.write(3, PREPARED, {"handles": [], "rows": 0})
+    path = tmp_path / "log" / "g0001" / "batch-000000000003.prepared.json"
+    path.write_bytes(garbage)
+    with pytest.raises(CorruptLogError) as e:
+        tlog.state(3)
+    msg = str(e.value)
+    assert str(path) in msg and "do NOT delete" in msg and "batch 3" in msg
+
+
+def test_checksum_catches_an_edited_record(tmp_path):
+    tlog = make_log(tmp_path)
+    tlog.write(1, PREPARED, {"handles": [{"sink": "files", "v": 1, "data": {"size": 10}}], "rows": 10})
+    path = tmp_path / "log" / "g0001" / "batch-000000000001.prepared.json"
+    obj = json.loads(path.read_text())
+    obj["body"]["rows"] = 11  # valid JSON, wrong content
+    path.write_text(json.dumps(obj))
+    with pytest.raises(CorruptLogError, match="checksum mismatch"):
+        tlog.state(1)
+
+
+def test_a_renamed_record_is_detected(tmp_path):
+    tlog = make_log(tmp_path)
+    tlog.write(1, INTENT, {"intent": {}})
+    d = tmp_path / "log" / "g0001"
+    os.rename(d / "batch-000000000001.intent.json", d / "batch-000000000002.intent.json")
+    with pytest.raises(CorruptLogError, match="moved or renamed"):
+        tlog.state(2)
+
+
+def test_second_live_coordinator_is_refused(tmp_path):
+    make_log(tmp_path)  # this process holds the lease
+    # Another process on this host while we are alive: refused.
+    code = (
+        "import sys; from twophase.log import TransactionLog; from twophase.errors import LogOwnershipError\n"
+        f"t = TransactionLog({str(tmp_path / 'log')!r})\n"
+        "try:\n    t.acquire('q-1', 'other')\nexcept LogOwnershipError as e:\n    print('REFUSED', e); sys.exit(3)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "owned by a live coordinator" in r.stdout
+
+
+def test_dead_owner_is_taken_over_and_old_owner_is_fenced(tmp_path):
+    url = str(tmp_path / "log")
+    # A process that acquires and dies: its pid no longer exists, so a new coordinator may take over.
+    subprocess.run([sys.executable, "-c",
+                    f"from twophase.log import TransactionLog; TransactionLog({url!r}).acquire('q-1', 'dead')"],
+                   check=True)
+    old = TransactionLog(url)
+    old.acquire("q-1", "a")
+    new = TransactionLog(url)
+    new.acquire("q-1", "b")  # same pid as `old`: an earlier coordinator object in this process
+    assert new.epoch == old.epoch + 1
+    with pytest.raises(LogOwnershipError, match="fenced"):
+        old.write(0, PREPARED, {"handles": []})
+    new.write(0, PREPARED, {"handles": []})  # the newer owner may decide
+
+
+def test_log_of_another_query_is_refused_unless_new_generation(tmp_path):
+    url = str(tmp_path / "log")
+    t1 = TransactionLog(url)
+    t1.acquire("query-A", "x")
+    t1.write(0, COMMITTED, {})
+    t2 = TransactionLog(url)
+    with pytest.raises(QueryMismatchError, match="checkpoint was probably deleted"):
+        t2.acquire("query-B", "x")
+    t3 = TransactionLog(url)
+    t3.acquire("query-B", "x", new_generation=True)
+    assert t3.generation == 2 and t3.state(0) is None  # batch ids restart: nothing is skipped
+    assert t3.record(0, COMMITTED, generation=1) is not None  # the old generation is kept
+
+
+def test_retention_keeps_recent_and_uncommitted_batches(tmp_path):
+    tlog = make_log(tmp_path, retain_batches=3)
+    for b in range(10):
+        tlog.write(b, INTENT, {"intent": {}})
+        tlog.write(b, PREPARED, {"handles": []})
+        if b != 2:
+            tlog.write(b, COMMITTED, {})
+        tlog.prune(b)
+    left = tlog.batches()
+    assert sorted(left) == [2, 7, 8, 9]  # the last 3 committed, and the uncommitted one
+    assert COMMITTED not in left[2] and PREPARED in left[2]  # undecided/uncommitted never pruned
+
+
+def test_object_store_log_is_refused(tmp_path):
+    with pytest.raises(ConfigurationError, match="atomic exclusive create"):
+        TransactionLog("s3://bucket/log")
+
+
+def test_records_are_valid_json_with_checksum(tmp_path):
+    data = encode_record({"a": 1})
+    obj = json.loads(data)
+    assert obj["format"] == "twophase-log" and len(obj["sha256"]) == 64
