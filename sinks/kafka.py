@@ -1,0 +1,647 @@
+"""Exactly-once Kafka sink: one Kafka transaction per Spark partition and batch, committed by the driver.
+
+Executors produce with confluent-kafka's transactional producer and pre-commit by
+flushing with zero delivery errors; the handle is (transactional id, producer id,
+epoch, partitions).  The driver commits with FindCoordinator + EndTxn under that
+id and epoch, from any process, after any crash (what Flink does, through public
+protocol).  Transactional ids come from a bounded pool, ``{prefix}-{partition}``.
+
+Delivery guarantee: with :class:`twophase.coordinator.Coordinator`, every row of
+every batch appears exactly once to consumers with ``isolation.level=read_committed``
+(read_uncommitted consumers also see records of aborted attempts).
+
+How it recovers: a batch's INTENT lists the transactional ids it may use.  Before
+a batch (re)runs, ``abort_lingering`` fences every id of that list that still has an
+open transaction (InitProducerId aborts it and bumps the epoch), so leftovers of a
+crashed attempt are aborted at once instead of blocking read_committed consumers
+until ``transaction.timeout.ms``.  Handles of a decided batch are committed again
+with EndTxn; committing an already committed transaction answers success.  A
+transaction the broker aborted (it outlived ``transaction.timeout.ms``) can never be
+committed: that is reported as data loss.  See docs/kafka.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from twophase._deps import require
+from twophase.config import is_secret_ref, resolve_secret
+from twophase.context import TransactionContext
+from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.sink import CommitResult, TwoPhaseCommitSink
+
+log = logging.getLogger("twophase.sinks.kafka")
+_rdlog = logging.getLogger("twophase.sinks.kafka.librdkafka")
+
+#: Default transaction timeout: the broker's default ``transaction.max.timeout.ms`` (15 min).
+DEFAULT_TRANSACTION_TIMEOUT_MS = 900_000
+
+_PREFIX_OK = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_ACQUIRED = re.compile(r"Acquired PID\{Id:(\d+),Epoch:(\d+)\}")
+_SECRET_KEY = re.compile(r"(password|secret|token|sasl\.jaas|key\.pem|keystore\.key|private)", re.I)
+
+# Producer settings the sink owns: changing them would break the guarantee or the handle.
+_OWNED = {
+    "transactional.id": "the sink assigns transactional ids from its pool (transactional_id_prefix=...)",
+    "enable.idempotence": "transactions need the idempotent producer",
+    "acks": "transactions need acks=all",
+    "request.required.acks": "transactions need acks=all",
+    "transaction.timeout.ms": "use KafkaSink(transaction_timeout_ms=...)",
+    "debug": "the sink enables librdkafka's 'eos' debug context to read producer id and epoch",
+    "logger": "the sink installs its own librdkafka logger",
+    "stats_cb": "the sink reads librdkafka statistics itself",
+    "statistics.interval.ms": "the sink reads librdkafka statistics itself",
+    "on_delivery": "the sink counts delivery errors itself",
+    "delivery.report.only.error": "the sink counts delivery reports itself",
+    "error_cb": "the sink records producer errors itself",
+    "isolation.level": "a consumer setting: consumers of this topic need isolation.level=read_committed",
+}
+
+# Producers whose transaction was pre-committed in this Python worker, by transactional id.
+# They are never closed (close() aborts the transaction) and are dropped only when the next
+# transaction on the same id begins, which the coordinator starts only after the batch that
+# pre-committed this one is COMMITTED in the log.
+_PRECOMMITTED: dict[str, Any] = {}
+_PRECOMMITTED_LOCK = threading.Lock()
+
+
+class _LibrdkafkaLog(logging.Handler):
+    """Receives one producer's librdkafka log lines: keeps 'Acquired PID' and forwards warnings."""
+
+    def __init__(self, label: str):
+        super().__init__(logging.DEBUG)
+        self.label = label
+        self.pid_epoch: tuple[int, int] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "Acquired PID" in msg:
+            m = _ACQUIRED.search(msg)
+            if m:
+                self.pid_epoch = (int(m.group(1)), int(m.group(2)))
+        elif record.levelno >= logging.WARNING:
+            _rdlog.log(record.levelno, "%s: %s", self.label, msg)
+
+
+@dataclass
+class KafkaTransaction:
+    """One partition's Kafka transaction for one batch (executor side)."""
+
+    ctx: TransactionContext
+    transactional_id: str
+    producer: Any
+    logs: _LibrdkafkaLog
+    started_at: float
+    rows: int = 0
+    delivery_errors: list[str] = field(default_factory=list)
+    error_count: int = 0
+    fatal: list[str] = field(default_factory=list)
+    partitions: set[tuple[str, int]] = field(default_factory=set)
+    eos_stats: dict[str, Any] = field(default_factory=dict)
+    checked_topics: set[str] = field(default_factory=set)
+    done: bool = False
+
+
+def _is_binaryish(t: pa.DataType) -> bool:
+    return (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_string(t)
+            or pa.types.is_large_string(t) or pa.types.is_null(t))
+
+
+class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
+    """Write rows shaped like Spark's Kafka sink exactly once to Kafka.
+
+    Columns (as for ``df.write.format("kafka")``): ``value`` (binary or string,
+    required), ``key`` (binary or string), ``topic`` (string; required unless
+    ``topic=...`` is given, which overrides the column, as in Spark), ``partition``
+    (int; null = the producer's partitioner), ``headers`` (array of struct
+    ``key: string, value: binary``).
+
+    ``transactional_id_prefix`` must be unique to this query and stable across its
+    restarts: transactional ids are ``{prefix}-{partition}``, reused batch after batch.
+    ``producer_config`` passes through to confluent-kafka (librdkafka names, e.g.
+    ``security.protocol``, ``sasl.username``, ``linger.ms``); secrets may be given
+    as ``{"env": "VAR"}`` references and are never logged nor put in handles.
+    ``transaction_timeout_ms`` must cover a batch plus the driver's recovery
+    time, and may not exceed the broker's ``transaction.max.timeout.ms`` (checked
+    by :meth:`open`).  ``tombstones=True`` writes null values as tombstones (as Spark's
+    sink does); by default a null value fails the batch.  ``auto_create_topics``
+    lets the broker create missing topics (if it is configured to); by default a
+    missing topic fails before anything is written.
+    """
+
+    kind = "kafka"
+    supports_speculation = False
+
+    def __init__(self, bootstrap_servers: str, topic: str | None = None,
+                 transactional_id_prefix: str | None = None, *,
+                 producer_config: dict[str, Any] | None = None,
+                 transaction_timeout_ms: int = DEFAULT_TRANSACTION_TIMEOUT_MS,
+                 tombstones: bool = False, auto_create_topics: bool = False,
+                 flush_timeout_s: float = 300.0, request_timeout_s: float = 30.0,
+                 warn_age_fraction: float = 0.5):
+        if not bootstrap_servers or not isinstance(bootstrap_servers, str):
+            raise ConfigurationError("KafkaSink needs bootstrap_servers='host:port[,host:port...]'")
+        if not transactional_id_prefix or not _PREFIX_OK.match(transactional_id_prefix):
+            raise ConfigurationError(
+                f"KafkaSink needs transactional_id_prefix=... (letters, digits, '.', '_', '-'; unique to "
+                f"this query and stable across its restarts), got {transactional_id_prefix!r}")
+        if topic is not None and not topic:
+            raise ConfigurationError("topic must be a topic name or None (then the 'topic' column is used)")
+        producer_config = dict(producer_config or {})
+        for k in producer_config:
+            if k in _OWNED:
+                raise ConfigurationError(f"KafkaSink does not accept producer setting {k!r}: {_OWNED[k]}")
+        if "bootstrap.servers" in producer_config:
+            raise ConfigurationError("give bootstrap_servers=... instead of producer_config['bootstrap.servers']")
+        if not (1000 <= int(transaction_timeout_ms) <= 2**31 - 1):
+            raise ConfigurationError(f"transaction_timeout_ms must be >= 1000, got {transaction_timeout_ms}")
+        if not 0 < warn_age_fraction < 1:
+            raise ConfigurationError("warn_age_fraction must be between 0 and 1")
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.transactional_id_prefix = transactional_id_prefix
+        self.producer_config = producer_config
+        self.transaction_timeout_ms = int(transaction_timeout_ms)
+        self.tombstones = bool(tombstones)
+        self.auto_create_topics = bool(auto_create_topics)
+        self.flush_timeout_s = float(flush_timeout_s)
+        self.request_timeout_s = float(request_timeout_s)
+        self.warn_age_fraction = float(warn_age_fraction)
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never the producer config: it may hold secrets
+        return (f"KafkaSink(bootstrap_servers={self.bootstrap_servers!r}, topic={self.topic!r}, "
+                f"transactional_id_prefix={self.transactional_id_prefix!r})")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"] = None
+        state["_client_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._client_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ config
+    def to_config(self) -> dict[str, Any]:
+        """A config for ``twophase recover`` and friends.  Refuses literal secrets (use ``{"env": ...}``)."""
+        for k, v in self.producer_config.items():
+            if _SECRET_KEY.search(k) and not is_secret_ref(v):
+                raise ConfigurationError(
+                    f"producer setting {k!r} is given as a literal value; give it as "
+                    f'{{"env": "VARIABLE"}} (or {{"file": "/path"}}) so that configs and logs never hold it')
+        return {"sink": self.kind, "bootstrap_servers": self.bootstrap_servers, "topic": self.topic,
+                "transactional_id_prefix": self.transactional_id_prefix,
+                "producer_config": dict(self.producer_config),
+                "transaction_timeout_ms": self.transaction_timeout_ms, "tombstones": self.tombstones,
+                "auto_create_topics": self.auto_create_topics, "flush_timeout_s": self.flush_timeout_s,
+                "request_timeout_s": self.request_timeout_s, "warn_age_fraction": self.warn_age_fraction}
+
+    def _resolved_config(self) -> dict[str, Any]:
+        conf = {k: resolve_secret(v, f"Kafka producer setting {k!r}") for k, v in self.producer_config.items()}
+        conf["bootstrap.servers"] = self.bootstrap_servers
+        return conf
+
+    # -------------------------------------------------------------- driver side
+    def _txn_client(self):
+        """The cached driver-side transaction client (FindCoordinator/EndTxn/InitProducerId)."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        with self._client_lock:
+            if self._client is None or self._client.closed:
+                try:
+                    cfg = kp.kafka_python_config(self._resolved_config())
+                except ValueError as e:
+                    raise ConfigurationError(str(e)) from None
+                try:
+                    self._client = kp.TxnClient(cfg, request_timeout_ms=int(self.request_timeout_s * 1000))
+                except Exception as e:
+                    raise TwoPhaseError(
+                        f"cannot connect to Kafka at {self.bootstrap_servers} to commit or fence "
+                        f"transactions: {type(e).__name__}: {e}") from None
+            return self._client
+
+    def close(self) -> None:
+        """Close the driver's cached connections (optional; a new one opens on demand)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _admin(self):
+        ck = require("confluent_kafka.admin", "KafkaSink")
+        conf = self._resolved_config()
+        conf.setdefault("socket.timeout.ms", int(self.request_timeout_s * 1000))
+        return ck.AdminClient(conf)
+
+    def open(self) -> None:
+        """Check reachability, the topic, and the transaction timeout against the broker (driver)."""
+        ck = require("confluent_kafka", "KafkaSink")
+        admin_mod = require("confluent_kafka.admin", "KafkaSink")
+        admin = self._admin()
+        try:
+            md = admin.list_topics(timeout=self.request_timeout_s)
+        except ck.KafkaException as e:
+            raise ConfigurationError(
+                f"cannot reach Kafka at {self.bootstrap_servers} within {self.request_timeout_s:.0f}s "
+                f"({e.args[0].str() if e.args else e}). Check bootstrap_servers, the network and the "
+                "security settings.") from None
+        if self.topic is not None and (self.topic not in md.topics or md.topics[self.topic].error is not None):
+            if not self.auto_create_topics:
+                raise ConfigurationError(
+                    f"topic {self.topic!r} does not exist on {self.bootstrap_servers}; create it, or pass "
+                    "auto_create_topics=True if the broker has auto.create.topics.enable=true")
+        broker_ids = sorted(md.brokers)
+        if not broker_ids:
+            raise ConfigurationError(f"Kafka at {self.bootstrap_servers} reports no brokers")
+        res = admin_mod.ConfigResource(admin_mod.ResourceType.BROKER, str(broker_ids[0]))
+        try:
+            entries = admin.describe_configs([res], request_timeout=self.request_timeout_s)[res].result()
+        except Exception as e:
+            log.warning("could not read the broker's transaction.max.timeout.ms (%s: %s); "
+                        "transaction_timeout_ms=%d is not checked", type(e).__name__, e,
+                        self.transaction_timeout_ms)
+        else:
+            entry = entries.get("transaction.max.timeout.ms")
+            if entry is not None and entry.value is not None:
+                broker_max = int(entry.value)
+                if self.transaction_timeout_ms > broker_max:
+                    raise ConfigurationError(
+                        f"transaction_timeout_ms={self.transaction_timeout_ms} exceeds the broker's "
+                        f"transaction.max.timeout.ms={broker_max}: producers would be refused. Lower "
+                        "transaction_timeout_ms, or raise transaction.max.timeout.ms on the brokers.")
+        # The driver-side client must work too (commit and fencing go through it).
+        self._txn_client()
+
+    def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        """INTENT: the transactional ids partitions ``0..num_partitions-1`` use (a bounded, reused pool).
+
+        An id is reused only by a later batch, which the coordinator starts only after
+        this one is COMMITTED, so an id never carries two pending transactions.
+        """
+        return {"transactional_ids": [self.transactional_id(p) for p in range(int(num_partitions))],
+                "transaction_timeout_ms": self.transaction_timeout_ms}
+
+    def transactional_id(self, partition_id: int) -> str:
+        return f"{self.transactional_id_prefix}-{int(partition_id)}"
+
+    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
+                        keep: list[dict]) -> int:
+        """Fence every id of the INTENT that has an open transaction, except ids of ``keep`` (driver).
+
+        Fencing is InitProducerId on the id: the broker aborts the open transaction
+        and bumps the epoch, so a zombie producer of a crashed attempt cannot add to
+        it either.  Returns how many open transactions were aborted.
+        """
+        from twophase.sinks import _kafka_protocol as kp
+
+        tids = list(intent.get("transactional_ids") or [])
+        keep_ids = {h["transactional_id"] for h in keep}
+        candidates = [t for t in tids if t not in keep_ids]
+        if not candidates:
+            return 0
+        client = self._txn_client()
+        try:
+            states = client.describe_transactions(candidates)
+        except Exception as e:  # e.g. a broker without DescribeTransactions: fence all
+            log.debug("DescribeTransactions failed (%s); fencing all %d ids", e, len(candidates))
+            states = {}
+        to_fence = []
+        for t in candidates:
+            st = states.get(t)
+            if st is None:
+                to_fence.append(t)  # unknown answer: fencing an idle id is harmless
+            elif st.error_code == kp.TRANSACTIONAL_ID_NOT_FOUND:
+                continue
+            elif st.error_code == kp.NONE and st.state not in ("Ongoing", "PrepareAbort", "PrepareEpochFence"):
+                continue
+            else:
+                to_fence.append(t)
+        aborted = 0
+        for t in to_fence:
+            was_open = states.get(t) is None or states[t].state != "Empty"
+            self._fence(client, t, batch_id)
+            aborted += 1 if was_open else 0
+        return aborted
+
+    def _fence(self, client, tid: str, batch_id: int) -> None:
+        from twophase.sinks import _kafka_protocol as kp
+
+        deadline = time.monotonic() + max(60.0, 2 * self.request_timeout_s)
+        delay = 0.02
+        while True:
+            code, pid, epoch = client.init_producer_id(tid, self.transaction_timeout_ms)
+            if code == kp.NONE:
+                log.info("batch %d: fenced transactional id %s (now producer id %d epoch %d)",
+                         batch_id, tid, pid, epoch)
+                return
+            if code not in kp.RETRIABLE or time.monotonic() > deadline:
+                raise TwoPhaseError(
+                    f"batch {batch_id}: cannot fence transactional id {tid} (to abort what a crashed "
+                    f"attempt left open): {kp.error_name(code)}. Check the broker and the ACLs for "
+                    "transactional ids with this prefix, then restart the query.")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def commit(self, handle: dict) -> CommitResult:
+        """EndTxn(commit) with the handle's producer id and epoch (driver; idempotent).
+
+        The broker answers success both for this commit and for a repeated one.
+        """
+        from twophase.sinks import _kafka_protocol as kp
+
+        warning = self.pending_age_warning(handle)
+        if warning:
+            log.warning("%s", warning)
+        tid, pid, epoch = handle["transactional_id"], int(handle["producer_id"]), int(handle["producer_epoch"])
+        code = self._txn_client().end_txn(tid, pid, epoch, commit=True)
+        name = kp.error_name(code)
+        if code == kp.NONE:
+            return CommitResult.committed()
+        if code in kp.RETRIABLE:
+            return CommitResult.retry_later(f"{name} from the transaction coordinator of {tid}")
+        age = self.handle_age(handle)
+        age_txt = f"{age:.0f}s old" if age is not None else "age unknown"
+        timeout = int(handle.get("timeout_ms", self.transaction_timeout_ms))
+        if code in (kp.INVALID_PRODUCER_EPOCH, kp.PRODUCER_FENCED):
+            return CommitResult.lost(
+                f"{name}: the transaction of {tid} (producer id {pid}, epoch {epoch}, {age_txt}) was aborted "
+                f"by the broker: it outlived transaction.timeout.ms={timeout} ms, or something else "
+                "initialised this transactional id (another query with the same transactional_id_prefix?)")
+        if code == kp.INVALID_TXN_STATE:
+            return CommitResult.lost(f"{name}: the transaction of {tid} (producer id {pid}, epoch {epoch}, "
+                                     f"{age_txt}) was aborted, not committed")
+        if code == kp.INVALID_PRODUCER_ID_MAPPING:
+            return CommitResult.lost(
+                f"{name}: the broker no longer knows transactional id {tid} with producer id {pid} "
+                f"({age_txt}): it expired (transactional.id.expiration.ms) or was taken over")
+        return CommitResult.retry_later(f"{name} from the transaction coordinator of {tid}")
+
+    def recover_and_abort(self, handle: dict) -> None:
+        """Abort a pre-committed transaction by EndTxn(abort) (driver; best effort)."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        code = self._txn_client().end_txn(handle["transactional_id"], int(handle["producer_id"]),
+                                          int(handle["producer_epoch"]), commit=False)
+        if code not in (kp.NONE, kp.INVALID_PRODUCER_EPOCH, kp.PRODUCER_FENCED):
+            log.warning("aborting %s: %s", self.describe_handle(handle), kp.error_name(code))
+
+    def describe_handle(self, handle: dict) -> str:
+        return (f"transactional id {handle.get('transactional_id')} producer id {handle.get('producer_id')} "
+                f"epoch {handle.get('producer_epoch')} ({handle.get('rows', '?')} rows to "
+                f"{len(handle.get('partitions') or [])} topic partitions)")
+
+    @staticmethod
+    def handle_age(handle: dict, now: float | None = None) -> float | None:
+        """Seconds since the handle's transaction began (the broker's timeout clock), or None."""
+        started = handle.get("started_at")
+        if started is None:
+            return None
+        return max(0.0, (time.time() if now is None else now) - float(started))
+
+    def pending_age_warning(self, handle: dict, age_seconds: float | None = None) -> str | None:
+        """A warning for ``twophase status`` and the commit path when a pending transaction nears its timeout.
+
+        ``age_seconds`` defaults to the time since the transaction began (recorded in
+        the handle).  None while younger than ``warn_age_fraction`` of its timeout.
+        """
+        age = self.handle_age(handle) if age_seconds is None else float(age_seconds)
+        if age is None:
+            return None
+        timeout_s = int(handle.get("timeout_ms", self.transaction_timeout_ms)) / 1000.0
+        tid = handle.get("transactional_id")
+        if age >= timeout_s:
+            return (f"pending Kafka transaction {tid} is {age:.0f}s old, past its transaction.timeout.ms "
+                    f"({timeout_s:.0f}s): the broker has probably aborted it; committing it will report "
+                    "data loss")
+        if age >= self.warn_age_fraction * timeout_s:
+            return (f"pending Kafka transaction {tid} is {age:.0f}s old, {100 * age / timeout_s:.0f}% of its "
+                    f"transaction.timeout.ms ({timeout_s:.0f}s): commit it soon (restart the query or run "
+                    "'twophase recover') or the broker aborts it")
+        return None
+
+    # ------------------------------------------------------------ executor side
+    def _producer_config(self, tid: str, txn_box: list) -> dict[str, Any]:
+        conf = self._resolved_config()
+        conf.update({
+            "transactional.id": tid,
+            "transaction.timeout.ms": self.transaction_timeout_ms,
+            "enable.idempotence": True,
+            "acks": "all",
+            "debug": "eos",
+            "statistics.interval.ms": 1000,
+        })
+        conf.setdefault("allow.auto.create.topics", self.auto_create_topics)
+        conf.setdefault("linger.ms", 5)
+        conf.setdefault("client.id", f"twophase-{tid}")
+
+        seen: set[tuple[str, int]] = set()
+        txn_box.append(seen)
+
+        def on_delivery(err, msg):
+            if err is None:
+                seen.add((msg.topic(), msg.partition()))
+                return
+            txn = txn_box[0]
+            txn.error_count += 1
+            if len(txn.delivery_errors) < 5:
+                txn.delivery_errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+
+        def on_error(err):
+            if err.fatal():
+                txn_box[0].fatal.append(err.str())
+            else:
+                _rdlog.debug("%s: %s", tid, err.str())
+
+        def on_stats(s):
+            try:
+                txn_box[0].eos_stats = json.loads(s).get("eos") or {}
+            except ValueError:
+                pass
+
+        conf["on_delivery"] = on_delivery
+        conf["error_cb"] = on_error
+        conf["stats_cb"] = on_stats
+        return conf
+
+    def begin_transaction(self, ctx: TransactionContext) -> KafkaTransaction:
+        """Create a transactional producer for the partition's id, fence older attempts, begin (executor).
+
+        A fresh producer per transaction: ``init_transactions`` aborts whatever an
+        earlier attempt of this partition left open and gives a new epoch.
+        """
+        ck = require("confluent_kafka", "KafkaSink")
+        tids = ctx.intent.get("transactional_ids")
+        if tids is None:
+            raise TwoPhaseError(f"{ctx.label}: the batch INTENT has no transactional ids (was it planned "
+                                "by another sink?)")
+        if ctx.partition_id >= len(tids):
+            raise TwoPhaseError(f"{ctx.label}: partition {ctx.partition_id} is outside the batch INTENT "
+                                f"({len(tids)} transactional ids); nothing was written")
+        tid = tids[ctx.partition_id]
+        with _PRECOMMITTED_LOCK:
+            # The previous batch on this id is COMMITTED (the coordinator's ordering): drop, never close.
+            _PRECOMMITTED.pop(tid, None)
+        handler = _LibrdkafkaLog(f"{ctx.label} ({tid})")
+        rdk_logger = logging.Logger(f"twophase.rdkafka.{tid}")
+        rdk_logger.setLevel(logging.DEBUG)
+        rdk_logger.addHandler(handler)
+        box: list = [None]
+        conf = self._producer_config(tid, box)
+        conf["logger"] = rdk_logger
+        producer = ck.Producer(conf)
+        txn = KafkaTransaction(ctx, tid, producer, handler, started_at=time.time(), partitions=box[1])
+        box[0] = txn
+        try:
+            producer.init_transactions(self.request_timeout_s * 2)
+            producer.begin_transaction()
+        except ck.KafkaException as e:
+            raise TwoPhaseError(f"{ctx.label}: cannot start a Kafka transaction as {tid} on "
+                                f"{self.bootstrap_servers}: {e.args[0].str() if e.args else e}") from None
+        txn.started_at = time.time()
+        return txn
+
+    def _check_topic(self, txn: KafkaTransaction, topic: str) -> None:
+        if topic in txn.checked_topics:
+            return
+        if not self.auto_create_topics:
+            md = txn.producer.list_topics(topic, timeout=self.request_timeout_s)
+            t = md.topics.get(topic)
+            if t is None or t.error is not None:
+                raise TwoPhaseError(
+                    f"{txn.ctx.label}: topic {topic!r} does not exist on {self.bootstrap_servers} "
+                    "(KafkaSink(auto_create_topics=False)); create it and restart the query. Nothing of this "
+                    "batch was committed.")
+        txn.checked_topics.add(topic)
+
+    def write(self, txn: KafkaTransaction, batch: pa.RecordBatch) -> None:
+        """Produce the rows of one Arrow batch inside the transaction (executor)."""
+        ck = require("confluent_kafka", "KafkaSink")
+        ctx, names = txn.ctx, batch.schema.names
+        if "value" not in names:
+            raise TwoPhaseError(f"{ctx.label}: KafkaSink needs a 'value' column (binary or string), as "
+                                f"Spark's Kafka sink; columns are {names}")
+        for col in ("key", "value"):
+            if col in names and not _is_binaryish(batch.schema.field(col).type):
+                raise TwoPhaseError(f"{ctx.label}: column {col!r} must be binary or string, not "
+                                    f"{batch.schema.field(col).type} (cast it, as for Spark's Kafka sink)")
+        value_col = batch.column(names.index("value"))
+        if value_col.null_count and not self.tombstones:
+            first = value_col.is_null().to_pylist().index(True)
+            raise TwoPhaseError(
+                f"{ctx.label}: column 'value' is null in row {txn.rows + first} of this partition. Fix the "
+                "input (or pass KafkaSink(tombstones=True) to write nulls as tombstones); nothing of this "
+                "batch was committed and its replay writes it again.")
+        values = value_col.to_pylist()
+        n = len(values)
+        keys = batch.column(names.index("key")).to_pylist() if "key" in names else None
+        if self.topic is not None:
+            topics = None
+            self._check_topic(txn, self.topic)
+        elif "topic" in names:
+            topics = batch.column(names.index("topic")).to_pylist()
+            for t in set(topics):
+                if t is None:
+                    raise TwoPhaseError(f"{ctx.label}: column 'topic' is null and KafkaSink has no topic=...")
+                self._check_topic(txn, t)
+        else:
+            raise TwoPhaseError(f"{ctx.label}: no topic: give KafkaSink(topic=...) or a 'topic' column")
+        parts = batch.column(names.index("partition")).to_pylist() if "partition" in names else None
+        headers = batch.column(names.index("headers")).to_pylist() if "headers" in names else None
+
+        produce, poll = txn.producer.produce, txn.producer.poll
+        topic = self.topic
+        simple = topics is None and parts is None and headers is None
+        for i in range(n):
+            if simple:  # the common shape: one topic, key/value only
+                t = topic
+                args: tuple = (t, values[i], keys[i]) if keys is not None else (t, values[i])
+                kwargs: dict[str, Any] = {}
+            else:
+                t = topic if topics is None else topics[i]
+                args = (t, values[i], keys[i] if keys is not None else None)
+                kwargs = {}
+                if parts is not None and parts[i] is not None:
+                    kwargs["partition"] = int(parts[i])
+                if headers is not None and headers[i]:
+                    kwargs["headers"] = [(h["key"], h["value"]) for h in headers[i]]
+            while True:
+                try:
+                    produce(*args, **kwargs)
+                    break
+                except BufferError:
+                    poll(0.05)  # local queue full: serve delivery reports, then retry
+                except ck.KafkaException as e:
+                    err = e.args[0] if e.args else e
+                    raise TwoPhaseError(
+                        f"{ctx.label}: Kafka refused row {txn.rows + i} for topic {t!r}: "
+                        f"{err.str() if hasattr(err, 'str') else err}. Fix the input; nothing of this batch "
+                        "was committed.") from None
+            if i % 1000 == 999:
+                poll(0)
+                if txn.error_count or txn.fatal:
+                    break
+        txn.rows += n
+        self._raise_errors(txn)
+
+    def _raise_errors(self, txn: KafkaTransaction) -> None:
+        if txn.fatal:
+            raise TwoPhaseError(f"{txn.ctx.label}: the producer for {txn.transactional_id} failed: "
+                                f"{txn.fatal[0]} (fenced by a newer attempt of this partition?)")
+        if txn.error_count:
+            raise TwoPhaseError(
+                f"{txn.ctx.label}: {txn.error_count} records were not delivered to Kafka, e.g. "
+                f"{'; '.join(txn.delivery_errors)}. Nothing of this batch was committed; fix the cause "
+                "and its replay writes it again.")
+
+    def pre_commit(self, txn: KafkaTransaction) -> dict:
+        """Flush with zero delivery errors; return (id, producer id, epoch, partitions) (executor).
+
+        The producer stays open and is never closed: closing would abort the transaction.
+        """
+        remaining = txn.producer.flush(self.flush_timeout_s)
+        if remaining:
+            raise TwoPhaseError(f"{txn.ctx.label}: {remaining} records still undelivered after "
+                                f"{self.flush_timeout_s:.0f}s (flush_timeout_s); nothing was committed")
+        txn.producer.poll(0)  # serve remaining log lines and callbacks
+        self._raise_errors(txn)
+        pid_epoch = txn.logs.pid_epoch
+        if pid_epoch is None:
+            # The 'Acquired PID' debug line did not arrive: fall back to the statistics (<= ~1s).
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                eos = txn.eos_stats
+                if eos.get("txn_state") == "InTransaction" and eos.get("producer_id", -1) >= 0:
+                    pid_epoch = (int(eos["producer_id"]), int(eos["producer_epoch"]))
+                    break
+                txn.producer.poll(0.05)
+            if pid_epoch is None:
+                raise TwoPhaseError(f"{txn.ctx.label}: could not read the producer id and epoch of "
+                                    f"{txn.transactional_id} from librdkafka; nothing was committed")
+        txn.done = True
+        with _PRECOMMITTED_LOCK:
+            _PRECOMMITTED[txn.transactional_id] = txn.producer
+        return {"transactional_id": txn.transactional_id, "producer_id": pid_epoch[0],
+                "producer_epoch": pid_epoch[1],
+                "partitions": sorted(f"{t}:{p}" for t, p in txn.partitions),
+                "rows": txn.rows, "started_at": round(txn.started_at, 3),
+                "timeout_ms": self.transaction_timeout_ms}
+
+    def abort(self, txn: KafkaTransaction) -> None:
+        """Abort the open transaction (executor; best effort).  Never called after pre_commit."""
+        if txn.done:
+            return
+        txn.done = True
+        try:
+            txn.producer.abort_transaction(self.request_timeout_s)
+        except Exception as e:  # the next attempt's init_transactions fences it anyway
+            log.debug("%s: abort_transaction failed: %s", txn.ctx.label, e)
