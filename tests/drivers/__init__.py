@@ -1,0 +1,1 @@
+"""Driver scripts run as subprocesses by kill tests (twophase.chaos.run_with_faults)."""

@@ -1,0 +1,47 @@
+"""Kafka source -> Spark -> Coordinator(KafkaSink) -> Kafka: the driver the Kafka kill tests start and kill.
+
+Usage: python -m tests.drivers.kafka_pipeline BOOTSTRAP IN_TOPIC OUT_TOPIC CHECKPOINT_DIR TID_PREFIX
+[MAX_OFFSETS_PER_TRIGGER].  Runs a streaming query with ``trigger(availableNow=True)`` over
+everything in IN_TOPIC and exits 0 once all of it is committed to OUT_TOPIC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    bootstrap, in_topic, out_topic, checkpoint, prefix = argv[:5]
+    max_offsets = int(argv[5]) if len(argv) > 5 else 200
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("twophase").setLevel(logging.INFO)
+    from tests.services.kafka import spark_kafka_jars
+    from twophase.coordinator import Coordinator
+    from twophase.sinks.kafka import KafkaSink
+    from twophase.spark import local_session
+
+    spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "kafka-pipeline",
+                          {"spark.jars": ",".join(spark_kafka_jars())})
+    src = (spark.readStream.format("kafka")
+           .option("kafka.bootstrap.servers", bootstrap)
+           .option("subscribe", in_topic)
+           .option("startingOffsets", "earliest")
+           .option("maxOffsetsPerTrigger", str(max_offsets))
+           .load())
+    # Same shape as for .format("kafka"): key and value.
+    out = src.selectExpr("key", "value")
+    sink = KafkaSink(bootstrap, out_topic, prefix, transaction_timeout_ms=120_000)
+    coordinator = Coordinator(sink, checkpoint_location=checkpoint, name="kafka-pipeline")
+    q = (out.writeStream.foreachBatch(coordinator)
+         .option("checkpointLocation", checkpoint)
+         .trigger(availableNow=True)
+         .start())
+    q.awaitTermination()
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,402 @@
+"""KafkaSink: configuration and classification (unit), and exactly-once behaviour on a real Kafka broker.
+
+Broker tests use the session's Kafka 4.x (``kafka_service``) and count records with a
+``read_committed`` consumer.  Processes that hold transactions are killed for real
+(SIGKILL) before the driver-side commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from twophase.context import TransactionContext
+from twophase.errors import ConfigurationError, DataLossError, TwoPhaseError
+from twophase.sink import CommitOutcome
+from twophase.sinks import _kafka_protocol as kp
+from twophase.sinks.kafka import KafkaSink
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------- unit
+def test_config_refuses_settings_that_break_the_guarantee():
+    for key in ("transactional.id", "enable.idempotence", "acks", "transaction.timeout.ms"):
+        with pytest.raises(ConfigurationError, match=key.replace(".", r"\.")):
+            KafkaSink("b:9092", "t", "p", producer_config={key: "x"})
+    with pytest.raises(ConfigurationError, match="transactional_id_prefix"):
+        KafkaSink("b:9092", "t", None)
+    with pytest.raises(ConfigurationError, match="transactional_id_prefix"):
+        KafkaSink("b:9092", "t", "bad prefix/with slash")
+
+
+def test_config_round_trip_keeps_secret_references_and_refuses_literals(monkeypatch):
+    sink = KafkaSink("b:9092", "out", "app", producer_config={
+        "security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.username": "u",
+        "sasl.password": {"env": "KPASS"}, "linger.ms": 20}, transaction_timeout_ms=60_000)
+    cfg = sink.to_config()
+    assert json.loads(json.dumps(cfg)) == cfg
+    assert cfg["producer_config"]["sasl.password"] == {"env": "KPASS"}
+    again = KafkaSink.from_config(cfg)
+    assert again.to_config() == cfg
+    monkeypatch.setenv("KPASS", "s3cret")
+    assert again._resolved_config()["sasl.password"] == "s3cret"
+    assert "s3cret" not in repr(again)
+    literal = KafkaSink("b:9092", "out", "app", producer_config={"sasl.password": "s3cret"})
+    with pytest.raises(ConfigurationError) as e:
+        literal.to_config()
+    assert "s3cret" not in str(e.value)
+    # The sink pickles to executors without a driver connection.
+    assert pickle.loads(pickle.dumps(again))._client is None
+
+
+def test_kafka_python_config_translation():
+    out = kp.kafka_python_config({"bootstrap.servers": "h:1", "security.protocol": "sasl_ssl",
+                                  "sasl.mechanisms": "SCRAM-SHA-512", "sasl.username": "u",
+                                  "sasl.password": "p", "ssl.ca.location": "/ca.pem", "linger.ms": 5})
+    assert out == {"bootstrap_servers": "h:1", "security_protocol": "SASL_SSL",
+                   "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "u",
+                   "sasl_plain_password": "p", "ssl_cafile": "/ca.pem"}
+    with pytest.raises(ValueError, match="sasl.oauthbearer.config"):
+        kp.kafka_python_config({"sasl.oauthbearer.config": "secret-value"})
+
+
+def test_plan_batch_is_a_bounded_pool():
+    sink = KafkaSink("b:9092", "t", "app")
+    a, b = sink.plan_batch("q", 1, 3), sink.plan_batch("q", 2, 3)
+    assert a["transactional_ids"] == ["app-0", "app-1", "app-2"] == b["transactional_ids"]
+    assert sink.plan_batch("q", 3, 0)["transactional_ids"] == []
+
+
+def test_pending_age_warning():
+    sink = KafkaSink("b:9092", "t", "app", transaction_timeout_ms=100_000)
+    h = {"transactional_id": "app-0", "timeout_ms": 100_000, "started_at": time.time()}
+    assert sink.pending_age_warning(h) is None
+    assert sink.pending_age_warning(h, 49) is None
+    assert "commit it soon" in sink.pending_age_warning(h, 60)
+    assert "probably aborted" in sink.pending_age_warning(h, 101)
+    assert "probably aborted" in sink.pending_age_warning(dict(h, started_at=time.time() - 200))
+    assert sink.pending_age_warning({"transactional_id": "x"}) is None
+
+
+class _FakeClient:
+    closed = False
+
+    def __init__(self, code):
+        self.code = code
+
+    def end_txn(self, *a, **k):
+        return self.code
+
+
+@pytest.mark.parametrize("code,outcome", [
+    (0, CommitOutcome.COMMITTED), (51, CommitOutcome.RETRY_LATER), (16, CommitOutcome.RETRY_LATER),
+    (15, CommitOutcome.RETRY_LATER), (7, CommitOutcome.RETRY_LATER), (90, CommitOutcome.LOST),
+    (47, CommitOutcome.LOST), (48, CommitOutcome.LOST), (49, CommitOutcome.LOST),
+    (53, CommitOutcome.RETRY_LATER)])
+def test_commit_classification(code, outcome):
+    # Real-broker twins: test_commit_after_sigkill_from_fresh_process (0, 51) and
+    # test_expired_transaction_is_data_loss (90).
+    sink = KafkaSink("b:9092", "t", "app")
+    sink._client = _FakeClient(code)
+    res = sink.commit({"transactional_id": "app-0", "producer_id": 1, "producer_epoch": 0})
+    assert res.outcome is outcome
+    if outcome is not CommitOutcome.COMMITTED:
+        assert "app-0" in res.reason
+
+
+# ------------------------------------------------------------------ broker helpers
+def _topic(bootstrap: str, partitions: int = 2, name: str | None = None) -> str:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    name = name or f"ks-{uuid.uuid4().hex[:10]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(name, partitions, 1)])[name].result(30)
+    deadline = time.time() + 30
+    while time.time() < deadline:  # wait for leaders, so the first produce does not stall
+        md = admin.list_topics(name, timeout=10).topics[name]
+        if md.error is None and all(p.leader >= 0 for p in md.partitions.values()):
+            break
+        time.sleep(0.2)
+    return name
+
+
+def read_committed(bootstrap: str, topic: str, timeout: float = 10.0, idle: float = 2.0) -> list[bytes]:
+    """Every value a read_committed consumer sees in ``topic`` (until ``idle`` s without records)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
+                  "isolation.level": "read_committed", "enable.auto.commit": False,
+                  "auto.offset.reset": "earliest"})
+    md = c.list_topics(topic, timeout=10).topics[topic]
+    c.assign([TopicPartition(topic, p, 0) for p in md.partitions])
+    out: list[bytes] = []
+    deadline, last = time.time() + timeout, time.time()
+    while time.time() < deadline and time.time() - last < idle:
+        msgs = c.consume(1000, 0.2)
+        for m in msgs:
+            if m.error() is None:
+                out.append(m.value())
+        if msgs:
+            last = time.time()
+    c.close()
+    return out
+
+
+def _ctx(sink, batch=0, partition=0, attempt=0, n=1):
+    return TransactionContext("q", batch, partition, attempt, sink.plan_batch("q", batch, n))
+
+
+_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    import pyarrow as pa
+    from twophase.context import TransactionContext
+    from twophase.sinks.kafka import KafkaSink
+    bootstrap, topic, prefix, n, precommit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    sink = KafkaSink(bootstrap, topic, prefix, transaction_timeout_ms=int(sys.argv[6]))
+    ctx = TransactionContext("q", 0, 0, 0, sink.plan_batch("q", 0, 1))
+    txn = sink.begin_transaction(ctx)
+    sink.write(txn, pa.RecordBatch.from_pydict({"value": [f"{prefix}-{i}".encode() for i in range(n)]}))
+    if precommit == "1":
+        print(json.dumps(sink.pre_commit(txn)), flush=True)
+    else:
+        txn.producer.flush(30)
+        print("{}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def _child_transaction(bootstrap, topic, prefix, n=100, precommit=True, timeout_ms=60_000) -> dict:
+    """Open (and pre-commit) a transaction in a separate process, which is then SIGKILLed."""
+    p = subprocess.run([PY, "-c", _CHILD, bootstrap, topic, prefix, str(n), "1" if precommit else "0",
+                        str(timeout_ms)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------- broker
+@pytest.mark.kafka
+def test_commit_after_sigkill_from_fresh_process(kafka_service):
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs), f"kill-{uuid.uuid4().hex[:8]}"
+    handle = _child_transaction(bs, topic, prefix, n=100)
+    assert set(handle) >= {"transactional_id", "producer_id", "producer_epoch", "partitions"}
+    assert handle["transactional_id"] == f"{prefix}-0" and handle["rows"] == 100
+    assert read_committed(bs, topic, idle=1.0) == []          # pre-committed: invisible
+    sink = KafkaSink(bs, topic, prefix)                        # a fresh driver, from the handle only
+    sink.open()
+    assert sink.commit(handle).outcome is CommitOutcome.COMMITTED
+    values = read_committed(bs, topic)
+    assert sorted(values) == sorted(f"{prefix}-{i}".encode() for i in range(100))
+    # Commit again (a replay after a crash): success, and nothing doubles.
+    for _ in range(20):
+        res = sink.recover_and_commit(handle)
+        if res.outcome is not CommitOutcome.RETRY_LATER:  # 51 while markers are still written
+            break
+        time.sleep(0.2)
+    assert res.done, res
+    assert Counter(read_committed(bs, topic)) == Counter(values)
+    # A kept handle is never fenced.
+    assert sink.abort_lingering("q", 0, sink.plan_batch("q", 0, 1), [handle]) == 0
+    sink.close()
+
+
+@pytest.mark.kafka
+def test_abort_lingering_unblocks_read_committed_consumers(kafka_service):
+    from confluent_kafka import Producer
+
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"lso-{uuid.uuid4().hex[:8]}"
+    _child_transaction(bs, topic, prefix, n=50, precommit=False)   # a crashed attempt's leftover
+    p = Producer({"bootstrap.servers": bs, "transactional.id": f"other-{uuid.uuid4().hex[:6]}"})
+    p.init_transactions(30)
+    p.begin_transaction()
+    p.produce(topic, b"after-the-leftover")
+    p.commit_transaction(30)
+    # The open leftover holds the LSO: the committed record behind it is not readable.
+    assert read_committed(bs, topic, timeout=4, idle=3) == []
+    sink = KafkaSink(bs, topic, prefix)
+    t0 = time.time()
+    assert sink.abort_lingering("q", 0, sink.plan_batch("q", 0, 1), []) == 1
+    assert read_committed(bs, topic, timeout=10, idle=1.5) == [b"after-the-leftover"]
+    assert time.time() - t0 < 10
+    assert sink.abort_lingering("q", 0, sink.plan_batch("q", 0, 1), []) == 0   # idempotent
+    sink.close()
+
+
+@pytest.mark.kafka
+def test_retry_attempt_fences_the_failed_one(kafka_service):
+    """Two attempts of one partition share a transactional id: the later one fences the earlier."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs), f"att-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(bs, topic, prefix)
+    first = sink.begin_transaction(_ctx(sink, attempt=0))
+    sink.write(first, pa.RecordBatch.from_pydict({"value": [b"first"] * 10}))
+    first.producer.flush(30)
+    second = sink.begin_transaction(_ctx(sink, attempt=1))
+    sink.write(second, pa.RecordBatch.from_pydict({"value": [b"second"] * 10}))
+    handle = sink.pre_commit(second)
+    assert sink.commit(handle).done
+    assert Counter(read_committed(bs, topic)) == Counter({b"second": 10})
+    sink.close()
+
+
+@pytest.mark.kafka
+def test_open_validates_timeout_topic_and_reachability(kafka_service):
+    bs = kafka_service["bootstrap_servers"]
+    topic = _topic(bs)
+    with pytest.raises(ConfigurationError, match="transaction.max.timeout.ms=900000"):
+        KafkaSink(bs, topic, "v", transaction_timeout_ms=900_001).open()
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ConfigurationError, match=f"topic '{missing}' does not exist"):
+        KafkaSink(bs, missing, "v").open()
+    t0 = time.time()
+    with pytest.raises(ConfigurationError, match="cannot reach Kafka at 127.0.0.1:1"):
+        KafkaSink("127.0.0.1:1", topic, "v", request_timeout_s=3).open()
+    assert time.time() - t0 < 30
+    KafkaSink(bs, topic, "v", transaction_timeout_ms=900_000).open()
+
+
+# ----------------------------------------------------------- through the coordinator
+def _prepared_in_log(log_dir: Path) -> list[str]:
+    return sorted(p.name for p in log_dir.rglob("*.prepared.json"))
+
+
+@pytest.mark.kafka
+@pytest.mark.spark
+def test_bad_input_fails_before_the_decision_and_replay_is_exactly_once(kafka_service, spark, tmp_path):
+    from twophase.coordinator import Coordinator
+
+    bs = kafka_service["bootstrap_servers"]
+    topic = _topic(bs)
+    log_dir = tmp_path / "log"
+    sink = KafkaSink(bs, topic, f"bad-{uuid.uuid4().hex[:8]}", request_timeout_s=10)
+    coord = Coordinator(sink, log_location=str(log_dir), name="bad-input", commit_retries=2)
+    good = [(f"id-{i}",) for i in range(200)]
+
+    # 1. A null value.
+    df = spark.createDataFrame(good + [(None,)], "value string").repartition(2)
+    with pytest.raises(Exception, match="column 'value' is null"):
+        coord.write(df, batch_id=0)
+    # 2. A record above message.max.bytes (1 MB by default).
+    df = spark.createDataFrame(good + [("x" * 2_000_000,)], "value string").repartition(2)
+    with pytest.raises(Exception, match="(?i)too large|message size"):
+        coord.write(df, batch_id=0)
+    # 3. An unknown topic in the topic column, auto-create off.
+    tsink = KafkaSink(bs, None, f"badt-{uuid.uuid4().hex[:8]}")
+    tcoord = Coordinator(tsink, log_location=str(tmp_path / "log2"), name="bad-topic")
+    df = spark.createDataFrame([(v, f"missing-{uuid.uuid4().hex[:6]}") for (v,) in good[:5]],
+                               "value string, topic string")
+    with pytest.raises(Exception, match="does not exist"):
+        tcoord.write(df, batch_id=0)
+    assert _prepared_in_log(log_dir) == [] and _prepared_in_log(tmp_path / "log2") == []
+    assert read_committed(bs, topic, idle=1.0) == []
+
+    # The fixed input, replayed under the same batch id: exactly once.
+    df = spark.createDataFrame(good, "value string").repartition(2)
+    progress = coord.write(df, batch_id=0)
+    assert progress["rows"] == 200
+    assert coord.write(df, batch_id=0)["action"] == "skipped"
+    assert Counter(read_committed(bs, topic)) == Counter(v.encode() for (v,) in good)
+
+
+@pytest.mark.kafka
+@pytest.mark.spark
+def test_spark_rows_shaped_like_the_kafka_sink(kafka_service, spark, tmp_path):
+    """key, value, topic, partition and headers columns, as for df.write.format("kafka")."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from twophase.coordinator import Coordinator
+
+    bs = kafka_service["bootstrap_servers"]
+    t1, t2 = _topic(bs, 3), _topic(bs, 1)
+    rows = [(f"k{i}", f"v{i}", t1 if i % 2 else t2, (i % 3) if i % 2 else None) for i in range(60)]
+    df = spark.createDataFrame(rows, "key string, value string, topic string, partition int")
+    df = df.selectExpr("key", "cast(value as binary) as value", "topic", "partition",
+                       "array(named_struct('key', 'src', 'value', cast(key as binary))) as headers")
+    Coordinator(KafkaSink(bs, None, f"shape-{uuid.uuid4().hex[:8]}"),
+                log_location=str(tmp_path / "log"), name="shape").write(df, batch_id=0)
+    c = Consumer({"bootstrap.servers": bs, "group.id": uuid.uuid4().hex, "isolation.level": "read_committed"})
+    c.assign([TopicPartition(t1, p, 0) for p in range(3)] + [TopicPartition(t2, 0, 0)])
+    got, deadline = [], time.time() + 15
+    while len(got) < 60 and time.time() < deadline:
+        got += [m for m in c.consume(100, 0.5) if m.error() is None]
+    c.close()
+    assert len(got) == 60
+    for m in got:
+        i = int(m.value()[1:])
+        assert m.key() == f"k{i}".encode() and m.headers() == [("src", f"k{i}".encode())]
+        assert m.topic() == (t1 if i % 2 else t2)
+        if i % 2:
+            assert m.partition() == i % 3
+
+
+@pytest.mark.kafka
+@pytest.mark.spark
+def test_expired_transaction_is_data_loss_unless_ignored(kafka_service, spark, tmp_path, caplog):
+    """A decided batch whose transaction the broker aborted (timeout) -> DataLossError via the coordinator."""
+    from twophase.coordinator import Coordinator
+
+    bs = kafka_service["bootstrap_servers"]
+    topic = _topic(bs)
+    prefix = f"exp-{uuid.uuid4().hex[:8]}"
+    log_dir = tmp_path / "log"
+    script = textwrap.dedent(f"""
+        from twophase.coordinator import Coordinator
+        from twophase.sinks.kafka import KafkaSink
+        from twophase.spark import local_session
+        spark = local_session("local[1]", "expire")
+        df = spark.createDataFrame([(f"e{{i}}",) for i in range(20)], "value string").coalesce(1)
+        Coordinator(KafkaSink({bs!r}, {topic!r}, {prefix!r}, transaction_timeout_ms=3000),
+                    log_location={str(log_dir)!r}, name="expire").write(df, batch_id=0)
+    """)
+    env = dict(os.environ, TWOPHASE_CRASH_AT="after_prepared_logged")
+    p = subprocess.run([PY, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 137, p.stderr[-3000:]
+    assert len(_prepared_in_log(log_dir)) == 1
+    handle = json.loads(next(log_dir.rglob("*.prepared.json")).read_text())
+    # Wait until the broker has aborted the timed-out transaction.
+    client = kp.TxnClient({"bootstrap_servers": bs})
+    deadline = time.time() + 60
+    while client.describe_transactions([f"{prefix}-0"])[f"{prefix}-0"].state != "CompleteAbort":
+        assert time.time() < deadline, "the broker did not abort the transaction"
+        time.sleep(0.5)
+    client.close()
+    df = spark.createDataFrame([("e0",)], "value string")
+    sink = KafkaSink(bs, topic, prefix, transaction_timeout_ms=3000)
+    with pytest.raises(DataLossError, match=rf"DATA LOSS: batch 0 .*{prefix}-0.*PRODUCER_FENCED"):
+        Coordinator(sink, log_location=str(log_dir), name="expire", takeover=True).write(df, batch_id=0)
+    with caplog.at_level("ERROR", logger="twophase.coordinator"):
+        Coordinator(sink, log_location=str(log_dir), name="expire", takeover=True,
+                    ignore_failures_after_transaction_timeout=True).write(df, batch_id=0)
+    assert any("DATA LOSS" in r.getMessage() and "ignored" in r.getMessage() for r in caplog.records)
+    assert read_committed(bs, topic, idle=1.0) == []
+
+
+@pytest.mark.kafka
+@pytest.mark.spark
+@pytest.mark.parametrize("mode", ["exit", "raise"])
+def test_task_retries_do_not_duplicate(kafka_service, tmp_path, mode):
+    bs = kafka_service["bootstrap_servers"]
+    topic = _topic(bs)
+    p = subprocess.run([PY, "-m", "tests.drivers.kafka_retry", bs, topic, f"retry-{uuid.uuid4().hex[:8]}",
+                        str(tmp_path / "log"), mode], capture_output=True, text=True, timeout=400, cwd=REPO)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["ok"], out
+    values = read_committed(bs, topic, timeout=30)
+    counts = Counter(values)
+    assert len(counts) == 4000 and set(counts.values()) == {1}, \
+        f"{len(counts)} distinct, {sum(c - 1 for c in counts.values())} duplicates"
