@@ -217,17 +217,19 @@ def open_store(url: str, storage_options: dict[str, Any] | None = None) -> LogSt
         return FsspecStore(url, storage_options)
     if scheme in _STORES:
         return _STORES[scheme](url, storage_options)
-    if scheme in ("hdfs", "webhdfs", "viewfs"):
-        from twophase.sinks import files as _files  # registers the HDFS store if available
+    if scheme in ("hdfs", "webhdfs", "swebhdfs", "viewfs", "s3", "s3a"):
+        # sinks/files.py registers the HDFS store and the S3 store (which refuses endpoints
+        # without conditional writes) when imported.
+        from twophase.sinks import files as _files
 
         _ = _files
         if scheme in _STORES:
             return _STORES[scheme](url, storage_options)
-    if scheme in ("s3", "s3a", "gs", "gcs", "abfs", "az"):
+    if scheme in ("gs", "gcs", "abfs", "az"):
         raise ConfigurationError(
-            f"the transaction log cannot live on {scheme}:// : an object store offers no atomic "
-            "exclusive create or rename here, so two writers could both believe they decided a batch. "
-            "Put the log on local disk or HDFS (log_location=...) and keep the data on the object store.")
+            f"the transaction log cannot live on {scheme}:// : twophase has no store with atomic "
+            "exclusive create for it, so two writers could both believe they decided a batch. "
+            "Put the log on local disk, HDFS or S3 with conditional writes (log_location=...).")
     raise ConfigurationError(f"no transaction-log store for URL scheme {scheme!r} ({url})")
 
 
