@@ -1,0 +1,57 @@
+"""Streaming driver for the PostgreSQL kill tests: JSON-lines files -> Spark -> Coordinator(PostgresSink).
+
+Run as a script (``python tests/drivers/postgres_pipeline.py --input ... --checkpoint ... --table ...``);
+``twophase.chaos.run_with_faults`` kills it at crash points and at random moments.  It processes every
+available file (one per micro-batch, ``trigger(availableNow=True)``) and exits 0 once all are committed.
+The connection comes from ``--dsn`` without a password plus ``PGPASSWORD`` in the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--input", required=True, help="folder of JSON-lines files (id, k, v)")
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--dsn", required=True, help="libpq connection string without the password")
+    ap.add_argument("--table", required=True)
+    ap.add_argument("--schema", default=None)
+    ap.add_argument("--mode", choices=("insert", "upsert"), default="insert")
+    ap.add_argument("--name", default="pgchaos")
+    ap.add_argument("--partitions", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from pyspark.sql import functions as F
+
+    from twophase.coordinator import Coordinator
+    from twophase.sinks.postgres import PostgresSink
+    from twophase.spark import local_session
+
+    spark = local_session("local[2]", app_name=f"twophase-{args.name}")
+    sink = PostgresSink(args.dsn, table=args.table, schema=args.schema, mode=args.mode,
+                        key_columns=["k"] if args.mode == "upsert" else None,
+                        password={"env": "PGPASSWORD"}, lock_timeout="20s")
+    coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name,
+                              retry_backoff=0.1)
+    df = (spark.readStream.schema("id LONG, k LONG, v LONG").option("maxFilesPerTrigger", 1)
+          .json(args.input))
+    if args.mode == "upsert":
+        # One key, one partition: two transactions of a batch never wait on each other's row lock.
+        df = df.repartition(args.partitions, F.col("k")).select("k", "v")
+    else:
+        df = df.repartition(args.partitions)
+    query = (df.writeStream.foreachBatch(coordinator).option("checkpointLocation", args.checkpoint)
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
