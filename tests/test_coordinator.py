@@ -1,0 +1,192 @@
+"""The coordinator with a real local Spark session: steps 1-6 of the protocol, errors, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from twophase import CommitResult, DataLossError, HandleError
+from twophase.coordinator import Coordinator
+from twophase.errors import CommitError, CorruptLogError
+from twophase.log import COMMITTED, PREPARED, TransactionLog
+from twophase.sinks.files import FileSink
+
+pytestmark = pytest.mark.spark
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def output_ids(folder: Path) -> list[int]:
+    ids: list[int] = []
+    for p in sorted(folder.glob("*.parquet")):
+        ids.extend(pq.read_table(p).column("id").to_pylist())
+    return ids
+
+
+def frame(spark, lo, hi, parts=2):
+    return spark.range(lo, hi, numPartitions=parts).selectExpr("id", "concat('v', id) as v")
+
+
+def test_batch_write_is_exactly_once_across_reruns(spark, tmp_path):
+    out, log = tmp_path / "out", str(tmp_path / "log")
+    c = Coordinator(FileSink(str(out)), log_location=log, name="b")
+    p = c.write(frame(spark, 0, 100), batch_id=0)
+    assert p["action"] == "committed" and p["rows"] == 100 and p["handles"] == 2
+    assert {"prepare_ms", "commit_ms", "log_ms", "total_ms"} <= p.keys()
+    # A re-run of the same job with the same batch id: skipped, not written twice.
+    c2 = Coordinator(FileSink(str(out)), log_location=log, name="b")
+    assert c2.write(frame(spark, 0, 100), batch_id=0)["action"] == "skipped"
+    c2.write(frame(spark, 100, 150), batch_id=1)
+    assert sorted(output_ids(out)) == list(range(150))
+    assert not any((out / "_twophase").rglob("*.a*"))
+
+
+def test_streaming_foreach_batch(spark, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    for f in range(3):
+        (src / f"f{f}.json").write_text("".join(json.dumps({"id": f * 10 + i}) + "\n" for i in range(10)))
+    out, cp = tmp_path / "out", str(tmp_path / "cp")
+    c = Coordinator(FileSink(str(out)), checkpoint_location=cp, name="s")
+    q = (spark.readStream.schema("id LONG").option("maxFilesPerTrigger", 1).json(str(src))
+         .writeStream.foreachBatch(c).option("checkpointLocation", cp).trigger(availableNow=True).start())
+    q.awaitTermination()
+    assert sorted(output_ids(out)) == list(range(30))
+    assert c.last_progress["batch_id"] == 2 and len(c.recent_progress) == 3
+    tlog = TransactionLog(cp + "/twophase")
+    last = tlog.last_committed()
+    assert last.batch_id == 2
+    assert last.body["source"]["sources"] == [{"logOffset": 2}]  # Spark's offsets/2 for the file source
+
+
+class FlakyCommit(FileSink):
+    """Commit fails ``failures`` times (a transient outage after the decision was logged)."""
+
+    def __init__(self, *a, failures=0, **kw):
+        super().__init__(*a, **kw)
+        self.failures = failures
+
+    def commit(self, handle):
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError("target unreachable")
+        return super().commit(handle)
+
+
+def test_failed_commit_after_decision_is_recommitted_on_replay(spark, tmp_path):
+    out, log = tmp_path / "out", str(tmp_path / "log")
+    c = Coordinator(FlakyCommit(str(out), failures=100), log_location=log, name="f", commit_retries=2,
+                    retry_backoff=0.01)
+    with pytest.raises(CommitError, match="batch 0: committing .* failed 3 times.*decision is logged"):
+        c.write(frame(spark, 0, 50), batch_id=0)
+    assert output_ids(out) == []
+    tlog = TransactionLog(log)
+    assert tlog.batches()[0].keys() == {"intent", "prepared"}
+    # The replay (a restarted job) re-commits the logged handles; it does not run the executors again.
+    c2 = Coordinator(FlakyCommit(str(out), failures=1), log_location=log, name="f", retry_backoff=0.01)
+    p = c2.write(frame(spark, 1000, 1001), batch_id=0)  # different rows: proof they are not re-read
+    assert p["action"] in ("recommitted", "skipped")
+    assert sorted(output_ids(out)) == list(range(50))
+
+
+class LosingSink(FileSink):
+    def commit(self, handle):
+        return CommitResult.lost("the transaction expired")
+
+
+def test_lost_commit_is_reported_as_data_loss(spark, tmp_path):
+    c = Coordinator(LosingSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="l")
+    with pytest.raises(DataLossError) as e:
+        c.write(frame(spark, 0, 10), batch_id=4)
+    msg = str(e.value)
+    assert "DATA LOSS: batch 4" in msg and "expired" in msg and "part-00000004" in msg
+    assert e.value.batch_id == 4
+    c2 = Coordinator(LosingSink(str(tmp_path / "out2")), log_location=str(tmp_path / "log2"), name="l",
+                     ignore_failures_after_transaction_timeout=True)
+    assert c2.write(frame(spark, 0, 10), batch_id=4)["action"] == "committed"
+
+
+def test_corrupt_decision_stops_the_job(spark, tmp_path):
+    log = str(tmp_path / "log")
+    c = Coordinator(FlakyCommit(str(tmp_path / "out"), failures=100), log_location=log, name="c",
+                    commit_retries=0)
+    with pytest.raises(CommitError):
+        c.write(frame(spark, 0, 10), batch_id=0)
+    rec = tmp_path / "log" / "g0001" / "batch-000000000000.prepared.json"
+    rec.write_text(rec.read_text()[:40])  # truncated, as by a torn write or a bad copy
+    c2 = Coordinator(FileSink(str(tmp_path / "out")), log_location=log, name="c")
+    with pytest.raises(CorruptLogError, match=str(rec)):
+        c2.write(frame(spark, 0, 10), batch_id=0)
+    assert output_ids(tmp_path / "out") == []
+
+
+def test_unknown_handle_version_in_log_is_refused(spark, tmp_path):
+    log = str(tmp_path / "log")
+    c = Coordinator(FlakyCommit(str(tmp_path / "out"), failures=100), log_location=log, name="u",
+                    commit_retries=0)
+    with pytest.raises(CommitError):
+        c.write(frame(spark, 0, 10), batch_id=0)
+    # Rewrite the decision as a future twophase would, with a handle format this one does not know.
+    tlog = TransactionLog(log)
+    prepared = tlog.batches()[0][PREPARED].body
+    path = tmp_path / "log" / "g0001" / "batch-000000000000.prepared.json"
+    os.unlink(path)
+    tlog.acquire(tlog.generations()[0]["query_id"], "u")
+    tlog.write(0, PREPARED, {"handles": [dict(h, v=7) for h in prepared["handles"]], "rows": 10})
+    c2 = Coordinator(FileSink(str(tmp_path / "out")), log_location=log, name="u")
+    with pytest.raises(HandleError, match="version 7"):
+        c2.write(frame(spark, 0, 10), batch_id=0)
+    assert TransactionLog(log).batches()[0].keys() == {"intent", "prepared"}  # nothing marked committed
+
+
+def test_replaced_checkpoint_is_refused(spark, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text('{"id": 1}\n')
+    log = str(tmp_path / "log")
+
+    def run(cp):
+        c = Coordinator(FileSink(str(tmp_path / "out")), log_location=log, name="r")
+        q = (spark.readStream.schema("id LONG").json(str(src)).writeStream.foreachBatch(c)
+             .option("checkpointLocation", str(cp)).trigger(availableNow=True).start())
+        q.awaitTermination()
+
+    run(tmp_path / "cp1")
+    with pytest.raises(Exception, match="belongs to streaming query"):
+        run(tmp_path / "cp2")  # a new checkpoint = a new query id: batch 0 again
+    assert output_ids(tmp_path / "out") == [1]
+
+
+def test_called_outside_foreach_batch_is_explained(spark, tmp_path):
+    c = Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"))
+    with pytest.raises(Exception, match="outside a streaming foreachBatch"):
+        c(frame(spark, 0, 1), 0)
+
+
+def _driver(mode, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tests.drivers.files_retry", mode, str(tmp_path / "out"),
+                        str(tmp_path / "log")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_task_retries_never_duplicate(tmp_path):
+    res = _driver("retry", tmp_path)
+    assert res["ok"], res
+    ids = output_ids(tmp_path / "out")
+    assert sorted(ids) == list(range(1000))
+    # The failed attempt's pre-committed staging file was aborted after the commit.
+    assert not [p for p in (tmp_path / "out" / "_twophase").rglob("*") if p.is_file()]
+
+
+def test_speculation_is_refused(tmp_path):
+    res = _driver("speculation", tmp_path)
+    assert not res["ok"] and res["error"] == "ConfigurationError"
+    assert "spark.speculation=true" in res["message"]
+    assert not (tmp_path / "out").exists() or output_ids(tmp_path / "out") == []
