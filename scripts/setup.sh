@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up everything twophase needs on a fresh Debian machine: Java, a venv, the Python packages.
+# Usage: source scripts/setup.sh [EXTRAS]   (EXTRAS default: "test,bench")
+# Idempotent; the venv lives in $TWOPHASE_VENV (default: .venv in the repo).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+EXTRAS="${1:-test,bench}"
+VENV="${TWOPHASE_VENV:-$REPO/.venv}"
+PY="${TWOPHASE_PYTHON:-python3.11}"
+
+log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+apt_updated=0
+need_apt() {  # need_apt BINARY PACKAGE...
+  if ! command -v "$1" >/dev/null 2>&1; then
+    if [ "$apt_updated" = 0 ]; then log "apt-get update"; apt-get update -qq; apt_updated=1; fi
+    log "installing ${*:2}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${@:2}" >/dev/null
+  fi
+}
+need_apt java openjdk-17-jre-headless
+need_apt mvn maven
+command -v "$PY" >/dev/null 2>&1 || need_apt python3 python3 python3-venv
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+log "pip install -e .[$EXTRAS]"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e "$REPO[$EXTRAS]"
+if [[ ",$EXTRAS," == *",test,"* ]]; then
+  # moto's server needs boto3; pin it to the botocore that s3fs/aiobotocore chose, or pip backtracks.
+  BOTOCORE=$("$VENV/bin/python" -c 'import botocore; print(botocore.__version__)')
+  "$VENV/bin/python" -m pip install -q "moto[server]" "boto3==$BOTOCORE"
+fi
+export PATH="$VENV/bin:$PATH"
+export PYSPARK_PYTHON="$VENV/bin/python" PYSPARK_DRIVER_PYTHON="$VENV/bin/python"
+log "ready: $("$VENV/bin/python" --version), $(java -version 2>&1 | head -1)"
