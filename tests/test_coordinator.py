@@ -190,3 +190,20 @@ def test_speculation_is_refused(tmp_path):
     assert not res["ok"] and res["error"] == "ConfigurationError"
     assert "spark.speculation=true" in res["message"]
     assert not (tmp_path / "out").exists() or output_ids(tmp_path / "out") == []
+
+
+def test_async_progress_tracking_is_refused(spark, tmp_path):
+    # Spark 4.3 itself refuses it for foreachBatch ("Sink ForeachBatchSink does not support async
+    # progress tracking"); the coordinator checks too, for versions or sinks that would let it through.
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text('{"id": 1}\n')
+    c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="a")
+    with pytest.raises(Exception) as e:
+        q = (spark.readStream.schema("id LONG").json(str(src)).writeStream.foreachBatch(c)
+             .option("checkpointLocation", str(tmp_path / "cp"))
+             .option("asyncProgressTrackingEnabled", "true").trigger(processingTime="1 second").start())
+        q.awaitTermination(60)
+        q.stop()
+    assert "async progress tracking" in str(e.value).lower() or "asyncprogress" in str(e.value).lower()
+    assert not (tmp_path / "out").exists() or output_ids(tmp_path / "out") == []
