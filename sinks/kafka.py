@@ -411,12 +411,15 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
     def pending_age_warning(self, handle: dict, age_seconds: float | None = None) -> str | None:
         """A warning for ``twophase status`` and the commit path when a pending transaction nears its timeout.
 
-        ``age_seconds`` defaults to the time since the transaction began (recorded in
-        the handle).  None while younger than ``warn_age_fraction`` of its timeout.
+        The age is the larger of ``age_seconds`` (e.g. time since the decision was
+        logged) and the time since the transaction began (recorded in the handle:
+        the broker's timeout clock starts there).  None while younger than
+        ``warn_age_fraction`` of its timeout.
         """
-        age = self.handle_age(handle) if age_seconds is None else float(age_seconds)
-        if age is None:
+        ages = [a for a in (self.handle_age(handle), age_seconds) if a is not None]
+        if not ages:
             return None
+        age = max(float(a) for a in ages)
         timeout_s = int(handle.get("timeout_ms", self.transaction_timeout_ms)) / 1000.0
         tid = handle.get("transactional_id")
         if age >= timeout_s:
