@@ -40,7 +40,7 @@ from twophase.config import is_secret_ref, resolve_secret
 from twophase.context import TransactionContext
 from twophase.errors import (ConfigurationError, HandleError, LogError, MissingDependencyError,
                              TwoPhaseError)
-from twophase.sink import CommitResult, TwoPhaseCommitSink
+from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.sinks.files")
 
@@ -129,7 +129,7 @@ def _split_by_partition(batch: pa.RecordBatch, cols: list[str]):
     n = t.num_rows
     if n == 0:
         return
-    order = pc.sort_indices(t, sort_keys=[(c, "ascending") for c in cols], null_placement="at_end")
+    order = pc.sort_indices(t, sort_keys=[(c, "ascending", "at_end") for c in cols])
     st = t.take(order)
     starts = [0]
     if n > 1:
@@ -504,12 +504,21 @@ class _HdfsUpload:
         return self._pos
 
     def cancel(self) -> None:
+        """End the upload cleanly (the caller deletes the file next).
+
+        Not by breaking the HTTP request: the DataNode would then create and close the
+        file asynchronously, possibly *after* the caller's delete, leaving it behind.
+        """
         self.closed = True
-        try:
-            self._q.put_nowait(InterruptedError("transaction aborted"))
-        except queue.Full:
-            pass
-        self._t.join(timeout=10)
+        self._buf.clear()
+        deadline = time.monotonic() + 60
+        while self._t.is_alive() and time.monotonic() < deadline:
+            try:
+                self._q.put(None, timeout=0.5)
+                break
+            except queue.Full:
+                continue
+        self._t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class _HdfsBackend(_Backend):
@@ -1075,8 +1084,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         b = self._backend
         name = self.final_name(ctx.batch_id, ctx.partition_id)
         if self.partition_by:
-            segs = [partition_segment(c, v, self.partition_values) for c, v in zip(self.partition_by, key)]
-            final = b.join(b.root, *segs, name)
+            final = b.join(b.root, *key, name)  # key: the partition directory names
         else:
             final = b.join(b.root, name)
         staging, stream = b.open_file(ctx, final, len(txn.files))
@@ -1091,6 +1099,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         return txn
 
     def write(self, txn: FileTransaction, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:  # an empty batch may carry null-typed columns; it adds nothing
+            return
         if not self.partition_by:
             f = txn.files[()]
             f.writer.write(batch)
@@ -1104,12 +1114,13 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                 raise ConfigurationError("every column is a partition column: nothing would be left to "
                                          "write into the files")
             for values, rb in _split_by_partition(batch, self.partition_by):
-                f = txn.files.get(values)
-                if f is None:
-                    try:
-                        f = self._open_file(txn, values)
-                    except ValueError as e:
-                        raise TwoPhaseError(f"{txn.ctx.label}: {e}") from None
+                try:
+                    # Keyed by directory, not raw value: null and "" share the default partition.
+                    segs = tuple(partition_segment(c, v, self.partition_values)
+                                 for c, v in zip(self.partition_by, values))
+                except ValueError as e:
+                    raise TwoPhaseError(f"{txn.ctx.label}: {e}") from None
+                f = txn.files.get(segs) or self._open_file(txn, segs)
                 f.writer.write(rb)
                 f.rows += rb.num_rows
         txn.rows += batch.num_rows
@@ -1164,13 +1175,20 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     # ---------------------------------------------------------------- driver
     def commit(self, handle: dict) -> CommitResult:
         """Make every file of the handle visible; idempotent, file by file (driver)."""
-        results = [self._backend.commit_file(e) for e in self._entries(handle)]
-        for r in results:
-            if r.outcome.value in ("lost", "retry_later"):
-                return r
-        if all(r.outcome.value == "already_committed" for r in results):
-            return CommitResult.already_committed()
-        return CommitResult.committed()
+        return _combine([self._backend.commit_file(e) for e in self._entries(handle)])
+
+    def recover_and_commit(self, handle: dict) -> CommitResult:
+        """After a restart: on S3, a file whose object is already there is not completed again."""
+        if self.fs == "s3":
+            results = []
+            for e in self._entries(handle):
+                head = self._backend._head(e["bucket"], e["key"])
+                if head is not None and self._backend._matches(head, e):
+                    results.append(CommitResult.already_committed())
+                else:
+                    results.append(self._backend.commit_file(e))
+            return _combine(results)
+        return self.commit(handle)
 
     def recover_and_abort(self, handle: dict) -> None:
         for e in self._entries(handle):
@@ -1191,6 +1209,16 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             return f"file {e.get('final')} (staged {e.get('staging')}, {e.get('size')} bytes)"
         first = self._backend.describe(entries[0]) if entries else "no files"
         return first if len(entries) == 1 else f"{len(entries)} {self.fs} files, first {first}"
+
+
+def _combine(results: list[CommitResult]) -> CommitResult:
+    """One outcome for a handle's files: the first not-done outcome, else committed/already."""
+    for r in results:
+        if not r.done:
+            return r
+    if all(r.outcome is CommitOutcome.ALREADY_COMMITTED for r in results):
+        return CommitResult.already_committed()
+    return CommitResult.committed()
 
 
 def _config_options(so: dict[str, Any]) -> dict[str, Any]:

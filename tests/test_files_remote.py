@@ -1,0 +1,698 @@
+"""FileSink on real HDFS (WebHDFS minicluster) and real S3 (moto server), driven directly and by the CLI.
+
+Covers: invisibility of pre-committed files, idempotent commit, rename onto an existing target,
+multipart uploads (several parts, NoSuchUpload resolved by HEAD, orphans found by
+ListMultipartUploads), formats and compression, partition_by with unsafe values, bad targets,
+config round trips without secrets, the transaction log on HDFS and on S3 (conditional writes
+required), the conformance harness, and ``twophase recover`` / ``abort-lingering`` on pending batches.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+import uuid
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from twophase import CommitOutcome, TransactionContext
+from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.log import COMMITTED, INTENT, PREPARED, TransactionLog
+from twophase.sinks.files import FileSink
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1 << 20
+
+
+def batch(ids, **extra):
+    cols = {"id": ids, "v": [f"row-{i}" for i in ids]}
+    cols.update(extra)
+    return pa.RecordBatch.from_pydict(cols)
+
+
+def prepare(sink, batch_id, partition, ids, attempt=0, query="q", **extra):
+    ctx = TransactionContext(query, batch_id, partition, attempt, sink.plan_batch(query, batch_id, 4))
+    txn = sink.begin_transaction(ctx)
+    half = len(ids) // 2
+    sink.write(txn, batch(ids[:half], **{k: v[:half] for k, v in extra.items()}))
+    sink.write(txn, batch(ids[half:], **{k: v[half:] for k, v in extra.items()}))
+    return sink.pre_commit(txn)
+
+
+def roundtrip(sink, handle):
+    """What the log does to a handle: envelope, JSON, decode."""
+    return sink.decode_handle(json.loads(json.dumps(sink.encode_handle(handle))))
+
+
+def read_table(data: bytes, name: str) -> pa.Table:
+    if name.endswith(".gz"):
+        data, name = gzip.decompress(data), name[:-3]
+    if name.endswith(".parquet"):
+        return pq.read_table(io.BytesIO(data))
+    if name.endswith(".csv"):
+        return pacsv.read_csv(io.BytesIO(data))
+    return pa.Table.from_pylist([json.loads(x) for x in data.decode().splitlines() if x])
+
+
+# ============================================================================ HDFS
+@pytest.fixture(scope="module")
+def hdfs(hdfs_service):
+    from hdfs import InsecureClient
+
+    return InsecureClient(hdfs_service["webhdfs_url"], user=hdfs_service["user"])
+
+
+@pytest.fixture
+def hroot(hdfs_service, hdfs):
+    """(url, absolute path) of a fresh HDFS directory."""
+    path = f"/twophase-test/{uuid.uuid4().hex[:10]}"
+    yield f"{hdfs_service['namenode']}{path}", path
+    hdfs.delete(path, recursive=True)
+
+
+def hopts(info):
+    return {"webhdfs_url": info["webhdfs_url"], "user": info["user"]}
+
+
+def hvisible(hdfs, path, rel=""):
+    """Committed files under path (recursive), relative, skipping _/. names like Spark's readers do."""
+    out = []
+    for name, st in hdfs.list(f"{path}/{rel}".rstrip("/"), status=True):
+        if name.startswith(("_", ".")):
+            continue
+        sub = f"{rel}/{name}" if rel else name
+        out += hvisible(hdfs, path, sub) if st["type"] == "DIRECTORY" else [sub]
+    return sorted(out)
+
+
+def hstaged(hdfs, path):
+    st = f"{path}/_twophase"
+    if hdfs.status(st, strict=False) is None:
+        return []
+    return sorted(f"{folder}/{f}" for folder, _, files in hdfs.walk(st) for f in files)
+
+
+def hread(hdfs, path) -> bytes:
+    with hdfs.read(path) as r:
+        return r.read()
+
+
+@pytest.mark.hdfs
+@pytest.mark.parametrize("fmt,compression", [("parquet", None), ("parquet", "zstd"), ("jsonl", None),
+                                              ("jsonl", "gzip"), ("csv", None), ("csv", "gzip")])
+def test_hdfs_precommit_invisible_commit_visible(hdfs_service, hdfs, hroot, fmt, compression):
+    url, path = hroot
+    sink = FileSink(url, fmt, compression=compression, storage_options=hopts(hdfs_service))
+    sink.open()
+    h = roundtrip(sink, prepare(sink, 7, 1, list(range(100))))
+    assert h["fs"] == "hdfs" and len(h["files"]) == 1
+    (entry,) = h["files"]
+    assert entry["staging"].startswith(f"{path}/_twophase/q/b00000007/")
+    assert hvisible(hdfs, path) == []
+    assert hdfs.status(entry["staging"])["length"] == entry["size"]
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    ext = {"parquet": "parquet", "jsonl": "jsonl", "csv": "csv"}[fmt] + (".gz" if compression == "gzip" else "")
+    assert hvisible(hdfs, path) == [f"part-00000007-00001.{ext}"]
+    assert hstaged(hdfs, path) == []
+    table = read_table(hread(hdfs, entry["final"]), entry["final"])
+    assert table.column("id").to_pylist() == list(range(100))
+
+
+@pytest.mark.hdfs
+def test_hdfs_commit_twice_is_a_no_op(hdfs_service, hdfs, hroot):
+    url, path = hroot
+    sink = FileSink(url, storage_options=hopts(hdfs_service))
+    h = prepare(sink, 0, 0, [1, 2, 3])
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    final = h["files"][0]["final"]
+    before = hdfs.status(final)
+    assert sink.commit(h).outcome is CommitOutcome.ALREADY_COMMITTED
+    assert sink.recover_and_commit(roundtrip(sink, h)).outcome is CommitOutcome.ALREADY_COMMITTED
+    after = hdfs.status(final)
+    assert (after["fileId"], after["modificationTime"], after["length"]) == \
+        (before["fileId"], before["modificationTime"], before["length"])
+    assert hvisible(hdfs, path) == ["part-00000000-00000.parquet"]
+
+
+@pytest.mark.hdfs
+def test_hdfs_rename_onto_existing_target_is_an_error_and_keeps_both(hdfs_service, hdfs, hroot):
+    url, path = hroot
+    sink = FileSink(url, storage_options=hopts(hdfs_service))
+    h = prepare(sink, 0, 0, [1, 2])
+    final, staging = h["files"][0]["final"], h["files"][0]["staging"]
+    hdfs.write(final, b"someone else's data")
+    with pytest.raises(TwoPhaseError, match="already exists and is another file"):
+        sink.commit(h)
+    assert hread(hdfs, final) == b"someone else's data"
+    assert hdfs.status(staging)["length"] == h["files"][0]["size"]  # nothing lost: staged file kept
+    # A directory in the way is refused too (plain WebHDFS rename would move the file into it).
+    hdfs.delete(final)
+    hdfs.makedirs(final)
+    with pytest.raises(TwoPhaseError, match="another directory"):
+        sink.commit(h)
+    assert hdfs.list(final) == []
+
+
+@pytest.mark.hdfs
+def test_hdfs_commit_outcomes_after_a_crash(hdfs_service, hdfs, hroot):
+    url, path = hroot
+    sink = FileSink(url, storage_options=hopts(hdfs_service))
+    h = prepare(sink, 1, 0, [1, 2, 3])
+    e = h["files"][0]
+    # What a crash right after the rename leaves: target with the size, staging gone.
+    hdfs.rename(e["staging"], e["final"])
+    assert sink.commit(h).outcome is CommitOutcome.ALREADY_COMMITTED
+    # Target with another size and staging gone: lost, named.
+    hdfs.delete(e["final"])
+    hdfs.write(e["final"], b"x")
+    res = sink.commit(h)
+    assert res.outcome is CommitOutcome.LOST and "expected" in res.reason
+    hdfs.delete(e["final"])
+    res = sink.commit(h)
+    assert res.outcome is CommitOutcome.LOST and "neither the staged file" in res.reason
+
+
+@pytest.mark.hdfs
+def test_hdfs_abort_and_abort_lingering(hdfs_service, hdfs, hroot):
+    url, path = hroot
+    sink = FileSink(url, storage_options=hopts(hdfs_service))
+    ctx = TransactionContext("q", 3, 0, 0, sink.plan_batch("q", 3, 2))
+    txn = sink.begin_transaction(ctx)
+    sink.write(txn, batch(list(range(1000))))
+    sink.abort(txn)  # mid-write: the open WebHDFS upload is cancelled and the file deleted
+    assert hdfs.status(txn.staging, strict=False) is None
+    failed = prepare(sink, 3, 0, [1, 2], attempt=0)
+    other = prepare(sink, 3, 1, [3], attempt=0)
+    winner = prepare(sink, 3, 0, [1, 2], attempt=1)
+    intent = sink.plan_batch("q", 3, 2)
+    assert sink.commit(winner).done
+    assert sink.abort_lingering("q", 3, intent, [winner]) == 2
+    assert hdfs.status(failed["files"][0]["staging"], strict=False) is None
+    assert hdfs.status(other["files"][0]["staging"], strict=False) is None
+    assert hvisible(hdfs, path) == ["part-00000003-00000.parquet"]
+    assert hstaged(hdfs, path) == []
+    assert sink.abort_lingering("q", 3, intent, []) == 0  # idempotent
+
+
+@pytest.mark.hdfs
+def test_hdfs_bad_targets_are_refused_before_any_write(hdfs_service, hdfs, hroot):
+    url, path = hroot
+    hdfs.write(f"{path}/a-file", b"x")
+    with pytest.raises(ConfigurationError, match="cannot write to hdfs path .*a-file/out"):
+        FileSink(f"{url}/a-file/out", storage_options=hopts(hdfs_service)).open()
+    assert hread(hdfs, f"{path}/a-file") == b"x"
+    with pytest.raises(ConfigurationError, match="cannot reach WebHDFS at http://127.0.0.1:1"):
+        FileSink(url + "/x", storage_options={"webhdfs_url": "http://127.0.0.1:1", "user": "root",
+                                              "timeout": 5}).open()
+    assert hdfs.list(path) == ["a-file"]
+
+
+@pytest.mark.hdfs
+def test_hdfs_url_mapping():
+    s = FileSink("hdfs://nn.example:8020/data/out")
+    assert (s._backend.base, s.root) == ("http://nn.example:9870", "/data/out")
+    s = FileSink("webhdfs://nn.example:50070/data/out/")
+    assert (s._backend.base, s.root) == ("http://nn.example:50070", "/data/out")
+    s = FileSink("hdfs://nn:8020/d", storage_options={"webhdfs_url": "https://gw:9871/", "user": "etl"})
+    assert (s._backend.base, s._backend.user) == ("https://gw:9871", "etl")
+
+
+# ----- partition_by (HDFS, read back with Spark)
+UNSAFE = ["a/b", "..", "../../escape", "x=y", "new\nline", None, ""]
+
+
+@pytest.mark.hdfs
+@pytest.mark.spark
+def test_hdfs_partition_by_escapes_unsafe_values_and_spark_reads_them_back(hdfs_service, hdfs, hroot, spark):
+    url, path = hroot
+    sink = FileSink(url, storage_options=hopts(hdfs_service), partition_by=["day", "tag"])
+    sink.open()
+    ids = list(range(70))
+    days = [f"2025-01-0{i % 2 + 1}" for i in ids]
+    tags = [UNSAFE[i % len(UNSAFE)] for i in ids]
+    h = prepare(sink, 5, 0, ids, day=days, tag=tags)
+    assert len(h["files"]) == 2 * (len(UNSAFE) - 1)  # per day; "" and None share the default partition
+    assert sink.commit(roundtrip(sink, h)).outcome is CommitOutcome.COMMITTED
+    files = hvisible(hdfs, path)
+    assert all(f.count("/") == 2 and f.startswith("day=") for f in files), files
+    assert "day=2025-01-01/tag=..%2F..%2Fescape/part-00000005-00000.parquet" in files
+    assert hstaged(hdfs, path) == []
+    assert hdfs.status("/twophase-test/escape", strict=False) is None
+    rows = spark.read.parquet(url).select("id", "day", "tag").collect()
+    got = sorted((r["id"], r["day"], r["tag"]) for r in rows)
+    # Spark reads "" back as null, exactly as for its own partitioned output.
+    want = sorted((i, d, None if t == "" else t) for i, d, t in zip(ids, days, tags))
+    assert [(i, str(d), t) for i, d, t in got] == want
+
+
+@pytest.mark.hdfs
+@pytest.mark.parametrize("bad", ["a/b", "..", "new\nline"])
+def test_hdfs_partition_values_reject_mode_fails_clearly_and_leaves_nothing(hdfs_service, hdfs, hroot, bad):
+    url, path = hroot
+    sink = FileSink(url, storage_options=hopts(hdfs_service), partition_by=["tag"], partition_values="reject")
+    sink.open()
+    ctx = TransactionContext("q", 2, 0, 0, sink.plan_batch("q", 2, 1))
+    txn = sink.begin_transaction(ctx)
+    with pytest.raises(TwoPhaseError, match=r"partition value .* of column 'tag' is not path-safe"):
+        # "aaa" sorts first, so a good file is already open when the bad value comes
+        sink.write(txn, batch([1, 2, 3], tag=["aaa", bad, "aaa"]))
+    sink.abort(txn)  # what the coordinator's executor code does on any error
+    assert hvisible(hdfs, path) == []
+    assert hstaged(hdfs, path) == []
+
+
+@pytest.mark.hdfs
+def test_partition_by_config_is_validated():
+    for col in ["a/b", "", "..", "_x", "a=b"]:
+        with pytest.raises(ConfigurationError, match="cannot name a directory"):
+            FileSink("hdfs://nn:8020/x", partition_by=[col])
+    with pytest.raises(ConfigurationError, match="partition_values"):
+        FileSink("/tmp/x", partition_by=["a"], partition_values="ignore")
+
+
+# ----- the transaction log on HDFS
+@pytest.mark.hdfs
+def test_transaction_log_on_hdfs(hdfs_service, hdfs, hroot):
+    url, path = hroot
+    opts = hopts(hdfs_service)
+    tlog = TransactionLog(f"{url}/log", storage_options=opts)
+    tlog.acquire("query-1", "t")
+    rec = tlog.write(4, INTENT, {"intent": {"x": 1}})
+    assert tlog.write(4, INTENT, {"intent": {"x": 2}}).body["intent"] == {"x": 1}  # exclusive create
+    tlog.write(4, PREPARED, {"handles": [], "rows": 0})
+    tlog.heartbeat()  # replace
+    tlog.heartbeat()
+    assert tlog.state(4).state == PREPARED
+    names = hdfs.list(f"{path}/log/g0001")
+    assert names == ["batch-000000000004.intent.json", "batch-000000000004.prepared.json"]  # no temp files
+    other = TransactionLog(f"{url}/log", storage_options=opts)
+    other.acquire("query-1", "t2", takeover=True)  # newer epoch fences the first
+    with pytest.raises(Exception, match="fenced"):
+        tlog.write(4, COMMITTED, {})
+    other.write(4, COMMITTED, {})
+    assert TransactionLog(f"{url}/log", storage_options=opts).batches(1)[4].keys() == {INTENT, PREPARED, COMMITTED}
+    assert rec.location.startswith(url)
+
+
+@pytest.mark.hdfs
+@pytest.mark.spark
+def test_coordinator_with_data_and_log_on_hdfs(hdfs_service, hdfs, hroot, spark):
+    from twophase.coordinator import Coordinator
+
+    url, path = hroot
+    opts = hopts(hdfs_service)
+    sink = FileSink(f"{url}/out", storage_options=opts)
+    df = spark.range(0, 500, numPartitions=2).selectExpr("id", "cast(id % 7 as string) AS k")
+    c = Coordinator(sink, log_location=f"{url}/log", storage_options=opts, name="hdfscoord")
+    assert c.write(df, batch_id=0)["action"] == "committed"
+    assert c.write(df, batch_id=0)["action"] == "skipped"  # a re-run job does not write twice
+    ids = [r["id"] for r in spark.read.parquet(f"{url}/out").select("id").collect()]
+    assert sorted(ids) == list(range(500))
+    assert hstaged(hdfs, f"{path}/out") == []
+
+
+# ============================================================================== S3
+@pytest.fixture(scope="module")
+def s3(s3_service):
+    from tests.services.s3 import client
+
+    return client(s3_service)
+
+
+@pytest.fixture
+def sroot(s3_service, s3):
+    """(url, key prefix) of a fresh S3 prefix; everything under it is removed afterwards."""
+    prefix = f"twophase-test/{uuid.uuid4().hex[:10]}"
+    bucket = s3_service["bucket"]
+    yield f"s3://{bucket}/{prefix}", prefix
+    for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []):
+        s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+    for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
+        s3.delete_object(Bucket=bucket, Key=o["Key"])
+
+
+@pytest.fixture
+def s3env(s3_service, monkeypatch):
+    """Storage options with credentials as env references (as a recoverable config must have them)."""
+    monkeypatch.setenv("TP_TEST_S3_KEY", s3_service["key"])
+    monkeypatch.setenv("TP_TEST_S3_SECRET", s3_service["secret"])
+    return {"key": {"env": "TP_TEST_S3_KEY"}, "secret": {"env": "TP_TEST_S3_SECRET"},
+            "endpoint_url": s3_service["endpoint_url"], "region_name": s3_service["region"]}
+
+
+def svisible(s3, bucket, prefix):
+    out = []
+    for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
+        out.append(o["Key"][len(prefix) + 1:])
+    return sorted(out)
+
+
+def sopen(s3, bucket, prefix):
+    return sorted((u["Key"], u["UploadId"])
+                  for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", []))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("fmt,compression", [("parquet", None), ("jsonl", "gzip"), ("csv", None)])
+def test_s3_precommit_is_an_open_upload_and_commit_completes_it(s3_service, s3, sroot, s3env, fmt, compression):
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    sink = FileSink(url, fmt, compression=compression, storage_options=s3env)
+    sink.open()
+    h = roundtrip(sink, prepare(sink, 7, 1, list(range(50))))
+    (e,) = h["files"]
+    assert set(e) == {"bucket", "key", "upload_id", "parts", "size", "etag", "rows"}
+    assert svisible(s3, bucket, prefix) == []
+    assert sopen(s3, bucket, prefix) == [(e["key"], e["upload_id"])]
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    name = e["key"].rsplit("/", 1)[1]
+    assert svisible(s3, bucket, prefix) == [name]
+    assert sopen(s3, bucket, prefix) == []
+    head = s3.head_object(Bucket=bucket, Key=e["key"])
+    assert head["ContentLength"] == e["size"] and head["ETag"] == e["etag"]
+    data = s3.get_object(Bucket=bucket, Key=e["key"])["Body"].read()
+    assert read_table(data, name).column("id").to_pylist() == list(range(50))
+
+
+@pytest.mark.s3
+def test_s3_large_file_goes_up_in_parts_and_commit_twice_is_a_no_op(s3_service, s3, sroot, s3env):
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    sink = FileSink(url, "csv", storage_options=s3env, part_size=5 * MIB)
+    ctx = TransactionContext("q", 1, 0, 0, sink.plan_batch("q", 1, 1))
+    txn = sink.begin_transaction(ctx)
+    upload = txn.files[()].stream
+    n = 0
+    for _ in range(12):
+        ids = list(range(n, n + 40_000))
+        n += len(ids)
+        sink.write(txn, batch(ids, pad=["x" * 20] * len(ids)))
+        assert len(upload._buf) < 5 * MIB  # never more than one part buffered
+    h = roundtrip(sink, sink.pre_commit(txn))
+    (e,) = h["files"]
+    assert len(e["parts"]) >= 3 and e["size"] > 10 * MIB
+    assert svisible(s3, bucket, prefix) == []
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    head1 = s3.head_object(Bucket=bucket, Key=e["key"])
+    assert head1["ETag"] == e["etag"] and head1["ETag"].endswith(f'-{len(e["parts"])}"')
+    # Replayed commit (the upload is gone now): a no-op, object unchanged.
+    assert sink.commit(h).done
+    assert sink.recover_and_commit(h).outcome is CommitOutcome.ALREADY_COMMITTED
+    head2 = s3.head_object(Bucket=bucket, Key=e["key"])
+    assert (head2["ETag"], head2["LastModified"], head2["ContentLength"]) == \
+        (head1["ETag"], head1["LastModified"], head1["ContentLength"])
+    body = s3.get_object(Bucket=bucket, Key=e["key"])["Body"].read()
+    assert pacsv.read_csv(io.BytesIO(body)).column("id").to_pylist() == list(range(n))
+
+
+@pytest.mark.s3
+def test_s3_commit_outcomes_when_the_upload_is_gone(s3_service, s3, sroot, s3env):
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    sink = FileSink(url, storage_options=s3env)
+    # Completed earlier (crash after complete): NoSuchUpload/500 resolved by HEAD.
+    h = prepare(sink, 2, 0, [1, 2, 3])
+    e = h["files"][0]
+    s3.complete_multipart_upload(Bucket=bucket, Key=e["key"], UploadId=e["upload_id"],
+                                 MultipartUpload={"Parts": [{"PartNumber": p["n"], "ETag": p["etag"]}
+                                                            for p in e["parts"]]})
+    assert sink.commit(h).done
+    # Aborted and absent: lost, named.
+    h2 = prepare(sink, 2, 1, [4, 5])
+    e2 = h2["files"][0]
+    s3.abort_multipart_upload(Bucket=bucket, Key=e2["key"], UploadId=e2["upload_id"])
+    res = sink.commit(h2)
+    assert res.outcome is CommitOutcome.LOST and "no longer exists" in res.reason
+    assert e2["key"].rsplit("/", 1)[1] not in svisible(s3, bucket, prefix)
+
+
+@pytest.mark.s3
+def test_s3_commit_never_overwrites_a_foreign_object(s3_service, s3, sroot, s3env):
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    sink = FileSink(url, storage_options=s3env)
+    h = prepare(sink, 0, 0, [1, 2])
+    e = h["files"][0]
+    s3.put_object(Bucket=bucket, Key=e["key"], Body=b"someone else's data")
+    with pytest.raises(TwoPhaseError, match="already exists and is not this upload's"):
+        sink.commit(h)
+    assert s3.get_object(Bucket=bucket, Key=e["key"])["Body"].read() == b"someone else's data"
+    assert sopen(s3, bucket, prefix) == [(e["key"], e["upload_id"])]  # kept: nothing lost
+
+
+@pytest.mark.s3
+def test_s3_abort_lingering_finds_orphans_of_the_batch_only(s3_service, s3, sroot, s3env):
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    sink = FileSink(url, storage_options=s3env, partition_by=["k"])
+    orphan = prepare(sink, 9, 0, [1, 2, 3], k=["a", "b", "a"])         # a crashed attempt: 2 uploads
+    winner = prepare(sink, 9, 0, [1, 2, 3], attempt=1, k=["a", "b", "a"])
+    other_batch = prepare(sink, 10, 0, [7], k=["a"])
+    foreign = s3.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/k=a/notours-00000009.parquet")["UploadId"]
+    ctx = TransactionContext("q", 9, 1, 0, sink.plan_batch("q", 9, 2))
+    aborted = sink.begin_transaction(ctx)
+    sink.write(aborted, batch([5], k=["c"]))
+    sink.abort(aborted)  # an open (not pre-committed) file of a failing task: upload aborted
+    intent = sink.plan_batch("q", 9, 2)
+    assert intent == {"fs": "s3", "bucket": bucket, "prefix": prefix + "/", "names": "part-00000009-"}
+    assert sink.commit(winner).done
+    assert sink.abort_lingering("q", 9, intent, [winner]) == 2
+    remaining = {k for k, _ in sopen(s3, bucket, prefix)}
+    assert remaining == {other_batch["files"][0]["key"], f"{prefix}/k=a/notours-00000009.parquet"}
+    assert sink.abort_lingering("q", 9, intent, []) == 0
+    assert svisible(s3, bucket, prefix) == ["k=a/part-00000009-00000.parquet", "k=b/part-00000009-00000.parquet"]
+    assert [u for u in sopen(s3, bucket, prefix) if u[1] == foreign]
+
+
+@pytest.mark.s3
+def test_s3_bad_input_is_refused_and_leaves_nothing(s3_service, s3, sroot, s3env):
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    missing = f"twophase-missing-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(ConfigurationError, match=f"bucket '{missing}' does not exist"):
+        FileSink(f"s3://{missing}/out", storage_options=s3env).open()
+    assert missing not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    with pytest.raises(ConfigurationError, match="between 5 MiB"):
+        FileSink(url, storage_options=s3env, part_size=MIB)
+    sink = FileSink(url, storage_options=s3env, partition_by=["tag"], partition_values="reject")
+    sink.open()
+    ctx = TransactionContext("q", 2, 0, 0, sink.plan_batch("q", 2, 1))
+    txn = sink.begin_transaction(ctx)
+    with pytest.raises(TwoPhaseError, match="not path-safe"):
+        sink.write(txn, batch([1, 2], tag=["ok", "../up"]))
+    sink.abort(txn)
+    assert svisible(s3, bucket, prefix) == [] and sopen(s3, bucket, prefix) == []
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["KeyCount"] == 0  # not even the open() probe
+
+
+@pytest.mark.s3
+def test_s3_config_carries_no_secret(s3_service, sroot, s3env):
+    from twophase.config import sink_from_config
+
+    url, _ = sroot
+    literal = {"key": s3_service["key"], "secret": "sekrit-value", "endpoint_url": s3_service["endpoint_url"]}
+    with pytest.raises(ConfigurationError, match="'(key|secret)' is given by value"):
+        FileSink(url, storage_options=literal).to_config()
+    sink = FileSink(url, "jsonl", storage_options=s3env, partition_by=["k"], part_size=6 * MIB)
+    cfg = json.loads(json.dumps(sink.to_config()))
+    assert cfg["storage_options"]["secret"] == {"env": "TP_TEST_S3_SECRET"}
+    again = sink_from_config(json.dumps(cfg))
+    assert again.to_config() == cfg
+    h = prepare(again, 1, 0, [1, 2], k=["a", "b"])
+    text = json.dumps(again.encode_handle(h)) + repr(again) + again.describe_handle(h)
+    assert "testing" not in text.replace("twophase-test", "")
+    assert again.commit(h).done
+
+
+# ----- the transaction log on S3: only with conditional writes
+@pytest.mark.s3
+def test_transaction_log_on_s3_with_conditional_writes(s3_service, sroot, s3env):
+    url, _ = sroot
+    tlog = TransactionLog(f"{url}/log", storage_options=s3env)
+    tlog.acquire("query-1", "t")
+    tlog.write(0, INTENT, {"intent": {"a": 1}})
+    assert tlog.write(0, INTENT, {"intent": {"a": 2}}).body["intent"] == {"a": 1}
+    assert tlog.store.create("g0001/x", b"1") and not tlog.store.create("g0001/x", b"2")
+    assert tlog.store.read("g0001/x") == b"1"
+    tlog.write(0, PREPARED, {"handles": []})
+    tlog.write(0, COMMITTED, {})
+    assert set(TransactionLog(f"{url}/log", storage_options=s3env).batches(1)[0]) == {INTENT, PREPARED, COMMITTED}
+
+
+class _StripConditionsProxy(http.server.ThreadingHTTPServer):
+    """A real HTTP hop in front of the moto server that drops If-None-Match, like an S3-compatible
+    store without conditional writes would ignore it."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream.rstrip("/")
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("if-none-match", "host")}
+                req = urllib.request.Request(proxy.upstream + self.path, data=body, headers=headers,
+                                             method=self.command)
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as r:
+                        status, rh, data = r.status, r.headers, r.read()
+                except urllib.error.HTTPError as e:
+                    status, rh, data = e.code, e.headers, e.read()
+                self.send_response(status)
+                for k, v in rh.items():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+            def log_message(self, *a):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+@pytest.mark.s3
+def test_transaction_log_on_s3_is_refused_without_conditional_writes(s3_service, sroot, s3env):
+    url, prefix = sroot
+    proxy = _StripConditionsProxy(s3_service["endpoint_url"])
+    t = threading.Thread(target=proxy.serve_forever, daemon=True)
+    t.start()
+    try:
+        opts = dict(s3env, endpoint_url=f"http://127.0.0.1:{proxy.server_address[1]}")
+        with pytest.raises(ConfigurationError, match="does not honour conditional writes"):
+            TransactionLog(f"{url}/log", storage_options=opts)
+    finally:
+        proxy.shutdown()
+    from tests.services.s3 import client
+
+    assert client(s3_service).list_objects_v2(Bucket=s3_service["bucket"], Prefix=prefix)["KeyCount"] == 0
+
+
+# ====================================================================== conformance
+@pytest.mark.hdfs
+def test_conformance_on_hdfs(hdfs_service, hdfs, hroot):
+    from twophase.testing import run_sink_conformance
+
+    url, path = hroot
+    opts = hopts(hdfs_service)
+
+    def read():
+        rows = []
+        for rel in hvisible(hdfs, path):
+            rows += pq.read_table(io.BytesIO(hread(hdfs, f"{path}/{rel}"))).to_pylist()
+        return rows
+
+    def reset():
+        hdfs.delete(path, recursive=True)
+        hdfs.makedirs(path)
+
+    run_sink_conformance(lambda: FileSink(url, storage_options=opts), read, reset=reset,
+                         pending=lambda: hstaged(hdfs, path), max_examples=6, steps=15)
+
+
+@pytest.mark.s3
+def test_conformance_on_s3(s3_service, s3, sroot, s3env):
+    from twophase.testing import run_sink_conformance
+
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+
+    def read():
+        rows = []
+        for rel in svisible(s3, bucket, prefix):
+            data = s3.get_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Body"].read()
+            rows += pq.read_table(io.BytesIO(data)).to_pylist()
+        return rows
+
+    def reset():
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=o["Key"])
+
+    run_sink_conformance(lambda: FileSink(url, storage_options=s3env), read, reset=reset,
+                         pending=lambda: [k for k, _ in sopen(s3, bucket, prefix)], max_examples=6, steps=15)
+
+
+# ====================================================================== twophase recover
+def _pending_log(sink, log_url, log_opts):
+    """A log with batch 0 decided-but-uncommitted and batch 1 undecided with staged leftovers,
+    written by this process as a crashed driver would have left it."""
+    tlog = TransactionLog(log_url, storage_options=log_opts)
+    tlog.acquire("query-cli", "cli")
+    decided = []
+    for b, ids in ((0, [[1, 2], [3]]), (1, [[4], [5, 6]])):
+        intent = sink.plan_batch("cli", b, 2)
+        tlog.write(b, INTENT, {"intent": intent, "sink": "files", "name": "cli", "num_partitions": 2})
+        handles = []
+        for p, part in enumerate(ids):
+            ctx = TransactionContext("cli", b, p, 0, intent)
+            txn = sink.begin_transaction(ctx)
+            sink.write(txn, batch(part))
+            handles.append(sink.encode_handle(sink.pre_commit(txn)))
+        if b == 0:
+            tlog.write(b, PREPARED, {"handles": handles, "rows": 3})
+            decided = handles
+    return decided
+
+
+def _cli(*args, env=None):
+    r = subprocess.run([sys.executable, "-m", "twophase.cli", *args], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env=dict(os.environ, **(env or {})))
+    return r
+
+
+@pytest.mark.hdfs
+def test_cli_recover_on_hdfs(hdfs_service, hdfs, hroot):
+    url, path = hroot
+    opts = hopts(hdfs_service)
+    sink = FileSink(f"{url}/out", storage_options=opts)
+    _pending_log(sink, f"{url}/log", opts)
+    assert len(hstaged(hdfs, f"{path}/out")) == 4
+    cfg = json.dumps(sink.to_config())
+    r = _cli("abort-lingering", f"{url}/log", "--storage-options", json.dumps(opts), "--sink-config", cfg,
+             "--takeover", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["aborted"] == {"1": 2}
+    assert hvisible(hdfs, f"{path}/out") == []   # abort-lingering never commits
+    r = _cli("recover", f"{url}/log", "--storage-options", json.dumps(opts), "--sink-config", cfg,
+             "--takeover", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["committed_batches"] == [0] and rep["handles_committed"] == 2
+    assert hvisible(hdfs, f"{path}/out") == ["part-00000000-00000.parquet", "part-00000000-00001.parquet"]
+    assert hstaged(hdfs, f"{path}/out") == []
+    r = _cli("recover", f"{url}/log", "--storage-options", json.dumps(opts), "--sink-config", cfg,
+             "--takeover", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["committed_batches"] == []
+
+
+@pytest.mark.s3
+def test_cli_recover_on_s3(s3_service, s3, sroot, s3env, tmp_path):
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    sink = FileSink(url, storage_options=s3env)
+    _pending_log(sink, str(tmp_path / "log"), None)
+    assert len(sopen(s3, bucket, prefix)) == 4
+    cfg_file = tmp_path / "sink.json"
+    cfg_file.write_text(json.dumps(sink.to_config()))
+    assert "testing" not in cfg_file.read_text().replace("twophase-test", "")
+    env = {"TP_TEST_S3_KEY": s3_service["key"], "TP_TEST_S3_SECRET": s3_service["secret"]}
+    r = _cli("recover", str(tmp_path / "log"), "--sink-config", str(cfg_file), "--takeover", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["committed_batches"] == [0] and rep["handles_committed"] == 2 and rep["aborted"] == {"1": 2}
+    assert svisible(s3, bucket, prefix) == ["part-00000000-00000.parquet", "part-00000000-00001.parquet"]
+    assert sopen(s3, bucket, prefix) == []
