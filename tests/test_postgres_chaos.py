@@ -8,6 +8,7 @@ last-value-per-key (upsert mode), and no prepared transaction of the query may b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -23,12 +24,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(REPO, "tests", "drivers", "postgres_pipeline.py")
 
 
+@contextlib.contextmanager
 def _conn(info):
     import psycopg2
 
     c = psycopg2.connect(info["dsn"])
     c.autocommit = True
-    return c
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 def _write_input(folder, files: int, rows: int, keys: int) -> tuple[list[int], dict[int, int]]:
@@ -74,8 +79,7 @@ def test_insert_exactly_once_under_crash_points_and_sigkills(tmp_path, postgres_
     table = f"chaos_{uuid.uuid4().hex[:8]}"
     name = f"pgchaos-{uuid.uuid4().hex[:6]}"
     expected, _ = _write_input(tmp_path / "in", files=4, rows=300, keys=50)
-    c = _conn(info)
-    with c.cursor() as cur:
+    with _conn(info) as c, c.cursor() as cur:
         cur.execute(f'CREATE TABLE "{table}" (id bigint NOT NULL, k bigint, v bigint)')
     runs = _run(tmp_path, info, table, "insert", name, crash.POINTS, random_kills=2, seed=20251122)
     faults = [r for r in runs if r.fault != "none"]
@@ -83,14 +87,13 @@ def test_insert_exactly_once_under_crash_points_and_sigkills(tmp_path, postgres_
     # Every crash-point run really died at its point (exit 137), none finished early.
     assert all(r.exit_code != 0 for r in faults if r.fault.startswith("crash:")), runs
     assert runs[-1].completed
-    with c.cursor() as cur:
+    with _conn(info) as c, c.cursor() as cur:  # a fresh connection: the runs took minutes
         cur.execute(f'SELECT id FROM "{table}"')
         actual = [r[0] for r in cur.fetchall()]
     verdict = chaos.verify(expected, actual)
     assert verdict.exactly_once, verdict.to_dict()
     assert verdict.records_out == len(expected) == 1200
     assert _leftovers(info, name) == []
-    c.close()
 
 
 def test_upsert_final_table_under_replays(tmp_path, postgres_service):
@@ -98,8 +101,7 @@ def test_upsert_final_table_under_replays(tmp_path, postgres_service):
     table = f"chaos_up_{uuid.uuid4().hex[:8]}"
     name = f"pgup-{uuid.uuid4().hex[:6]}"
     _, last = _write_input(tmp_path / "in", files=3, rows=200, keys=70)
-    c = _conn(info)
-    with c.cursor() as cur:
+    with _conn(info) as c, c.cursor() as cur:
         cur.execute(f'CREATE TABLE "{table}" (k bigint PRIMARY KEY, v bigint NOT NULL)')
         # Pre-existing rows the upserts must overwrite (k < 70) or leave alone (k >= 1000).
         cur.execute(f'INSERT INTO "{table}" SELECT g, -1 FROM generate_series(0, 9) g')
@@ -110,9 +112,8 @@ def test_upsert_final_table_under_replays(tmp_path, postgres_service):
     assert runs[-1].completed
     expected = dict(last)
     expected.update({k: -2 for k in range(1000, 1005)})
-    with c.cursor() as cur:
+    with _conn(info) as c, c.cursor() as cur:
         cur.execute(f'SELECT k, v FROM "{table}"')
         actual = dict(cur.fetchall())
     assert actual == expected
     assert _leftovers(info, name) == []
-    c.close()
