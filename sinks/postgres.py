@@ -28,9 +28,10 @@ import logging
 import re
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -86,8 +87,8 @@ def _safe(s: str) -> str:
 def _pg() -> Any:
     """psycopg2 with its ``sql``, ``extensions`` and ``errors`` submodules loaded."""
     pg = require("psycopg2", "PostgresSink")
-    import psycopg2.errors  # noqa: F401
-    import psycopg2.extensions  # noqa: F401
+    import psycopg2.errors
+    import psycopg2.extensions
     import psycopg2.sql  # noqa: F401
 
     return pg
@@ -132,6 +133,8 @@ def _arrow_fits(at: pa.DataType, col: _Column) -> bool:
         return True
     if col.category == "S" and not (t.is_binary(at) or t.is_large_binary(at) or t.is_fixed_size_binary(at)):
         return True  # text, varchar, char: every scalar and nested value renders as text
+    if col.typname in ("int2", "int4", "int8") and (t.is_floating(at) or (t.is_decimal(at) and at.scale > 0)):
+        return False  # "1.5" is no integer: cast (and round) in Spark, explicitly
     if t.is_integer(at) or t.is_floating(at) or t.is_decimal(at):
         return col.category == "N"
     if t.is_boolean(at):
@@ -761,7 +764,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
 
     def _map_columns(self, txn: PostgresTransaction, schema: pa.Schema) -> list[_Column]:
         """Match the batch's columns to the table's, by exact name; errors name the column."""
-        label = f"{txn.ctx.label} (table {self.target_name})"
+        label = f"{txn.ctx.label} (gid {txn.gid}, table {self.target_name})"
         cols = txn.columns
         mapped: list[_Column] = []
         for f in schema:

@@ -25,11 +25,11 @@ import uuid
 
 import pyarrow as pa
 import pytest
+from twophase.sinks.postgres import PostgresSink, PostgresWriteError
 
 from twophase import ConfigurationError, TransactionContext
 from twophase.config import sink_from_config
 from twophase.sink import CommitOutcome
-from twophase.sinks.postgres import PostgresSink, PostgresWriteError
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
 
@@ -136,7 +136,7 @@ def test_types_round_trip_through_copy(db, postgres_service):
     assert [r[6] for r in rows] == tricky  # '' stays '', None stays NULL, '\.' is data
     assert r0[8] == dt.date(1, 1, 1) and r1[8] == dt.date(9999, 12, 31) and r2[8] is None
     # A tz-aware Arrow timestamp is an instant: timestamptz keeps it, naive columns get its UTC wall time.
-    assert r0[10] == ts.replace(tzinfo=dt.timezone.utc) and r1[10] is None
+    assert r0[10] == ts.replace(tzinfo=dt.UTC) and r1[10] is None
     assert r0[9] == ts
     assert r0[11] == dt.time(12, 34, 56, 789000)
     assert bytes(r0[12]) == b"\x00\x01\xff" and bytes(r1[12]) == b"" and r2[12] is None
@@ -497,6 +497,35 @@ def test_upsert_last_row_wins_and_replays_are_idempotent(db, postgres_service):
 
 
 # ----------------------------------------------------------------------- bad input
+def test_bad_input_at_the_sink_names_column_and_constraint_and_rolls_back(db, postgres_service):
+    t = table(db, "id bigint PRIMARY KEY, amount int NOT NULL CONSTRAINT amount_nonneg CHECK (amount >= 0)")
+    sink = PostgresSink(postgres_service["dsn"], table=t)
+    sink.open()
+    name = f"badsink-{_uid()}"
+    intent = sink.plan_batch(name, 4, 1)
+    cases = [
+        ({"id": [1, 2], "amount": [1, -1]}, None, "amount_nonneg", "23514"),
+        ({"id": [1, 2], "amount": [1, None]}, "amount", None, "23502"),
+        ({"id": [1, 1], "amount": [1, 1]}, None, f"{t}_pkey", "23505"),
+        ({"id": [1, 2], "amount": ["1", "x"]}, "amount", None, "22P02"),
+        ({"id": [1, 2], "amount": [1.5, 2.5]}, "amount", None, None),  # float into int: refused up front
+        ({"id": [1, 2], "amount": [1, 2], "Amount": [1, 2]}, "Amount", None, None),
+    ]
+    for attempt, (data, column, constraint, sqlstate) in enumerate(cases):
+        txn = sink.begin_transaction(TransactionContext(name, 4, 0, attempt, intent))
+        with pytest.raises(PostgresWriteError) as ei:
+            sink.write(txn, pa.record_batch({k: pa.array(v) for k, v in data.items()}))
+            sink.pre_commit(txn)  # a deferred problem would show here, before the decision
+        sink.abort(txn)
+        e = ei.value
+        assert (e.column, e.constraint, e.sqlstate) == (column, constraint, sqlstate), str(e)
+        assert f"batch 4 partition 0 attempt {attempt}" in str(e) and txn.gid in str(e)
+        assert "password" not in str(e)
+    assert q(db, f'SELECT count(*) FROM "{t}"')[0][0] == 0
+    assert prepared_gids(db, intent["gid_prefix"]) == []
+    assert q(db, "SELECT count(*) FROM twophase_commits WHERE query_name = %s", (name,))[0][0] == 0
+
+
 def _coordinator(sink, tmp_path, name):
     from twophase.coordinator import Coordinator
 
@@ -589,7 +618,7 @@ def test_coordinator_end_to_end_exactly_once(db, postgres_service, spark, tmp_pa
     assert p["rows"] == 20000 and p["handles"] == 2 and p["action"] == "committed"
     assert coord.write(df, batch_id=0)["action"] == "skipped"
     assert q(db, f'SELECT count(*), count(DISTINCT id), min(at), max(amount) FROM "{t}"')[0] == (
-        20000, 20000, dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc), decimal.Decimal("199.99"))
+        20000, 20000, dt.datetime(1970, 1, 1, tzinfo=dt.UTC), decimal.Decimal("199.99"))
     assert q(db, "SELECT count(*) FROM twophase_commits WHERE query_name = %s", (name,))[0][0] == 2
     assert prepared_gids(db, f"tp:{name}:") == []
 
@@ -602,7 +631,7 @@ def test_server_restart_with_prepared_transactions(db, postgres_service):
     sink = PostgresSink(postgres_service["dsn"], table=t)
     sink.open()
     name = f"restart-{_uid()}"
-    intent, handles = prepare(sink, name, 0, [[ids_batch(range(0, 500))], [ids_batch(range(500, 1000))]])
+    _, handles = prepare(sink, name, 0, [[ids_batch(range(500))], [ids_batch(range(500, 1000))]])
     envelopes = [json.dumps(sink.encode_handle(h)) for h in handles]
     db.close()
     SERVICE.restart()

@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from pyspark.sql import functions as F
-
     from twophase.coordinator import Coordinator
     from twophase.sinks.postgres import PostgresSink
+
     from twophase.spark import local_session
 
     # Short-lived JVMs under load: C1 only and the serial GC start faster and use less CPU.
