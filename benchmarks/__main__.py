@@ -1,0 +1,96 @@
+"""``python -m benchmarks``: bring up the services, run the comparisons, write benchmarks/results/.
+
+Runs in one process with one Spark session (local[2]).  Progress goes to stderr;
+the paths of the written files go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS, SECTIONS, Params, make_data, progress, session
+
+NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3"), "recovery": ("postgres",),
+         "coordinator": (), "scaling": ()}
+
+
+def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small and fast (what CI runs)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--rows", type=int)
+    ap.add_argument("--row-size", type=int, help="payload bytes per row")
+    ap.add_argument("--partitions", type=int)
+    ap.add_argument("--trigger-interval", type=float, help="seconds, for the streaming run")
+    ap.add_argument("--reps", type=int, help="timed repetitions per variant (interleaved)")
+    ap.add_argument("--warmup", type=int, help="untimed runs per variant first")
+    ap.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each sink's executor+commit path in-process with pyinstrument")
+    a = ap.parse_args(argv)
+    p = Params()
+    if a.quick:
+        p = Params(rows=4000, row_size=100, partitions=2, trigger_interval=1.0, reps=1, warmup=0,
+                   stream_batches=3, recovery_handles=(10, 100), pg_recovery_handles=(10,),
+                   scaling_partitions=(1, 2), quick=True)
+    for k in ("rows", "row_size", "partitions", "trigger_interval", "reps", "warmup", "out"):
+        v = getattr(a, k)
+        if v is not None:
+            setattr(p, k, v)
+    p.profile = a.profile
+    only = [s.strip() for s in a.only.split(",") if s.strip()]
+    bad = [s for s in only if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown section(s) {bad}; choose from {', '.join(SECTIONS)}")
+    if p.rows < 1 or p.row_size < 1 or p.partitions < 1 or p.reps < 1 or p.warmup < 0:
+        ap.error("rows, row-size, partitions and reps must be >= 1, warmup >= 0")
+    return p, only
+
+
+def main(argv: list[str] | None = None) -> int:
+    params, only = parse(argv)
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    t0 = time.monotonic()
+    from tests import services as svc
+
+    names = sorted({n for s in only for n in NEEDS[s]})
+    progress(f"services: {', '.join(names) or 'none'}")
+    services: dict[str, Any] = svc.ensure(*names) if names else {}
+    spark = session(only)
+    progress(f"data: {params.rows} rows x {params.row_size} B in {params.partitions} partitions")
+    df = make_data(spark, params.rows, params.row_size, params.partitions)
+    res: dict[str, Any] = {"started_at": started, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                           f"Python {platform.python_version()}, Spark {spark.version}",
+                           "params": params.to_dict(), "sections": {}, "goals": []}
+    for name in only:
+        progress(f"=== {name} ===")
+        mod = importlib.import_module(f"benchmarks.{name}")
+        sec = mod.run(spark, df, params, services)
+        res["sections"][name] = sec
+        res["goals"] += sec.get("goals", [])
+    if params.profile:
+        from benchmarks import profile
+
+        res["profiles"] = profile.run(spark, df, params, services, only)
+    res["duration_s"] = round(time.monotonic() - t0, 1)
+    from benchmarks import report
+
+    paths = report.write(res, params.out)
+    spark.stop()
+    progress(f"done in {res['duration_s']:.0f}s")
+    for g in res["goals"]:
+        progress(f"goal {'met   ' if g['met'] else 'MISSED'}: {g['goal']}: {g['value']:.3g}")
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""FileSink (Parquet) vs Spark's own Parquet writer on local disk and HDFS; FileSink on S3 vs plain s3fs.
+
+Local and HDFS: ``Coordinator.write`` with a FileSink vs ``df.write.mode("append")
+.parquet(...)`` (Spark's file sink with its commit protocol), each into its own
+fresh directory, same cached DataFrame.  S3 (moto server): FileSink (multipart
+uploads completed on commit) vs a plain upload of the same rows with s3fs from
+this process: each partition's rows (pre-collected, untimed) encoded to Parquet
+and written with ``s3fs`` — no Spark, no commit protocol, the client's limit.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from benchmarks.common import (Params, Variant, data_bytes, goal, interleave, percentile, progress, ratio,
+                               summarize, tmpdir, uid)
+
+
+def _sink_variant(name: str, sink, label: str, rows: int, df, commit_ms: list[float]) -> Variant:
+    from twophase.coordinator import Coordinator
+
+    coord = Coordinator(sink, log_location=tmpdir(f"{label}-log"), name=f"bench-{label}")
+    batch = iter(range(10**9))
+
+    def run():
+        prog = coord.write(df, batch_id=next(batch))
+        assert prog["rows"] == rows, prog
+        commit_ms.append(prog["commit_ms"])
+        return {k: prog[k] for k in ("prepare_ms", "commit_ms", "log_ms", "total_ms")}
+
+    return Variant(name, run)
+
+
+def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    from twophase.sinks.files import FileSink
+
+    nbytes = data_bytes(params.rows, params.row_size)
+    out: dict[str, Any] = {"title": "Files (Parquet)", "targets": {}, "ratios": {}, "goals": [],
+                           "commit_latency_ms": {}}
+
+    # -- local -------------------------------------------------------------------------
+    targets: list[tuple[str, list[Variant]]] = []
+    commit: dict[str, list[float]] = {"local": [], "hdfs": [], "s3": []}
+    local_ours, local_spark = tmpdir("files-ours"), tmpdir("files-spark")
+    targets.append(("local", [
+        _sink_variant("FileSink local", FileSink(local_ours, format="parquet"), "local", params.rows, df,
+                      commit["local"]),
+        Variant("Spark parquet local", lambda: df.write.mode("append").parquet(local_spark + "/out"))]))
+
+    # -- HDFS --------------------------------------------------------------------------
+    if "hdfs" in services:
+        h = services["hdfs"]
+        base = f"/bench-{uid()}"
+        so = {"webhdfs_url": h["webhdfs_url"], "user": h["user"]}
+        from hdfs import InsecureClient
+
+        InsecureClient(h["webhdfs_url"], user=h["user"]).makedirs(base + "/ours")
+        spark_url = f"{h['namenode']}{base}/spark"
+        targets.append(("hdfs", [
+            _sink_variant("FileSink HDFS", FileSink(f"{h['namenode']}{base}/ours", format="parquet",
+                                                    storage_options=so), "hdfs", params.rows, df, commit["hdfs"]),
+            Variant("Spark parquet HDFS", lambda: df.write.mode("append").parquet(spark_url))]))
+
+    # -- S3 ----------------------------------------------------------------------------
+    if "s3" in services:
+        import s3fs
+
+        from tests.services.s3 import storage_options
+
+        s3 = services["s3"]
+        so = storage_options(s3)
+        prefix = f"{s3['bucket']}/bench-{uid()}"
+        fs = s3fs.S3FileSystem(**so)
+        parts = [t for t in _partitions_arrow(df)]
+        counter = iter(range(10**9))
+
+        def s3fs_run():
+            n = next(counter)
+            for i, t in enumerate(parts):
+                buf = io.BytesIO()
+                pq.write_table(t, buf, compression="snappy")
+                fs.pipe(f"{prefix}/plain/part-{n:08d}-{i:05d}.parquet", buf.getvalue())
+
+        targets.append(("s3", [
+            _sink_variant("FileSink S3", FileSink(f"s3://{prefix}/ours", format="parquet", storage_options=so),
+                          "s3", params.rows, df, commit["s3"]),
+            Variant("plain s3fs upload", s3fs_run)]))
+
+    for label, variants in targets:
+        progress(f"files: {label}")
+        interleave(variants, params.reps, params.warmup, f"files/{label}")
+        s = {v.name: summarize(v, params.rows, nbytes) for v in variants}
+        ours, base_ = (s[v.name] for v in variants)
+        r = ratio(ours, base_)
+        key = f"{variants[0].name} / {variants[1].name}"
+        out["targets"][label] = {"baseline": variants[1].name, "variants": s, "ratio": r,
+                                 "phases_ms": variants[0].extras}
+        out["ratios"][key] = r
+        out["commit_latency_ms"][label] = {"p50": percentile(commit[label], 50),
+                                           "p99": percentile(commit[label], 99), "samples": len(commit[label])}
+        if label in ("local", "hdfs"):
+            out["goals"].append(goal(f"FileSink {label} >= 0.9x Spark's file sink", r, 0.9, ">="))
+    _check_local(spark, local_ours, local_spark, params)
+    return out
+
+
+def _partitions_arrow(df) -> list:
+    """The DataFrame's rows as one Arrow table per partition's worth of rows (collected, untimed)."""
+    table = df.toArrow()
+    n = max(1, df.rdd.getNumPartitions())
+    step = -(-table.num_rows // n)
+    return [table.slice(i, step) for i in range(0, table.num_rows, step)]
+
+
+def _check_local(spark, ours: str, theirs: str, params: Params) -> None:
+    """Both local outputs hold reps+warmup copies of the data: nothing was lost or doubled."""
+    n = params.reps + params.warmup
+    a = spark.read.parquet(ours).count()
+    b = spark.read.parquet(theirs + "/out").count()
+    assert a == b == n * params.rows, (a, b, n * params.rows)

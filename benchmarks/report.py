@@ -1,0 +1,146 @@
+"""Write the results of one run: ``results.json``, ``results.md`` (the tables) and ``results.png`` (the plot)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    p = res["params"]
+    lines = [f"# twophase benchmark results ({'quick' if p['quick'] else 'full'} run)", "",
+             f"Run at {res['started_at']} UTC, {res['duration_s']:.0f} s, on {res['machine']}. "
+             f"rows={p['rows']}, row_size={p['row_size']} B, partitions={p['partitions']}, "
+             f"reps={p['reps']} (+{p['warmup']} warm-up), trigger={p['trigger_interval']} s.", "",
+             "Ratios are throughput ratios (baseline time / candidate time, medians of this run): "
+             "> 1 means the exactly-once sink is faster. The machine is a shared, loaded 2-core box: "
+             "absolute numbers are noisy, the ratios are the point.", ""]
+    sec = res["sections"]
+    for key in ("kafka", "postgres"):
+        if key in sec:
+            s = sec[key]
+            lines += [f"## {s['title']}", "", "| variant | median s | rows/s | MB/s |", "|---|---:|---:|---:|"]
+            for name, v in s["variants"].items():
+                lines.append(f"| {name} | {v['median_s']:.3f} | {_fmt(v['rows_per_s'])} | {v['mb_per_s']:.2f} |")
+            lines.append("")
+            for k, r in s["ratios"].items():
+                lines.append(f"- **{k}: {r:.2f}x**")
+            c = s["commit_latency_ms"]
+            lines += [f"- commit latency per batch: p50 {c['p50']:.1f} ms, p99 {c['p99']:.1f} ms "
+                      f"({c['samples']} batches)", ""]
+    if "files" in sec:
+        s = sec["files"]
+        lines += ["## Files (Parquet)", "", "| target | variant | median s | rows/s | MB/s |",
+                  "|---|---|---:|---:|---:|"]
+        for t, d in s["targets"].items():
+            for name, v in d["variants"].items():
+                lines.append(f"| {t} | {name} | {v['median_s']:.3f} | {_fmt(v['rows_per_s'])} | "
+                             f"{v['mb_per_s']:.2f} |")
+        lines.append("")
+        for k, r in s["ratios"].items():
+            lines.append(f"- **{k}: {r:.2f}x**")
+        for t, c in s["commit_latency_ms"].items():
+            lines.append(f"- {t} commit latency per batch: p50 {c['p50']:.1f} ms, p99 {c['p99']:.1f} ms")
+        lines.append("")
+    if "coordinator" in sec:
+        b, st = sec["coordinator"]["batch"], sec["coordinator"]["streaming"]
+        lines += ["## Coordinator overhead", "",
+                  f"- overhead per batch (median coordinator total - median plain mapInArrow collect): "
+                  f"**{b['overhead_ms']:.1f} ms**",
+                  f"- protocol time (intent + log + commit, NullSink): p50 {b['protocol_ms']['p50']:.1f} ms, "
+                  f"p99 {b['protocol_ms']['p99']:.1f} ms",
+                  f"- streaming ({st['sink']}, {st['batches']} batches, trigger {st['trigger_interval_s']} s): "
+                  f"commit p50 {st['commit_ms']['p50']:.1f} ms / p99 {st['commit_ms']['p99']:.1f} ms; "
+                  f"protocol p50 {st['protocol_ms']['p50']:.1f} ms / p99 {st['protocol_ms']['p99']:.1f} ms; "
+                  f"whole batch p50 {st['total_ms']['p50']:.0f} ms / p99 {st['total_ms']['p99']:.0f} ms", ""]
+    if "recovery" in sec:
+        s = sec["recovery"]
+        lines += ["## Recovery (`twophase recover`)", "", "| sink | pending handles | recover s | ms/handle |",
+                  "|---|---:|---:|---:|"]
+        for kind in ("files", "postgres"):
+            for r in s.get(kind, []):
+                lines.append(f"| {kind} | {r['handles']} | {r['recover_s']:.3f} | {r['per_handle_ms']:.2f} |")
+        if s.get("postgres_note"):
+            lines += ["", s["postgres_note"]]
+        lines.append("")
+    if "scaling" in sec:
+        s = sec["scaling"]
+        lines += ["## Scaling with partitions (local Parquet)", "",
+                  "| partitions | FileSink rows/s | Spark rows/s | ratio | commit p50 ms |", "|---:|---:|---:|---:|---:|"]
+        for pt in s["points"]:
+            v = list(pt["variants"].values())
+            lines.append(f"| {pt['partitions']} | {_fmt(v[0]['rows_per_s'])} | {_fmt(v[1]['rows_per_s'])} | "
+                         f"{pt['ratio']:.2f} | {pt['commit_ms_p50']:.1f} |")
+        lines += ["", s["note"], ""]
+    lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
+    for g in res["goals"]:
+        lines.append(f"| {g['goal']} | {g['value']:.3g} | {g['op']} {g['target']:g} | "
+                     f"{'yes' if g['met'] else '**NO**'} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sec = res["sections"]
+    ratios: list[tuple[str, float]] = []
+    for key in ("kafka", "postgres", "files"):
+        if key in sec:
+            ratios += list(sec[key]["ratios"].items())
+    ncols = 1 + ("scaling" in sec) + ("recovery" in sec)
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 5), squeeze=False)
+    ax = axes[0][0]
+    if ratios:
+        names = [n.replace(" / ", "\n/ ") for n, _ in ratios]
+        ax.barh(range(len(ratios)), [r for _, r in ratios], color="tab:blue")
+        ax.set_yticks(range(len(ratios)), names, fontsize=7)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.invert_yaxis()
+    ax.set_xlabel("throughput ratio (exactly-once / baseline)")
+    ax.set_title("Same data, same run")
+    i = 1
+    if "scaling" in sec:
+        ax = axes[0][i]
+        i += 1
+        pts = sec["scaling"]["points"]
+        xs = [p["partitions"] for p in pts]
+        for j, label in enumerate(("FileSink local", "Spark parquet local")):
+            ax.plot(xs, [list(p["variants"].values())[j]["rows_per_s"] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("partitions (2 cores)")
+        ax.set_ylabel("rows/s")
+        ax.set_title("Throughput vs partitions")
+        ax.legend()
+    if "recovery" in sec:
+        ax = axes[0][i]
+        for kind in ("files", "postgres"):
+            rs = sec["recovery"].get(kind) or []
+            if rs:
+                ax.plot([r["handles"] for r in rs], [r["recover_s"] for r in rs], marker="o", label=kind)
+        ax.set_xscale("log")
+        ax.set_xlabel("pending handles")
+        ax.set_ylabel("recover seconds")
+        ax.axhline(5.0, color="r", lw=0.8, ls="--", label="goal (1,000 handles)")
+        ax.set_title("Recovery time")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(res: dict[str, Any], out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
+    paths["json"].write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
+    paths["md"].write_text(markdown(res))
+    plot(res, paths["png"])
+    return paths
