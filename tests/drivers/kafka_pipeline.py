@@ -32,7 +32,9 @@ def main(argv: list[str]) -> int:
            .load())
     # Same shape as for .format("kafka"): key and value.
     out = src.selectExpr("key", "value")
-    sink = KafkaSink(bootstrap, out_topic, prefix, transaction_timeout_ms=120_000)
+    # The default timeout (15 min): pending transactions must outlive driver restarts, which take
+    # 1-2 minutes each on a loaded 2-core machine (120 s was too short: DataLossError, as designed).
+    sink = KafkaSink(bootstrap, out_topic, prefix)
     coordinator = Coordinator(sink, checkpoint_location=checkpoint, name="kafka-pipeline")
     q = (out.writeStream.foreachBatch(coordinator)
          .option("checkpointLocation", checkpoint)
