@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     if params.profile:
         from benchmarks import profile
 
-        res["profiles"] = profile.run(spark, df, params, services, only)
+        try:
+            res["profiles"] = profile.run(spark, df, params, services, only)
+        except Exception as e:  # a profile is a diagnostic: never lose the measurements for it
+            progress(f"profile failed: {type(e).__name__}: {e}")
+            res["profiles"] = {"error": f"{type(e).__name__}: {e}"}
     res["duration_s"] = round(time.monotonic() - t0, 1)
     from benchmarks import report
 

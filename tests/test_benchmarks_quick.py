@@ -1,0 +1,103 @@
+"""``python -m benchmarks --quick`` runs end to end against the real services and reports real measurements.
+
+Runs the command in a subprocess (it starts its own Spark session, which must not
+share the pytest process's SparkContext) and checks the JSON it wrote: every
+section present, every timing positive, and every ratio recomputed from the
+medians of the timings recorded in that same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.postgres, pytest.mark.hdfs, pytest.mark.s3]
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "scaling"}
+
+
+def _check_variants(variants: dict, rows: int) -> None:
+    assert len(variants) >= 2
+    for name, v in variants.items():
+        assert v["seconds"] and all(s > 0 for s in v["seconds"]), name
+        assert v["median_s"] == pytest.approx(statistics.median(v["seconds"]), abs=1e-3), name
+        assert v["rows_per_s"] == pytest.approx(rows / v["median_s"], rel=1e-2), name
+        assert v["mb_per_s"] > 0, name
+
+
+def _ratio(variants: dict, cand: str, base: str) -> float:
+    return statistics.median(variants[base]["seconds"]) / statistics.median(variants[cand]["seconds"])
+
+
+@pytest.mark.timeout(600)
+def test_quick_benchmark_writes_every_section(tmp_path):
+    out = tmp_path / "results"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[bench" in proc.stderr  # progress is shown while it runs
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text().startswith("# twophase benchmark results")
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = res["params"]["rows"]
+    assert res["params"]["quick"] is True
+    sec = res["sections"]
+    assert set(sec) == SECTIONS
+
+    for key, (cand, bases) in {
+        "kafka": ("KafkaSink (exactly-once)", {
+            "KafkaSink / Spark kafka writer": "Spark format('kafka') (at-least-once)",
+            "KafkaSink / raw librdkafka txn": "raw librdkafka transactional produce"}),
+        "postgres": ("PostgresSink (exactly-once)", {
+            "PostgresSink / Spark JDBC": "Spark df.write.jdbc",
+            "PostgresSink / raw COPY": "raw COPY (psycopg2)"}),
+    }.items():
+        s = sec[key]
+        _check_variants(s["variants"], rows)
+        for label, base in bases.items():
+            assert s["ratios"][label] == pytest.approx(_ratio(s["variants"], cand, base), rel=1e-2)
+        assert s["commit_latency_ms"]["p50"] > 0 and s["commit_latency_ms"]["p99"] >= s["commit_latency_ms"]["p50"]
+        assert all(p["total_ms"] > 0 for p in s["phases_ms"])
+
+    files = sec["files"]
+    assert set(files["targets"]) == {"local", "hdfs", "s3"}
+    for t, d in files["targets"].items():
+        _check_variants(d["variants"], rows)
+        cand, base = list(d["variants"])
+        assert d["baseline"] == base
+        assert d["ratio"] == pytest.approx(_ratio(d["variants"], cand, base), rel=1e-2), t
+        assert files["commit_latency_ms"][t]["p50"] > 0
+
+    coord = sec["coordinator"]
+    b = coord["batch"]
+    assert b["coordinator_total_ms"] and all(x > 0 for x in b["coordinator_total_ms"] + b["plain_collect_ms"])
+    assert b["overhead_ms"] == pytest.approx(
+        statistics.median(b["coordinator_total_ms"]) - statistics.median(b["plain_collect_ms"]), abs=0.1)
+    assert b["protocol_ms"]["p50"] > 0
+    st = coord["streaming"]
+    assert st["batches"] >= 3 and st["rows"] > 0
+    assert 0 < st["commit_ms"]["p50"] <= st["commit_ms"]["p99"]
+
+    rec = sec["recovery"]
+    assert [r["handles"] for r in rec["files"]] == list(res["params"]["recovery_handles"])
+    assert all(r["recover_s"] > 0 for r in rec["files"] + rec["postgres"])
+    assert rec["postgres"], "PostgreSQL recovery was not measured"
+
+    sc = sec["scaling"]
+    assert [p["partitions"] for p in sc["points"]] == list(res["params"]["scaling_partitions"])
+    for p in sc["points"]:
+        _check_variants(p["variants"], rows)
+
+    # Goals are reported, each against a value measured above.
+    names = " ".join(g["goal"] for g in res["goals"])
+    for word in ("Kafka", "JDBC", "COPY", "file sink", "overhead"):
+        assert word in names
+    assert all(isinstance(g["met"], bool) for g in res["goals"])
