@@ -137,9 +137,11 @@ def test_retention_keeps_recent_and_uncommitted_batches(tmp_path):
     assert COMMITTED not in left[2] and PREPARED in left[2]  # undecided/uncommitted never pruned
 
 
-def test_object_store_log_is_refused(tmp_path):
-    with pytest.raises(ConfigurationError, match="atomic exclusive create"):
-        TransactionLog("s3://bucket/log")
+def test_object_store_without_exclusive_create_is_refused(tmp_path):
+    # (S3 is accepted only where the endpoint honours conditional writes: tests/test_files_remote.py.)
+    for url in ("gs://bucket/log", "abfs://container/log"):
+        with pytest.raises(ConfigurationError, match="atomic exclusive create"):
+            TransactionLog(url)
 
 
 def test_records_are_valid_json_with_checksum(tmp_path):
