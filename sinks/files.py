@@ -644,7 +644,22 @@ class _HdfsBackend(_Backend):
 
 
 # ----- S3 multipart uploads
+_CLIENTS: dict[str, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
 def _s3_client(storage_options: dict[str, Any], max_attempts: int = 5):
+    """A botocore S3 client from s3fs-style storage options, cached per process (Python workers are
+    reused across tasks, and building a client costs about a second of CPU)."""
+    ck = json.dumps([storage_options, max_attempts], sort_keys=True, default=str)
+    with _CLIENTS_LOCK:
+        c = _CLIENTS.get(ck)
+        if c is None:
+            c = _CLIENTS[ck] = _new_s3_client(storage_options, max_attempts)
+        return c
+
+
+def _new_s3_client(storage_options: dict[str, Any], max_attempts: int):
     """A botocore S3 client from s3fs-style storage options; secrets resolved only here."""
     try:
         import botocore.session

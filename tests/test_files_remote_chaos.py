@@ -1,0 +1,139 @@
+"""Kill tests of FileSink on HDFS and on S3: a real streaming driver killed at every crash point and at random.
+
+The driver (tests/drivers/files_remote_pipeline.py) reads JSON-lines files with unique ids, one file per
+micro-batch, and writes them through ``Coordinator(FileSink(...))`` with ``partition_by=["k"]`` (values
+include ``/`` and ``..``, escaped Hive-style).  Crash point i hits batch i, then two random SIGKILLs of
+the whole process group, then it runs until done.  Afterwards every input id must be in the committed
+output exactly once, and no staged file (HDFS) or open multipart upload (S3) may be left.
+
+HDFS output is read back with Spark (the shared session, hdfs:// through Spark's bundled Hadoop
+client) and the transaction log lives on HDFS too.  S3 output is read with botocore + pyarrow (Spark's
+S3A connector needs hadoop-aws and the AWS SDK bundle, not installed here); its log is on local disk.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import uuid
+
+import pytest
+
+from twophase import chaos, crash
+from twophase.sinks.files import FileSink
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1500)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = os.path.join(REPO, "tests", "drivers", "files_remote_pipeline.py")
+KEYS = ["a", "b/c", "..", "d=e"]
+FILES = len(crash.POINTS) + 1
+ROWS = 150
+
+
+def _write_input(folder) -> list[int]:
+    os.makedirs(folder)
+    ids, n = [], 0
+    for f in range(FILES):
+        tmp = os.path.join(folder, f".part-{f:03d}.tmp")
+        with open(tmp, "w") as fh:
+            for _ in range(ROWS):
+                fh.write(json.dumps({"id": n, "k": KEYS[n % len(KEYS)], "v": f}) + "\n")
+                ids.append(n)
+                n += 1
+        os.rename(tmp, os.path.join(folder, f"part-{f:03d}.json"))
+    return ids
+
+
+def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
+         log_options: dict | None = None, seed: int = 0):
+    cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
+           "--sink-config", json.dumps(sink.to_config()), "--name", f"fc-{uuid.uuid4().hex[:6]}"]
+    if log:
+        cmd += ["--log", log, "--log-options", json.dumps(log_options or {})]
+    points = [f"{p}:{i}" for i, p in enumerate(crash.POINTS)]
+    log_path = str(tmp_path / "driver.log")
+    env = dict(env, TWOPHASE_SPARK_DRIVER_MEMORY="512m")
+    try:
+        runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=2, kill_window=(12.0, 30.0),
+                                     seed=seed, env=env, log_path=log_path, timeout=300)
+    except BaseException:
+        with open(log_path, errors="replace") as f:
+            sys.stderr.write("".join(f.readlines()[-80:]))
+        raise
+    faults = [r for r in runs if r.fault != "none"]
+    assert len(faults) == len(crash.POINTS) + 2
+    # Every crash-point run really died at its point; none finished early.
+    assert all(r.exit_code == crash.EXIT_CODE for r in faults if r.fault.startswith("crash:")
+               and "after_pre_commit" not in r.fault), runs
+    assert all(not r.completed for r in faults if r.fault.startswith("crash:")), runs
+    assert runs[-1].completed
+    return runs
+
+
+@pytest.mark.hdfs
+@pytest.mark.spark
+def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_service, spark):
+    from hdfs import InsecureClient
+
+    client = InsecureClient(hdfs_service["webhdfs_url"], user=hdfs_service["user"])
+    path = f"/twophase-chaos/{uuid.uuid4().hex[:8]}"
+    url = f"{hdfs_service['namenode']}{path}"
+    opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
+    expected = _write_input(tmp_path / "in")
+    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"])
+    try:
+        _run(tmp_path, sink, env={}, log=f"{url}/log", log_options=opts, seed=20251123)
+        rows = spark.read.parquet(f"{url}/out").select("id", "k").collect()
+        verdict = chaos.verify(expected, [r["id"] for r in rows])
+        assert verdict.exactly_once, verdict.to_dict()
+        assert verdict.records_out == len(expected) == FILES * ROWS
+        assert all(r["k"] == KEYS[r["id"] % len(KEYS)] for r in rows)  # partition values read back intact
+        staged = [f"{d}/{f}" for d, _, files in client.walk(f"{path}/out/_twophase") for f in files]
+        assert staged == []
+        # the log on HDFS says every batch committed
+        batches = client.list(f"{path}/log/g0001")
+        assert sum(n.endswith(".committed.json") for n in batches) >= 1
+        assert not [n for n in batches if n.endswith(".tmp")]
+    finally:
+        client.delete(path, recursive=True)
+
+
+@pytest.mark.s3
+def test_s3_exactly_once_under_crash_points_and_sigkills(tmp_path, s3_service):
+    import pyarrow.parquet as pq
+
+    from tests.services.s3 import client
+
+    s3 = client(s3_service)
+    bucket = s3_service["bucket"]
+    prefix = f"twophase-chaos/{uuid.uuid4().hex[:8]}"
+    env = {"TP_CHAOS_S3_KEY": s3_service["key"], "TP_CHAOS_S3_SECRET": s3_service["secret"]}
+    opts = {"key": {"env": "TP_CHAOS_S3_KEY"}, "secret": {"env": "TP_CHAOS_S3_SECRET"},
+            "endpoint_url": s3_service["endpoint_url"], "region_name": s3_service["region"]}
+    expected = _write_input(tmp_path / "in")
+    sink = FileSink(f"s3://{bucket}/{prefix}", storage_options=opts, partition_by=["k"])
+    try:
+        _run(tmp_path, sink, env=env, seed=20251124)
+        ids, keys = [], []
+        paginator = s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=prefix + "/"):
+            keys += [o["Key"] for o in page.get("Contents", [])]
+        for key in keys:
+            rel = key[len(prefix) + 1:]
+            assert rel.startswith("k=") and rel.endswith(".parquet"), rel
+            data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            ids += pq.read_table(io.BytesIO(data), columns=["id"]).column("id").to_pylist()
+        verdict = chaos.verify(expected, ids)
+        assert verdict.exactly_once, verdict.to_dict()
+        assert verdict.records_out == len(expected) == FILES * ROWS
+        uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+        assert uploads == []
+    finally:
+        for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []):
+            s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for o in page.get("Contents", []):
+                s3.delete_object(Bucket=bucket, Key=o["Key"])
