@@ -87,7 +87,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
 
     reps = max(params.reps * 2, 3)
     variants = [Variant("Coordinator + NullSink", coord_run), Variant("plain mapInArrow().collect()", plain_run)]
-    interleave(variants, reps, max(params.warmup, 1), "coordinator")
+    interleave(variants, reps, params.warmup, "coordinator")
     coord_ms = [p["total_ms"] for p in variants[0].extras]
     plain_ms = [s * 1000 for s in variants[1].seconds]
     protocol = [p["intent_ms"] + p["log_ms"] + p["commit_ms"] for p in variants[0].extras]
