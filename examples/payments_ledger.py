@@ -36,7 +36,8 @@ from collections import Counter
 from typing import Any
 
 from examples import _common
-from examples.wordcount_jdbc import produce, read_topic
+from examples.wordcount_jdbc import produce as _produce
+from examples.wordcount_jdbc import read_topic
 
 COLUMNS = ["payment_id", "account", "amount_cents"]
 
@@ -45,6 +46,11 @@ def make_payments(n: int, seed: int = 5, accounts: int = 25) -> list[dict[str, A
     rng = random.Random(seed)
     return [{"payment_id": f"pay-{i:07d}", "account": f"acct-{rng.randrange(accounts):03d}",
              "amount_cents": rng.randint(1, 100_000)} for i in range(n)]
+
+
+def produce(bootstrap: str, topic: str, payments: list[dict[str, Any]]) -> None:
+    """Append the payments to ``topic`` as JSON values keyed by payment_id."""
+    _produce(bootstrap, topic, payments, key="payment_id")
 
 
 def create_table(dsn: str, table: str, variant: str) -> None:

@@ -50,13 +50,13 @@ def make_records(n: int, seed: int = 1) -> list[dict[str, Any]]:
              "line": " ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(1, 5)))} for i in range(n)]
 
 
-def produce(bootstrap: str, topic: str, records: list[dict[str, Any]]) -> None:
-    """Append the records to ``topic`` as JSON values keyed by id."""
+def produce(bootstrap: str, topic: str, records: list[dict[str, Any]], key: str = "id") -> None:
+    """Append the records to ``topic`` as JSON values keyed by ``record[key]``."""
     from confluent_kafka import Producer
 
     p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
     for r in records:
-        p.produce(topic, json.dumps(r).encode(), key=str(r["id"]).encode())
+        p.produce(topic, json.dumps(r).encode(), key=str(r[key]).encode())
     if p.flush(60):
         raise RuntimeError(f"could not deliver all records to {topic}")
 
