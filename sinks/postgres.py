@@ -503,6 +503,15 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 columns = _fetch_columns(cur, oid)
                 if self.mode == "upsert":
                     self._check_keys(cur, oid, columns)
+                    stage_schema = self.marker_schema or current_schema
+                    cur.execute("SELECT has_schema_privilege(%s, 'CREATE')", (stage_schema,))
+                    if not cur.fetchone()[0]:
+                        raise ConfigurationError(
+                            f"upsert stages rows in a table created per transaction in schema "
+                            f"{stage_schema!r}, where role {user!r} may not create tables; GRANT CREATE ON "
+                            f"SCHEMA {sql.Identifier(stage_schema).as_string(cur)} TO "
+                            f"{sql.Identifier(user).as_string(cur)}, or set marker_schema=... to a schema "
+                            "where it may")
                 self._ensure_marker(cur, user)
         except _ConnectError as e:
             raise ConfigurationError(str(e)) from None
