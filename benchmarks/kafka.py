@@ -84,6 +84,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
     s = {v.name: summarize(v, params.rows, nbytes) for v in variants}
     ours, spark_w, raw = (s[v.name] for v in variants)
     kv.unpersist()
+    commit_ms = [e["commit_ms"] for e in variants[0].extras]  # timed runs only, not the warm-up
     r_spark, r_raw = ratio(ours, spark_w), ratio(ours, raw)
     return {
         "title": "Kafka",

@@ -92,6 +92,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
     nbytes = data_bytes(params.rows, params.row_size)
     s = {v.name: summarize(v, params.rows, nbytes) for v in variants}
     ours, jdbc, copy = (s[v.name] for v in variants)
+    commit_ms = [e["commit_ms"] for e in variants[0].extras]  # timed runs only, not the warm-up
     r_jdbc, r_copy = ratio(ours, jdbc), ratio(ours, copy)
     return {
         "title": "PostgreSQL",
