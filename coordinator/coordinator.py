@@ -240,7 +240,18 @@ class Coordinator:
         crash.crash_point("after_intent", batch_id)
 
         t0 = time.perf_counter()
-        results = self._prepare(df, batch_id, intent)
+        try:
+            results = self._prepare(df, batch_id, intent)
+        except BaseException:
+            # Nothing is decided: abort what the partitions that did pre-commit left open now,
+            # rather than at the replay (prepared transactions hold locks, open Kafka
+            # transactions hold back read_committed consumers).
+            try:
+                self.sink.abort_lingering(self.name, batch_id, intent, [])
+            except Exception:
+                log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
+                            "replay aborts them", self.name, batch_id, exc_info=True)
+            raise
         prog.prepare_ms = _ms(t0)
         handles = [r["handle"] for r in results]
         prog.rows = sum(r["rows"] for r in results)

@@ -581,9 +581,6 @@ def test_bad_input_fails_before_decision_naming_column_or_constraint(db, postgre
 
 
 @pytest.mark.spark
-@pytest.mark.xfail(strict=True, reason="needs Coordinator._run to call sink.abort_lingering(name, batch, "
-                   "intent, []) when the executors fail; until then the healthy partition's prepared "
-                   "transaction lingers until the batch is replayed")
 def test_bad_row_in_one_partition_leaves_no_prepared_transaction(db, postgres_service, spark, tmp_path):
     from pyspark.sql import functions as F
 
