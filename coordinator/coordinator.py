@@ -176,25 +176,30 @@ class Coordinator:
                                          "micro-batch trigger")
 
     def _recover_older(self, tlog: TransactionLog) -> None:
-        """At start: finish decided batches, abort leftovers of undecided ones (never skip a decision)."""
+        """At start: finish decided batches, abort leftovers of undecided ones (never skip a decision).
+
+        Decided batches go first: sinks reuse transaction ids across batches (Kafka's
+        pool), so fencing an older undecided batch's ids before committing a later
+        decided batch on the same ids would abort that decided batch.
+        """
         batches = tlog.batches()
         latest = max(batches) if batches else None
         for bid in sorted(batches):
             states = batches[bid]
-            if COMMITTED in states:
-                continue
-            if PREPARED not in states and bid != latest:
-                # Undecided and superseded (its query failed, then moved on): abort what it left open.
-                n = self.sink.abort_lingering(self.name, bid, states[INTENT].body.get("intent", {}), [])
-                if n:
-                    log.warning("%s: aborted %d transactions left by undecided batch %d", self.name, n, bid)
-                continue
-            if PREPARED in states:
+            if COMMITTED not in states and PREPARED in states:
                 log.warning("%s: batch %d was decided but not fully committed before a crash: "
                             "committing its %d handles again", self.name, bid, len(states[PREPARED].handles))
-                self._commit_all(tlog, bid, states[PREPARED].handles, states[INTENT].body.get("intent", {})
-                                 if INTENT in states else {}, recovering=True)
+                intent = states[INTENT].body.get("intent", {}) if INTENT in states else {}
+                self._commit_all(tlog, bid, states[PREPARED].handles, intent, recovering=True)
                 tlog.write(bid, COMMITTED, {"recovered": True})
+        for bid in sorted(batches):
+            states = batches[bid]
+            if COMMITTED in states or PREPARED in states or bid == latest:
+                continue
+            # Undecided and superseded (its query failed, then moved on): abort what it left open.
+            n = self.sink.abort_lingering(self.name, bid, states[INTENT].body.get("intent", {}), [])
+            if n:
+                log.warning("%s: aborted %d transactions left by undecided batch %d", self.name, n, bid)
 
     # ----------------------------------------------------------------- a batch
     def _run(self, df, batch_id: int, query_id: str, streaming: bool) -> None:
