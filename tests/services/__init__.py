@@ -7,6 +7,8 @@ drives them by hand; pytest session fixtures call :func:`ensure`.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import json
 import os
@@ -64,6 +66,14 @@ def wait_until(pred, timeout: float, what: str, log: Path | None = None, interva
     raise ServiceError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
 
 
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock across processes (CLI, pytest sessions) on one service's start/stop."""
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 class Service:
     """One real server.  Subclasses set ``name`` and implement ``install``, ``launch``, ``ready``, ``info``.
 
@@ -73,6 +83,7 @@ class Service:
 
     name: str = ""
     start_timeout: float = 120.0
+    _proc: subprocess.Popen | None = None
 
     @property
     def dir(self) -> Path:
@@ -122,24 +133,42 @@ class Service:
         return (self.pid() is not None or self.pid_path.exists() is False) and self.ready()
 
     def start(self) -> dict[str, Any]:
-        if self.ready():
+        # Serialised across processes: exactly one server is launched, and a half-started one is
+        # never killed by a concurrent stop.
+        with locked(self.dir / ".start.lock"):
+            if self._proc is not None and self._proc.poll() is not None:
+                self._proc = None  # died earlier (crash): start afresh
+            if self.ready():
+                self.after_ready()
+                return self.info()
+            self.install()
+            log = open(self.log_path, "ab")
+            proc = self.launch(log)
+            if proc is not None:
+                self._proc = proc
+                self.pid_path.write_text(str(proc.pid))
+            wait_until(self._ready_or_exited, self.start_timeout, f"{self.name} to become ready", self.log_path)
             self.after_ready()
             return self.info()
-        self.install()
-        log = open(self.log_path, "ab")
-        proc = self.launch(log)
-        if proc is not None:
-            self.pid_path.write_text(str(proc.pid))
-        try:
-            wait_until(self.ready, self.start_timeout, f"{self.name} to become ready", self.log_path)
-        except ServiceError:
-            if proc is not None and proc.poll() is not None:
-                raise ServiceError(f"{self.name} exited with code {proc.returncode}; log: {self.log_path}") from None
-            raise
-        self.after_ready()
-        return self.info()
+
+    def _ready_or_exited(self) -> bool:
+        """ready(), but raise at once (instead of waiting out start_timeout) if the server died."""
+        proc = self._proc
+        if proc is not None and proc.poll() is not None:
+            self._proc = None
+            tail = ""
+            if self.log_path.exists():
+                tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            raise ServiceError(f"{self.name} exited with code {proc.returncode}; log: {self.log_path}\n{tail}")
+        return self.ready()
 
     def stop(self) -> None:
+        with locked(self.dir / ".start.lock"):
+            self.terminate()
+            self._proc = None
+
+    def terminate(self) -> None:
+        """Kill the recorded process group (SIGTERM, then SIGKILL) and whatever stop_extra finds."""
         pid = self.pid()
         if pid is not None:
             try:

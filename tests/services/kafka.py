@@ -11,8 +11,6 @@ Also :func:`spark_kafka_jars` — the jars Spark's Kafka source needs on top of 
 from __future__ import annotations
 
 import base64
-import contextlib
-import fcntl
 import re
 import subprocess
 import uuid
@@ -72,22 +70,6 @@ def _cluster_id() -> str:
         s = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         if not s.startswith("-"):
             return s
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def _fail_if_exited(svc: Service) -> None:
-    """Raise at once (instead of waiting out start_timeout) when the process we launched died."""
-    proc = getattr(svc, "_proc", None)
-    if proc is not None and proc.poll() is not None:
-        svc._proc = None
-        tail = "\n".join(svc.log_path.read_text(errors="replace").splitlines()[-30:]) if svc.log_path.exists() else ""
-        raise ServiceError(f"{svc.name} exited with code {proc.returncode}; log: {svc.log_path}\n{tail}")
 
 
 class KafkaService(Service):
@@ -189,21 +171,7 @@ class KafkaService(Service):
         self._proc = popen(self._java("kafka.Kafka", [str(self.config_path)], jars), log, cwd=self.dir)
         return self._proc
 
-    def start(self) -> dict[str, Any]:
-        # Serialise start/stop across processes (CLI, pytest sessions) so exactly one broker
-        # is launched and a half-started one is never killed by a concurrent stop.
-        with _locked(self.dir / ".start.lock"):
-            if self._proc is not None and self._proc.poll() is not None:
-                self._proc = None  # died earlier (crash): start afresh
-            return super().start()
-
-    def stop(self) -> None:
-        with _locked(self.dir / ".start.lock"):
-            super().stop()
-            self._proc = None
-
     def ready(self) -> bool:
-        _fail_if_exited(self)
         if not port_open(PORT):
             return False
         try:

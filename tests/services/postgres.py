@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from tests.services import Service, ServiceError, pid_alive, port_open, wait_until
-from tests.services.kafka import _fail_if_exited, _locked
 
 PORT = 35432
 HOST = "127.0.0.1"
@@ -199,13 +198,6 @@ class PostgresService(Service):
         )
         return self._proc
 
-    def start(self) -> dict[str, Any]:
-        # Serialise start/stop across processes (see kafka.py).
-        with _locked(self.dir / ".start.lock"):
-            if self._proc is not None and self._proc.poll() is not None:
-                self._proc = None  # died earlier (crash): start afresh
-            return super().start()
-
     def _superuser_conn(self, timeout: int = 2):
         import psycopg2
 
@@ -213,7 +205,6 @@ class PostgresService(Service):
                                 user=SUPERUSER, connect_timeout=timeout)
 
     def ready(self) -> bool:
-        _fail_if_exited(self)
         if not port_open(PORT, HOST):
             return False
         try:
@@ -255,12 +246,7 @@ class PostgresService(Service):
     def info(self) -> dict[str, Any]:
         return {"host": HOST, "port": PORT, "dbname": DBNAME, "user": USER, "password": PASSWORD, "dsn": DSN}
 
-    def stop(self) -> None:
-        with _locked(self.dir / ".start.lock"):
-            self._stop()
-            self._proc = None
-
-    def _stop(self) -> None:
+    def terminate(self) -> None:
         # SIGINT = fast shutdown (abort sessions, checkpoint, exit). The base class's SIGTERM
         # would be a *smart* shutdown that waits for every client to disconnect.
         pid = self.pid()
@@ -272,7 +258,7 @@ class PostgresService(Service):
             deadline = time.monotonic() + 30
             while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-        super().stop()
+        super().terminate()
 
     def stop_extra(self) -> None:
         # A postmaster on *our* data dir whose pid was not recorded (e.g. pid file lost).
