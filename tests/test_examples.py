@@ -24,7 +24,7 @@ from twophase import chaos
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-KILL_WINDOW = (20.0, 80.0)
+KILL_WINDOW = (30.0, 100.0)
 
 
 def _env(pg: dict | None = None) -> dict[str, str]:
