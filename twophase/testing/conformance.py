@@ -32,10 +32,11 @@ rule, precondition, initialize = stateful.rule, stateful.precondition, stateful.
 
 SinkFactory = Callable[[], TwoPhaseCommitSink]
 
-#: Ids of one example live in [base, base + ID_SPAN); ids outside are other examples' (or other runs').
-ID_SPAN = 1_000_000
-#: Batch ids of one example start at example_number * BATCH_SPAN.
-BATCH_SPAN = 100
+#: Ids of example n live in [floor + n * ID_SPAN, floor + (n + 1) * ID_SPAN); ``floor`` is above every id
+#: the storage held when the run started, so earlier data (other runs, other tests) is ignored.
+ID_SPAN = 100_000
+#: Batch ids of example n are n * BATCH_SPAN + k.
+BATCH_SPAN = 1_000
 
 # How a task attempt ends (Spark's view of one partition's task).
 PRE_COMMIT = "pre_commit"            # begin, write, pre_commit, result reaches the driver
@@ -131,6 +132,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
 
     _run_token: str = ""
     _examples: itertools.count
+    _id_floor: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,14 +147,19 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
     # ================================================================ set-up
     @initialize()
     def start_query(self) -> None:
-        n = next(type(self)._examples)
+        cls = type(self)
+        n = next(cls._examples)
         if self.reset is not None:
             self.reset()
+        if cls._id_floor is None:
+            seen = [self.id_of(r) for r in self.read_committed()]
+            cls._id_floor = (max(seen) // ID_SPAN + 1) * ID_SPAN if seen else 0
         self.example = n
         self.query_name = f"{self.query_prefix}-{self._run_token}-{n}"
-        self.id_base = (int(self._run_token, 16) % 1000 + 1) * 10**12 + n * ID_SPAN
+        self.id_base = cls._id_floor + n * ID_SPAN
         self.next_id = self.id_base
         self.next_batch = n * BATCH_SPAN
+        self.last_batch = self.next_batch + BATCH_SPAN - 1
         self.pending_baseline = self._pending()
         self.sink = self._new_sink("factory")
         self.sink.open()
@@ -199,7 +206,8 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         return f"after_commit of batch {b.batch_id} (before COMMITTED is logged)"
 
     # ================================================================ rules
-    @precondition(lambda self: self._idle())
+    @precondition(lambda self: self._idle() and self.next_batch < self.last_batch
+                  and self.next_id + self.max_rows < self.id_base + ID_SPAN)
     @rule(data=st.data())
     def start_batch(self, data: Any) -> None:
         """Coordinator step 3: plan the batch and log its INTENT (a JSON record)."""
@@ -394,10 +402,12 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         """A new driver: rebuild the sink, finish decided batches, abort undecided leftovers, replay."""
         how = "config" if self.rebuild_from_config and data.draw(st.booleans(), label="rebuild from to_config") \
             else "factory"
+        old = self.sink
         try:
             self.sink = self._new_sink(how)
         except NotImplementedError:
             how, self.sink = "factory", self._new_sink("factory")
+        _close(old)  # the dead driver's connections: the OS would have closed them
         self.life += 1
         self.sink.open()
         note(f"RECOVER: new sink from {'to_config()/from_config()' if how == 'config' else 'sink_factory()'}")
@@ -577,7 +587,8 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             if self.sink is None:
                 return
             if self.crashed:
-                self.sink = self._new_sink("factory")
+                old, self.sink = self.sink, self._new_sink("factory")
+                _close(old)
             for bid, b in sorted(self.batches.items()):
                 if b.committed_logged:
                     continue
@@ -592,7 +603,18 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         except Exception:  # noqa: BLE001 - the example's own outcome matters more
             pass
         finally:
+            _close(self.sink)
             self.sink = None
+
+
+def _close(sink: Any) -> None:
+    """Close a sink's connections if it has a ``close()`` (KafkaSink, PostgresSink do); errors ignored."""
+    close = getattr(sink, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - best effort, like a dying process
+            pass
 
 
 def _split(ids: list[int], n: int) -> list[list[int]]:
@@ -654,6 +676,7 @@ def make_state_machine(
         "rebuild_from_config": rebuild_from_config,
         "_run_token": f"{random.getrandbits(24):06x}",
         "_examples": itertools.count(1),
+        "_id_floor": None,
     }
     return type("SinkConformance", (SinkConformanceMachine,), attrs)
 

@@ -1,0 +1,279 @@
+"""twophase.testing on the sinks that need no server: the SQLite example, the local FileSink, broken sinks.
+
+The broken sinks each carry one deliberate defect; the harness must fail them,
+for the right reason (checked on the ConformanceError's message).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import Phase, settings
+
+from twophase.sink import CommitResult
+from twophase.sinks.files import STAGING_DIR, FileSink
+from twophase.testing import ConformanceError, SinkConformanceTests, default_settings, run_sink_conformance
+
+from examples.sqlite_sink import SQLiteSink, _closing, quote, read_table, staged_transactions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fast_path(tmp_path):
+    """A directory on tmpfs when there is one: the sinks fsync, and hypothesis runs hundreds of examples
+    (shrinking a failure especially); on a busy disk that alone takes minutes."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        d = tempfile.mkdtemp(prefix="twophase-conformance-", dir="/dev/shm")
+        yield Path(d)
+        shutil.rmtree(d, ignore_errors=True)
+    else:
+        yield tmp_path
+
+# ---------------------------------------------------------------------------- good sinks
+
+
+class TestSQLiteExampleConformance(SinkConformanceTests):
+    """The README's custom sink, through the pytest mixin form."""
+
+    max_examples = 40
+
+    @pytest.fixture(autouse=True)
+    def _db(self, fast_path):
+        self.db = str(fast_path / "events.db")
+
+    def make_sink(self):
+        return SQLiteSink(self.db, "events")
+
+    def read_committed(self):
+        return read_table(self.db, "events")
+
+    def pending(self):
+        return staged_transactions(self.db, "events")
+
+
+def _read_parts(root: str) -> list[int]:
+    ids: list[int] = []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".parquet") and not name.startswith(("_", ".")):
+            ids.extend(pq.read_table(os.path.join(root, name), columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def _staged_files(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, files in os.walk(os.path.join(root, STAGING_DIR)) for f in files]
+
+
+def _empty_dir(root: str) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+
+
+def test_filesink_local_conformance(fast_path):
+    root = str(fast_path / "out")
+    run_sink_conformance(
+        lambda: FileSink(root, "parquet"), lambda: _read_parts(root),
+        pending=lambda: _staged_files(root), reset=lambda: _empty_dir(root), max_examples=40)
+
+
+def test_filesink_local_jsonl_without_reset(tmp_path):
+    """No reset: examples share one directory and must not see each other (distinct ids and batch ids)."""
+    import json
+
+    root = str(tmp_path / "out")
+    os.makedirs(root)
+
+    def read():
+        for name in os.listdir(root):
+            if name.endswith(".jsonl"):
+                with open(os.path.join(root, name)) as f:
+                    yield from (json.loads(line) for line in f if line.strip())
+
+    run_sink_conformance(lambda: FileSink(root, "jsonl", fsync=False), read, max_examples=15)
+
+
+# ---------------------------------------------------------------------------- broken sinks
+
+
+class NonIdempotentCommitSink(SQLiteSink):
+    """Defect: commit copies the staged rows without remembering it did; cleanup comes later."""
+
+    def commit(self, handle: dict) -> CommitResult:
+        with _closing(self._connect()) as con:
+            if handle["rows"]:
+                cols = ", ".join(quote(c) for c in self._columns(con))
+                con.execute(f"INSERT INTO {quote(self.table)} ({cols}) SELECT {cols} FROM "
+                            f"{quote(self.staging)} WHERE _txn = ?", (handle["txn"],))
+        return CommitResult.committed()
+
+    def abort_lingering(self, query_name, batch_id, intent, keep) -> int:
+        # Once a batch is committed everything it staged can go (its committed rows were copied).
+        with _closing(self._connect()) as con:
+            if not self._has_staging(con):
+                return 0
+            return con.execute(f"DELETE FROM {quote(self.staging)} WHERE _query = ? AND _batch = ?",
+                               (query_name, batch_id)).rowcount
+
+
+class VisiblePreCommitSink(SQLiteSink):
+    """Defect: pre_commit already publishes the rows; commit only does the bookkeeping."""
+
+    def pre_commit(self, txn):
+        handle = super().pre_commit(txn)
+        with _closing(self._connect()) as con:
+            if txn.rows:
+                cols = ", ".join(quote(c) for c in self._columns(con))
+                con.execute(f"INSERT INTO {quote(self.table)} ({cols}) SELECT {cols} FROM "
+                            f"{quote(self.staging)} WHERE _txn = ?", (txn.txn,))
+        return handle
+
+    def commit(self, handle: dict) -> CommitResult:
+        with _closing(self._connect()) as con:
+            if self._has_staging(con):
+                con.execute(f"DELETE FROM {quote(self.staging)} WHERE _txn = ?", (handle["txn"],))
+        return CommitResult.committed()
+
+
+class NoopAbortSink(SQLiteSink):
+    """Defect: abort() does nothing (abort_lingering still works)."""
+
+    def abort(self, txn) -> None:
+        pass
+
+
+class NoopAbortLingeringSink(SQLiteSink):
+    """Defect: abort_lingering() does nothing: leftovers of crashed runs and failed attempts stay open."""
+
+    def abort_lingering(self, query_name, batch_id, intent, keep) -> int:
+        return 0
+
+
+class AnyVersionSink(SQLiteSink):
+    """Defect: decode_handle ignores the handle version."""
+
+    def decode_handle(self, envelope):
+        return dict(envelope["data"])
+
+
+# Finding the bug is what is tested; shrinking it (minutes of re-runs) is hypothesis' job.
+NO_SHRINK = settings(default_settings(), database=None, phases=[Phase.explicit, Phase.generate])
+
+
+def _fail(sink_cls, db: str, *, pending: bool = True, max_examples: int = 200) -> str:
+    """Run the harness on a broken sink; return the ConformanceError message (fail if it passed)."""
+    s = NO_SHRINK
+    with pytest.raises(ConformanceError) as info:
+        run_sink_conformance(lambda: sink_cls(db), lambda: read_table(db),
+                             pending=(lambda: staged_transactions(db)) if pending else None,
+                             settings=s, max_examples=max_examples)
+    return str(info.value)
+
+
+def test_harness_catches_non_idempotent_commit(fast_path):
+    msg = _fail(NonIdempotentCommitSink, str(fast_path / "db"))
+    assert "exactly-once violated" in msg
+    assert re.search(r"row \d+ appears 2 times", msg), msg
+
+
+def test_harness_catches_pre_commit_that_publishes(fast_path):
+    msg = _fail(VisiblePreCommitSink, str(fast_path / "db"))
+    assert re.search(r"row \d+ is visible but (its batch was never decided|no committed handle carries it)",
+                     msg), msg
+    assert "pre-committed" in msg.splitlines()[0], msg  # caught right after the pre_commit
+
+
+def test_harness_catches_pre_commit_that_publishes_without_per_step_checks(fast_path):
+    """Even checking only at quiescent moments, a published-but-undecided batch shows (as dup or leak)."""
+    db = str(fast_path / "db")
+    with pytest.raises(ConformanceError) as info:
+        run_sink_conformance(lambda: VisiblePreCommitSink(db), lambda: read_table(db),
+                             settings=NO_SHRINK, max_examples=300,
+                             check_every_step=False)
+    msg = str(info.value)
+    assert re.search(r"row \d+ (appears 2 times|is visible but its batch was never decided)", msg), msg
+
+
+def test_harness_catches_abort_that_does_nothing(fast_path):
+    msg = _fail(NoopAbortSink, str(fast_path / "db"))
+    assert re.search(r"was aborted, but it left 1 transaction\(s\) open", msg), msg
+
+
+def test_harness_catches_abort_lingering_that_does_nothing(fast_path):
+    msg = _fail(NoopAbortLingeringSink, str(fast_path / "db"))
+    assert "still open although every batch is committed or aborted" in msg, msg
+
+
+def test_harness_catches_decode_of_unknown_handle_version(fast_path):
+    msg = _fail(AnyVersionSink, str(fast_path / "db"), pending=False, max_examples=50)
+    assert "decode_handle accepted handle version 999" in msg, msg
+
+
+def test_failure_story_names_batch_crash_point_and_row(fast_path):
+    """Hypothesis attaches the steps and notes to the error: they tell the story (batch, decision, row)."""
+    db = str(fast_path / "db")
+    with pytest.raises(ConformanceError) as info:
+        run_sink_conformance(lambda: NonIdempotentCommitSink(db), lambda: read_table(db), settings=NO_SHRINK,
+                             max_examples=200)
+    story = "\n".join(getattr(info.value, "__notes__", []))
+    assert "state.start_batch(" in story and "INTENT logged" in story, story
+    assert "PREPARED logged" in story, story
+    assert re.search(r"(commit|recover_and_commit)\(sqlite txn \S+ \(\d+ rows\)\) -> committed", story), story
+    assert re.search(r"row \d+ appears 2 times \(batch \d+ \(decided", story), story
+
+
+# ---------------------------------------------------------------------------- the harness itself
+
+
+def test_testing_imports_without_pytest():
+    code = ("import sys; sys.modules['pytest'] = None; sys.modules['_pytest'] = None\n"
+            "import twophase.testing as t; print(t.run_sink_conformance.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "run_sink_conformance"
+
+
+def test_testing_without_hypothesis_names_the_extra():
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "try:\n    import twophase.testing\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "MissingDependencyError" in out.stdout, out.stdout + out.stderr
+    assert "pip install 'twophase[testing]'" in out.stdout
+
+
+def test_docs_example_is_the_example_file():
+    """docs/conformance.md shows examples/sqlite_sink.py verbatim, so the documented sink is the tested one."""
+    doc = (ROOT / "docs" / "conformance.md").read_text()
+    src = (ROOT / "examples" / "sqlite_sink.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert src in blocks, "the first python block of docs/conformance.md must equal examples/sqlite_sink.py"
+
+
+def test_sqlite_example_rows_survive_a_commit(tmp_path):
+    """A plain (non-hypothesis) check of the example: payload columns arrive intact, once."""
+    from twophase.context import TransactionContext
+    from twophase.testing import default_make_batch
+
+    db = str(tmp_path / "db")
+    sink = SQLiteSink(db)
+    sink.open()
+    ctx = TransactionContext("q", 7, 0, 0, sink.plan_batch("q", 7, 1))
+    txn = sink.begin_transaction(ctx)
+    sink.write(txn, default_make_batch([1, 2, 3]))
+    handle = sink.pre_commit(txn)
+    assert read_table(db) == []
+    assert sink.commit(handle).outcome.value == "committed"
+    assert sink.commit(handle).outcome.value == "already_committed"
+    rows = read_table(db)
+    assert [r["id"] for r in rows] == [1, 2, 3]
+    assert rows[0]["payload"] == "row 1 · ünïcode"
+    with sqlite3.connect(db) as con:
+        assert con.execute('SELECT count(*) FROM "events__staging"').fetchone()[0] == 0
