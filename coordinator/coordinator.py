@@ -27,6 +27,9 @@ from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 log = logging.getLogger("twophase.coordinator")
 
 _RESULT_SCHEMA = "partition INT, attempt INT, rows LONG, handle STRING"
+# Physical operators that keep state across micro-batches (their state stores must commit each batch).
+_STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "StreamingSymmetricHashJoin",
+                     "StreamingGlobalLimit")
 
 
 @dataclass
@@ -115,6 +118,7 @@ class Coordinator:
                               lease_timeout=lease_timeout)
         self.log: TransactionLog | None = None
         self._query_id: str | None = None
+        self._stateful: bool | None = None
         self.last_progress: dict[str, Any] | None = None
         self.recent_progress: list[dict[str, Any]] = []
 
@@ -213,6 +217,7 @@ class Coordinator:
 
         if state is not None and state.state == COMMITTED:                       # step 1
             prog.action = "skipped"
+            self._commit_state(df, query_id, streaming)
             return self._finish(prog, t_start)
 
         if state is not None and state.state == PREPARED:                         # step 2
@@ -222,6 +227,7 @@ class Coordinator:
             prog.handles = len(state.handles)
             prog.rows = int(state.body.get("rows", 0))
             self._decided(tlog, prog, batch_id, state.handles, intent, recovering=True)
+            self._commit_state(df, query_id, streaming)
             return self._finish(prog, t_start)
 
         # step 3: INTENT, then abort what a crashed attempt of this batch left open
@@ -291,6 +297,29 @@ class Coordinator:
         prog.log_ms += _ms(t0)
         crash.crash_point("after_committed_logged", batch_id)
         tlog.prune(batch_id)
+
+    def _commit_state(self, df, query_id: str, streaming: bool) -> None:
+        """Run a replayed batch's plan without output when the query is stateful.
+
+        A batch that was decided before the crash is not written again, so its
+        DataFrame would not run at all; but Spark 4 checks that every state store of
+        a stateful query committed in each batch (STATE_STORE_COMMIT_VALIDATION_FAILED
+        otherwise).  Running the plan with the ``noop`` writer recomputes the same
+        state version and writes nothing.  Stateless queries skip this.
+        """
+        if not streaming:
+            return
+        if self._stateful is None:
+            try:
+                q = df.sparkSession.streams.get(query_id)
+                plan = q._jsq.streamingQuery().lastExecution().executedPlan().toString()
+                self._stateful = any(m in plan for m in _STATEFUL_MARKERS)
+            except Exception:  # cannot tell: recomputing is always safe
+                log.debug("could not inspect the plan of query %s; assuming it is stateful", query_id,
+                          exc_info=True)
+                self._stateful = True
+        if self._stateful:
+            df.write.format("noop").mode("overwrite").save()
 
     # ---------------------------------------------------------------- executors
     def _prepare(self, df, batch_id: int, intent: dict[str, Any]) -> list[dict[str, Any]]:

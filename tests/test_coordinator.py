@@ -207,3 +207,26 @@ def test_async_progress_tracking_is_refused(spark, tmp_path):
         q.stop()
     assert "async progress tracking" in str(e.value).lower() or "asyncprogress" in str(e.value).lower()
     assert not (tmp_path / "out").exists() or output_ids(tmp_path / "out") == []
+
+
+def test_replayed_decided_batch_of_a_stateful_query(spark, tmp_path):
+    """A decided batch is re-committed, not re-written, on replay; its state must still commit."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text("".join(json.dumps({"k": i % 3}) + "\n" for i in range(30)))
+    out, cp, log = tmp_path / "out", str(tmp_path / "cp"), str(tmp_path / "log")
+
+    def run(sink, **kw):
+        c = Coordinator(sink, log_location=log, name="agg", **kw)
+        q = (spark.readStream.schema("k LONG").json(str(src)).groupBy("k").count()
+             .writeStream.outputMode("update").foreachBatch(c).option("checkpointLocation", cp)
+             .trigger(availableNow=True).start())
+        q.awaitTermination()
+        return c
+
+    with pytest.raises(Exception, match="failed 1 times"):
+        run(FlakyCommit(str(out), failures=100), commit_retries=0)  # decided, commit fails: the query stops
+    c = run(FileSink(str(out)))  # replay of the decided batch 0: re-committed, state committed
+    assert c.recent_progress[0]["action"] in ("recommitted", "skipped")
+    rows = [r for p in sorted(out.glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+    assert sorted((r["k"], r["count"]) for r in rows) == [(0, 10), (1, 10), (2, 10)]
