@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,8 @@ def _open(log_url: str, storage_options: dict[str, Any] | None, takeover: bool) 
 
 
 def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options: dict[str, Any] | None = None,
-            takeover: bool = False, abort_only: bool = False, ignore_lost: bool = False) -> RecoveryReport:
+            takeover: bool = False, abort_only: bool = False, ignore_lost: bool = False,
+            parallelism: int = 8) -> RecoveryReport:
     """Commit decided batches (unless ``abort_only``) and abort leftovers of undecided ones."""
     tlog = _open(log_url, storage_options, takeover)
     report = RecoveryReport()
@@ -57,8 +59,10 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
             if abort_only:
                 continue
             handles = [sink.decode_handle(e) for e in states[PREPARED].handles]
-            for h in handles:
-                res = sink.recover_and_commit(h)
+            # In parallel, as the coordinator does: one round trip per handle otherwise.
+            with ThreadPoolExecutor(max_workers=max(1, min(parallelism, len(handles)))) as pool:
+                results = list(pool.map(sink.recover_and_commit, handles))
+            for h, res in zip(handles, results):
                 if res.outcome is CommitOutcome.COMMITTED:
                     report.handles_committed += 1
                 elif res.outcome is CommitOutcome.ALREADY_COMMITTED:
