@@ -14,7 +14,7 @@ import pytest
 from twophase import CommitResult, DataLossError, HandleError
 from twophase.coordinator import Coordinator
 from twophase.errors import CommitError, CorruptLogError
-from twophase.log import COMMITTED, PREPARED, TransactionLog
+from twophase.log import PREPARED, TransactionLog
 from twophase.sinks.files import FileSink
 
 pytestmark = pytest.mark.spark
