@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -363,7 +364,24 @@ class Coordinator:
                 {"partition": [ctx.partition_id], "attempt": [ctx.attempt], "rows": [rows],
                  "handle": [envelope]}, schema=out_schema)
 
-        rows = df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
+        sc = df.sparkSession.sparkContext
+        # Our job must be findable after a failure (see _wait_for_tasks). A streaming query's jobs
+        # already carry its run id as job group (query.stop() cancels by it): keep that one.
+        group = sc.getLocalProperty("spark.jobGroup.id")
+        own_group = None
+        if not group:
+            own_group = group = f"twophase-{name}-{batch_id}-{uuid.uuid4().hex[:8]}"
+            sc.setLocalProperty("spark.jobGroup.id", group)
+        try:
+            rows = df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
+        except BaseException:
+            # collect() fails as soon as one task fails, while sibling tasks may still be finishing
+            # and could pre-commit after the caller aborted leftovers. Let them end first.
+            self._wait_for_tasks(sc, group)
+            raise
+        finally:
+            if own_group is not None:
+                sc.setLocalProperty("spark.jobGroup.id", None)
         seen: dict[int, int] = {}
         results = []
         for r in rows:
@@ -377,6 +395,27 @@ class Coordinator:
                             "handle": json.loads(r["handle"])})
         results.sort(key=lambda r: r["partition"])
         return results
+
+    def _wait_for_tasks(self, sc, group: str, timeout: float = 60.0) -> None:
+        """Wait (bounded) until no task of the job group is running: a failed job's other tasks are
+        killed by Spark, but one may still pre-commit before it notices."""
+        try:
+            tracker = sc.statusTracker()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                active = 0
+                for job_id in tracker.getJobIdsForGroup(group):
+                    info = tracker.getJobInfo(job_id)
+                    for stage_id in (info.stageIds if info is not None else []):
+                        stage = tracker.getStageInfo(stage_id)
+                        active += stage.numActiveTasks if stage is not None else 0
+                if active == 0:
+                    return
+                time.sleep(0.1)
+            log.warning("%s: tasks of a failed job still run after %.0fs; their leftovers are aborted "
+                        "when the batch is replayed", self.name, timeout)
+        except Exception:  # best effort: the replay aborts leftovers anyway
+            log.debug("could not wait for the tasks of job group %s", group, exc_info=True)
 
     # ------------------------------------------------------------------ commits
     def _commit_all(self, tlog: TransactionLog, batch_id: int, envelopes: list[dict[str, Any]],
