@@ -429,7 +429,37 @@ def _hdfs_exc(e: Exception) -> str:
     return getattr(e, "exception", None) or ""
 
 
-class _HdfsUpload:
+class _ChunkedWriter:
+    """A write-only file object that hands its bytes on in chunks of ``chunk_size`` to :meth:`_emit`
+    (a WebHDFS stream, an S3 part upload), so a part file is never held in memory whole."""
+
+    chunk_size: int
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self.closed = False
+
+    def _emit(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def write(self, b) -> int:
+        n = len(b)
+        self._buf += b
+        self._pos += n
+        if len(self._buf) >= self.chunk_size:
+            self._emit(bytes(self._buf))
+            self._buf.clear()
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+
+class _HdfsUpload(_ChunkedWriter):
     """A write-only stream into one new HDFS file over WebHDFS, without holding the file in memory.
 
     A background thread runs the WebHDFS CREATE with a generator fed by a bounded
@@ -437,16 +467,14 @@ class _HdfsUpload:
     file (HTTP 201), which is when HDFS makes it durable and visible to ``getFileStatus``.
     """
 
-    CHUNK = MIB
+    chunk_size = MIB
     DEPTH = 8
 
     def __init__(self, client, path: str):
+        super().__init__()
         self.client, self.path = client, path
         self._q: queue.Queue = queue.Queue(maxsize=self.DEPTH)
-        self._buf = bytearray()
-        self._pos = 0
         self._err: BaseException | None = None
-        self.closed = False
         self._t = threading.Thread(target=self._run, name="twophase-webhdfs-write", daemon=True)
         self._t.start()
 
@@ -477,20 +505,8 @@ class _HdfsUpload:
                     raise TwoPhaseError(f"writing staged file {self.path} to HDFS failed: the upload "
                                         f"ended early ({self._err})") from None
 
-    def write(self, b) -> int:
-        n = len(b)
-        self._buf += b
-        self._pos += n
-        if len(self._buf) >= self.CHUNK:
-            self._put(bytes(self._buf))
-            self._buf.clear()
-        return n
-
-    def tell(self) -> int:
-        return self._pos
-
-    def flush(self) -> None:
-        pass
+    def _emit(self, data: bytes) -> None:
+        self._put(data)
 
     def finish(self) -> int:
         if self._buf:
@@ -712,7 +728,7 @@ def _multipart_etag(etags: list[str]) -> str:
     return f'"{digest.hexdigest()}-{len(etags)}"'
 
 
-class _S3Upload:
+class _S3Upload(_ChunkedWriter):
     """A write-only stream into one S3 multipart upload; holds at most one part in memory.
 
     Parts are uploaded as soon as ``part_size`` bytes are buffered; :meth:`finish`
@@ -721,12 +737,11 @@ class _S3Upload:
     """
 
     def __init__(self, client, bucket: str, key: str, part_size: int):
+        super().__init__()
         self.client, self.bucket, self.key, self.part_size = client, bucket, key, part_size
+        self.chunk_size = part_size
         self.upload_id: str | None = None
         self.parts: list[dict[str, Any]] = []
-        self._buf = bytearray()
-        self._pos = 0
-        self.closed = False
 
     def _start(self) -> None:
         if self.upload_id is None:
@@ -742,20 +757,8 @@ class _S3Upload:
                                     PartNumber=n, Body=data)
         self.parts.append({"n": n, "etag": r["ETag"]})
 
-    def write(self, b) -> int:
-        n = len(b)
-        self._buf += b
-        self._pos += n
-        if len(self._buf) >= self.part_size:
-            self._upload(bytes(self._buf))
-            self._buf.clear()
-        return n
-
-    def tell(self) -> int:
-        return self._pos
-
-    def flush(self) -> None:
-        pass
+    def _emit(self, data: bytes) -> None:
+        self._upload(data)
 
     def finish(self) -> int:
         if self._buf or not self.parts:
