@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted({n for s in only for n in NEEDS[s]})
     progress(f"services: {', '.join(names) or 'none'}")
     services: dict[str, Any] = svc.ensure(*names) if names else {}
+    if "TWOPHASE_SPARK_DRIVER_MEMORY" not in os.environ:
+        # local[2]: the cached DataFrame lives in the driver JVM; give it room at large --rows
+        # (2M rows x 100 B needs more than the 1g default).
+        need_gb = params.rows * (params.row_size + 40) * 8 / 1e9
+        os.environ["TWOPHASE_SPARK_DRIVER_MEMORY"] = f"{min(8, max(1, int(need_gb) + 1))}g"
     spark = session(only)
     progress(f"data: {params.rows} rows x {params.row_size} B in {params.partitions} partitions")
     df = make_data(spark, params.rows, params.row_size, params.partitions)

@@ -68,13 +68,39 @@ class Variant:
     setup: Callable[[], None] | None = None
     seconds: list[float] = field(default_factory=list)
     extras: list[Any] = field(default_factory=list)
+    server_cpu: list[float] = field(default_factory=list)
 
 
-def interleave(variants: list[Variant], reps: int, warmup: int, label: str) -> None:
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by every live process of process group ``pgid``.
+
+    The services run in their own process groups (tests/services), so this is what a
+    server (the HDFS minicluster JVM, the moto S3 server) has spent, whoever asked it.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # field 5 of stat: the process group
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def interleave(variants: list[Variant], reps: int, warmup: int, label: str,
+               server_pgid: int | None = None) -> None:
     """Run every variant ``warmup`` (untimed) + ``reps`` times, interleaved, rotating the order each round.
 
     Round r runs variants in the order shifted by r (A B C, B C A, C A B ...), so a
-    slow phase of the shared machine does not always hit the same variant.
+    slow phase of the shared machine does not always hit the same variant.  With
+    ``server_pgid``, each timed run also records the CPU seconds that server's process
+    group spent during it (:attr:`Variant.server_cpu`): on one machine the server's
+    work competes with the writer's for the same cores.
     """
     n = len(variants)
     for r in range(warmup + reps):
@@ -82,6 +108,7 @@ def interleave(variants: list[Variant], reps: int, warmup: int, label: str) -> N
         for v in order:
             if v.setup:
                 v.setup()
+            c0 = group_cpu_seconds(server_pgid) if server_pgid else 0.0
             t0 = time.perf_counter()
             extra = v.run()
             dt = time.perf_counter() - t0
@@ -89,13 +116,19 @@ def interleave(variants: list[Variant], reps: int, warmup: int, label: str) -> N
             if timed:
                 v.seconds.append(dt)
                 v.extras.append(extra)
+                if server_pgid:
+                    v.server_cpu.append(group_cpu_seconds(server_pgid) - c0)
             progress(f"{label}: {v.name} {'rep ' + str(r - warmup + 1) if timed else 'warm-up'}: {dt:.2f}s")
 
 
 def summarize(v: Variant, rows: int, nbytes: int) -> dict[str, Any]:
     med = statistics.median(v.seconds)
-    return {"seconds": [round(s, 4) for s in v.seconds], "median_s": round(med, 4),
-            "rows_per_s": round(rows / med, 1), "mb_per_s": round(nbytes / med / 1e6, 3)}
+    out = {"seconds": [round(s, 4) for s in v.seconds], "median_s": round(med, 4),
+           "rows_per_s": round(rows / med, 1), "mb_per_s": round(nbytes / med / 1e6, 3)}
+    if v.server_cpu:
+        out["server_cpu_s"] = [round(c, 3) for c in v.server_cpu]
+        out["server_cpu_median_s"] = round(statistics.median(v.server_cpu), 3)
+    return out
 
 
 def ratio(candidate: dict[str, Any], baseline: dict[str, Any]) -> float:
@@ -138,6 +171,14 @@ def session(sections: list[str]):
     from twophase.spark import local_session
 
     conf: dict[str, Any] = {"spark.sql.shuffle.partitions": "8"}
+    if "files" in sections:
+        # The same HDFS client setting the minicluster's DataNode has (tests/services/hdfs.py):
+        # without it Spark's own writer waits 400 ms whenever it closes a file before the
+        # DataNode has reported the block, and the HDFS comparison measures that race.
+        from tests.services.hdfs import CONF as HDFS_CONF
+
+        key = "dfs.client.block.write.locateFollowingBlock.initial.delay.ms"
+        conf[f"spark.hadoop.{key}"] = HDFS_CONF[key]
     if jars:
         conf["spark.jars"] = ",".join(jars)
     progress("starting Spark local[2]")

@@ -42,7 +42,10 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
                            "commit_latency_ms": {}}
 
     # -- local -------------------------------------------------------------------------
+    from tests.services import get as service
+
     targets: list[tuple[str, list[Variant]]] = []
+    pgids: dict[str, int | None] = {"local": None}
     commit: dict[str, list[float]] = {"local": [], "hdfs": [], "s3": []}
     local_ours, local_spark = tmpdir("files-ours"), tmpdir("files-spark")
     targets.append(("local", [
@@ -59,6 +62,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
 
         InsecureClient(h["webhdfs_url"], user=h["user"]).makedirs(base + "/ours")
         spark_url = f"{h['namenode']}{base}/spark"
+        pgids["hdfs"] = service("hdfs").pid()
         targets.append(("hdfs", [
             _sink_variant("FileSink HDFS", FileSink(f"{h['namenode']}{base}/ours", format="parquet",
                                                     storage_options=so), "hdfs", params.rows, df, commit["hdfs"]),
@@ -73,6 +77,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
         s3 = services["s3"]
         so = storage_options(s3)
         prefix = f"{s3['bucket']}/bench-{uid()}"
+        pgids["s3"] = service("s3").pid()
         fs = s3fs.S3FileSystem(**so)
         parts = [t for t in _partitions_arrow(df)]
         counter = iter(range(10**9))
@@ -91,7 +96,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
 
     for label, variants in targets:
         progress(f"files: {label}")
-        interleave(variants, params.reps, params.warmup, f"files/{label}")
+        interleave(variants, params.reps, params.warmup, f"files/{label}", server_pgid=pgids.get(label))
         s = {v.name: summarize(v, params.rows, nbytes) for v in variants}
         ours, base_ = (s[v.name] for v in variants)
         r = ratio(ours, base_)

@@ -35,13 +35,15 @@ def markdown(res: dict[str, Any]) -> str:
                       f"({c['samples']} batches)", ""]
     if "files" in sec:
         s = sec["files"]
-        lines += ["## Files (Parquet)", "", "| target | variant | median s | rows/s | MB/s |",
-                  "|---|---|---:|---:|---:|"]
+        lines += ["## Files (Parquet)", "", "| target | variant | median s | rows/s | MB/s | server CPU s |",
+                  "|---|---|---:|---:|---:|---:|"]
         for t, d in s["targets"].items():
             for name, v in d["variants"].items():
+                cpu = f"{v['server_cpu_median_s']:.2f}" if "server_cpu_median_s" in v else "-"
                 lines.append(f"| {t} | {name} | {v['median_s']:.3f} | {_fmt(v['rows_per_s'])} | "
-                             f"{v['mb_per_s']:.2f} |")
-        lines.append("")
+                             f"{v['mb_per_s']:.2f} | {cpu} |")
+        lines += ["", "Server CPU s: CPU time the server's processes (the HDFS minicluster JVM, the moto "
+                  "S3 server) spent during the run (median), on the same 2 cores as the writers.", ""]
         for k, r in s["ratios"].items():
             lines.append(f"- **{k}: {r:.2f}x**")
         for t, c in s["commit_latency_ms"].items():

@@ -171,12 +171,25 @@ class _NoClose(io.RawIOBase):
 
 
 class _FormatWriter:
-    """Streams Arrow batches into one open binary stream in one format (runs on executors)."""
+    """Streams Arrow batches into one open binary stream in one format (runs on executors).
+
+    Parquet: batches are gathered into row groups of up to :attr:`ROW_GROUP_BYTES`
+    of Arrow data (or :attr:`ROW_GROUP_ROWS` rows) before they are encoded.  Spark
+    hands ``mapInArrow`` batches of 10,000 rows; written one by one they would each
+    be a row group, every one re-trying dictionary encoding from scratch: measured
+    0.55 s vs 0.36 s to encode 1M rows x 100 B, and larger files.  Memory: one row
+    group of Arrow data per open file (Spark's own Parquet writer holds 128 MB).
+    """
+
+    ROW_GROUP_BYTES = 64 * MIB
+    ROW_GROUP_ROWS = 1 << 20
 
     def __init__(self, fmt: str, f: Any, compression: str | None):
         self.fmt, self.compression = fmt, compression
         self._writer: Any = None
         self._compressed: Any = None
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_rows = self._pending_bytes = 0
         if fmt != "parquet" and compression:
             codec = {"gz": "gzip"}.get(compression, compression)
             self._compressed = pa.CompressedOutputStream(pa.PythonFile(_NoClose(f), mode="w"), codec)
@@ -191,7 +204,11 @@ class _FormatWriter:
             if self._writer is None:
                 codec = self.compression or "snappy"
                 self._writer = pq.ParquetWriter(self.f, batch.schema, compression=codec)
-            self._writer.write_batch(batch)
+            self._pending.append(batch)
+            self._pending_rows += batch.num_rows
+            self._pending_bytes += batch.nbytes
+            if self._pending_bytes >= self.ROW_GROUP_BYTES or self._pending_rows >= self.ROW_GROUP_ROWS:
+                self._flush_row_group()
         elif self.fmt == "csv":
             import pyarrow.csv as pacsv
 
@@ -202,8 +219,24 @@ class _FormatWriter:
             lines = [json.dumps(row, default=str, ensure_ascii=False) for row in batch.to_pylist()]
             self.f.write(("\n".join(lines) + "\n").encode())
 
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def discard(self) -> None:
+        """Drop the rows not yet encoded and close (abort: they are not wanted)."""
+        self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
+        self.close()
+
+    def _flush_row_group(self) -> None:
+        if self._pending:
+            self._writer.write_table(pa.Table.from_batches(self._pending), row_group_size=self.ROW_GROUP_ROWS)
+            self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
+
     def close(self) -> None:
         if self._writer is not None:
+            if self.fmt == "parquet":
+                self._flush_row_group()
             self._writer.close()
             self._writer = None
         if self._compressed is not None:
@@ -639,6 +672,14 @@ class _HdfsBackend(_Backend):
 
         folder = intent.get("staging") or self.batch_staging(query_name, batch_id)
         keep_paths = {posixpath.normpath(e["staging"]) for e in keep}
+        # After a batch's commits its staging folder is normally empty (every staged file
+        # was renamed away): one non-recursive DELETE, which HDFS refuses on a non-empty
+        # directory, then does all the work in one round trip.
+        try:
+            self.client.delete(folder)  # False when the folder does not exist: nothing lingers
+            return 0
+        except HdfsError:
+            pass  # not empty: leftovers of failed attempts, or kept files not yet committed
         try:
             names = self.client.list(folder)
         except HdfsError as e:
@@ -646,12 +687,15 @@ class _HdfsBackend(_Backend):
                 return 0
             raise
         n = 0
+        kept_here = False
         for name in names:
             path = self.join(folder, name)
-            if posixpath.normpath(path) not in keep_paths:
+            if posixpath.normpath(path) in keep_paths:
+                kept_here = True
+            else:
                 self.client.delete(path, recursive=True)
                 n += 1
-        if not keep_paths or not any(self._status(p) is not None for p in keep_paths):
+        if not kept_here:
             try:
                 self.client.delete(folder)  # not recursive: only if empty
             except HdfsError:
@@ -729,47 +773,85 @@ def _multipart_etag(etags: list[str]) -> str:
 
 
 class _S3Upload(_ChunkedWriter):
-    """A write-only stream into one S3 multipart upload; holds at most one part in memory.
+    """A write-only stream into one S3 multipart upload, uploading parts while the next is encoded.
 
-    Parts are uploaded as soon as ``part_size`` bytes are buffered; :meth:`finish`
-    uploads the last (possibly small) part and does NOT complete the upload: an open
-    upload is invisible, survives the writer, and is the pre-committed transaction.
+    Parts are handed to a small thread pool as soon as ``part_size`` bytes are
+    buffered, so encoding and uploading overlap; at most ``IN_FLIGHT`` parts are
+    uploading at a time (memory: about ``IN_FLIGHT + 1`` parts).  :meth:`finish`
+    uploads the last (possibly small) part, waits for all, and does NOT complete the
+    upload: an open upload is invisible, survives the writer, and is the
+    pre-committed transaction.
     """
+
+    IN_FLIGHT = 2
 
     def __init__(self, client, bucket: str, key: str, part_size: int):
         super().__init__()
         self.client, self.bucket, self.key, self.part_size = client, bucket, key, part_size
         self.chunk_size = part_size
         self.upload_id: str | None = None
-        self.parts: list[dict[str, Any]] = []
+        self._next = 1
+        self._pending: list[Any] = []   # futures of parts still uploading, in part order
+        self._done: list[dict[str, Any]] = []
+        self._pool: Any = None
+
+    @property
+    def parts(self) -> list[dict[str, Any]]:
+        """The uploaded parts so far, in part-number order: ``{"n", "etag"}``."""
+        return sorted(self._done, key=lambda p: p["n"])
 
     def _start(self) -> None:
         if self.upload_id is None:
             self.upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key)["UploadId"]
 
+    def _upload_part(self, n: int, data: bytes) -> dict[str, Any]:
+        r = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                                    PartNumber=n, Body=data)
+        return {"n": n, "etag": r["ETag"]}
+
+    def _reap(self, keep: int) -> None:
+        """Wait until at most ``keep`` parts are still uploading; a failed part fails the write."""
+        while len(self._pending) > keep:
+            self._done.append(self._pending.pop(0).result())
+
     def _upload(self, data: bytes) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self._start()
-        n = len(self.parts) + 1
+        n = self._next
         if n > S3_MAX_PARTS:
             raise TwoPhaseError(f"s3://{self.bucket}/{self.key} would need more than {S3_MAX_PARTS} parts; "
                                 "raise part_size")
-        r = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-                                    PartNumber=n, Body=data)
-        self.parts.append({"n": n, "etag": r["ETag"]})
+        self._next += 1
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.IN_FLIGHT, thread_name_prefix="twophase-s3-part")
+        self._reap(self.IN_FLIGHT - 1)
+        self._pending.append(self._pool.submit(self._upload_part, n, data))
 
     def _emit(self, data: bytes) -> None:
         self._upload(data)
 
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
     def finish(self) -> int:
-        if self._buf or not self.parts:
-            self._upload(bytes(self._buf))
-            self._buf.clear()
+        try:
+            if self._buf or self._next == 1:
+                self._upload(bytes(self._buf))
+                self._buf.clear()
+            self._reap(0)
+        finally:
+            self._shutdown()
         self.closed = True
         return self._pos
 
     def cancel(self) -> None:
         self.closed = True
         self._buf = bytearray()
+        self._pending.clear()
+        self._shutdown()  # parts still uploading finish first, so the abort below is the last word
         if self.upload_id is not None:
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
@@ -1141,7 +1223,22 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                 f = txn.files.get(segs) or self._open_file(txn, segs)
                 f.writer.write(rb)
                 f.rows += rb.num_rows
+            self._bound_pending(txn)
         txn.rows += batch.num_rows
+
+    @staticmethod
+    def _bound_pending(txn: FileTransaction) -> None:
+        """With many open files (partition_by), keep the rows gathered for Parquet row groups
+        within one row group's budget per task: encode the biggest pending ones first."""
+        limit = _FormatWriter.ROW_GROUP_BYTES
+        total = sum(f.writer.pending_bytes for f in txn.files.values())
+        if total <= limit:
+            return
+        for f in sorted(txn.files.values(), key=lambda f: f.writer.pending_bytes, reverse=True):
+            if total <= limit // 2:
+                break
+            total -= f.writer.pending_bytes
+            f.writer._flush_row_group()
 
     def pre_commit(self, txn: FileTransaction) -> dict:
         entries = []
@@ -1160,7 +1257,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         for f in txn.files.values():
             if not txn.closed:
                 try:
-                    f.writer.close()
+                    f.writer.discard()
                 except Exception:
                     pass
             try:

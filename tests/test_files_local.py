@@ -130,3 +130,42 @@ def test_config_round_trip(tmp_path):
     sink = FileSink(str(tmp_path), format="csv", prefix="out")
     again = FileSink.from_config(sink.to_config())
     assert again.to_config() == sink.to_config()
+
+
+def test_parquet_batches_are_gathered_into_row_groups(tmp_path):
+    """Spark hands over 10,000-row batches; they become one row group, not one group each."""
+    sink = FileSink(str(tmp_path))
+    ctx = TransactionContext("q", 0, 0, 0, {})
+    txn = sink.begin_transaction(ctx)
+    for start in range(0, 50_000, 10_000):
+        sink.write(txn, batch(list(range(start, start + 10_000))))
+    assert sink.commit(sink.pre_commit(txn)).done
+    f = pq.ParquetFile(tmp_path / "part-00000000-00000.parquet")
+    assert f.metadata.num_row_groups == 1
+    assert f.read().column("id").to_pylist() == list(range(50_000))
+
+
+def test_partitioned_parquet_keeps_gathered_rows_within_one_budget(tmp_path, monkeypatch):
+    from twophase.sinks import files
+
+    monkeypatch.setattr(files._FormatWriter, "ROW_GROUP_BYTES", 20_000)
+    sink = FileSink(str(tmp_path), partition_by=["k"])
+    txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, {}))
+    ids = list(range(20_000))
+    for start in range(0, len(ids), 1_000):
+        part = ids[start:start + 1_000]
+        sink.write(txn, pa.RecordBatch.from_pydict({"id": part, "k": [i % 7 for i in part]}))
+        assert sum(f.writer.pending_bytes for f in txn.files.values()) <= 20_000
+    assert sink.commit(sink.pre_commit(txn)).done
+    got = sorted(i for k in range(7) for p in (tmp_path / f"k={k}").iterdir()
+                 for i in pq.read_table(p).column("id").to_pylist())
+    assert got == ids
+
+
+def test_abort_drops_rows_not_yet_encoded(tmp_path):
+    sink = FileSink(str(tmp_path))
+    txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, {}))
+    sink.write(txn, batch([1, 2, 3]))
+    sink.abort(txn)
+    assert visible(tmp_path) == []
+    assert sink.abort_lingering("q", 0, {}, []) == 0

@@ -398,6 +398,7 @@ def test_s3_large_file_goes_up_in_parts_and_commit_twice_is_a_no_op(s3_service, 
         n += len(ids)
         sink.write(txn, batch(ids, pad=["x" * 20] * len(ids)))
         assert len(upload._buf) < 5 * MIB  # never more than one part buffered
+        assert len(upload._pending) <= upload.IN_FLIGHT  # and a bounded number uploading
     h = roundtrip(sink, sink.pre_commit(txn))
     (e,) = h["files"]
     assert len(e["parts"]) >= 3 and e["size"] > 10 * MIB
