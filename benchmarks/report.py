@@ -11,6 +11,11 @@ def _fmt(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
+def _load(res: dict[str, Any]) -> str:
+    la = res.get("load_average")
+    return f"{la['start_1min']:.1f} at the start, {la['end_1min']:.1f} at the end" if la else "not recorded"
+
+
 def markdown(res: dict[str, Any]) -> str:
     p = res["params"]
     lines = [f"# twophase benchmark results ({'quick' if p['quick'] else 'full'} run)", "",
@@ -18,8 +23,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"rows={p['rows']}, row_size={p['row_size']} B, partitions={p['partitions']}, "
              f"reps={p['reps']} (+{p['warmup']} warm-up), trigger={p['trigger_interval']} s.", "",
              "Ratios are throughput ratios (baseline time / candidate time, medians of this run): "
-             "> 1 means the exactly-once sink is faster. The machine is a shared, loaded 2-core box: "
-             "absolute numbers are noisy, the ratios are the point.", ""]
+             "> 1 means the exactly-once sink is faster. The machine is a shared 2-core box "
+             f"(load average {_load(res)}): absolute numbers are noisy, the ratios are the point.", ""]
     sec = res["sections"]
     for key in ("kafka", "postgres"):
         if key in sec:

@@ -1005,16 +1005,46 @@ class _S3Backend(_Backend):
             if _s3_code(e) != "NoSuchUpload" and _s3_status(e) != 404:
                 raise
 
-    def open_uploads(self, prefix: str) -> list[dict[str, Any]]:
-        """Every open multipart upload under ``prefix`` in the sink's bucket (Key, UploadId, Initiated)."""
+    def _list_uploads(self, prefix: str | None) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if prefix:
+            kwargs["Prefix"] = prefix
         while True:
             r = self.client.list_multipart_uploads(**kwargs)
             out += r.get("Uploads", [])
             if not r.get("IsTruncated"):
                 return out
             kwargs.update(KeyMarker=r.get("NextKeyMarker"), UploadIdMarker=r.get("NextUploadIdMarker"))
+
+    def _lists_uploads_by_prefix(self) -> bool:
+        """Does the endpoint filter ListMultipartUploads by a key *prefix*?  S3 and moto do; MinIO
+        matches ``prefix`` only against whole keys (a directory prefix lists nothing) but lists
+        every upload of the bucket without one.  Probed once per process with an upload of our
+        own under the staging prefix, aborted at once."""
+        known = getattr(self, "_c_prefix_listing", None)
+        if known is not None:
+            return known
+        folder = self.join(self.root, STAGING_DIR) if self.root else STAGING_DIR
+        key = f"{folder}/probe-{uuid.uuid4().hex}"
+        up = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        try:
+            seen = self._list_uploads(folder + "/")
+            works = any(u["UploadId"] == up for u in seen)
+        finally:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=up)
+        if not works:
+            log.info("s3://%s: this endpoint lists multipart uploads only by whole key (as MinIO does); "
+                     "leftover uploads are found by listing the bucket's uploads and filtering them",
+                     self.bucket)
+        self._c_prefix_listing = works
+        return works
+
+    def open_uploads(self, prefix: str) -> list[dict[str, Any]]:
+        """Every open multipart upload under ``prefix`` in the sink's bucket (Key, UploadId, Initiated)."""
+        if not prefix or self._lists_uploads_by_prefix():
+            return self._list_uploads(prefix)
+        return [u for u in self._list_uploads(None) if u["Key"].startswith(prefix)]
 
     def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
         prefix = intent.get("prefix", self.join(self.root, "") + "/" if self.root else "")

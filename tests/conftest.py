@@ -44,9 +44,10 @@ def hdfs_service() -> dict:
     return _service("hdfs")
 
 
-@pytest.fixture(scope="session")
-def s3_service() -> dict:
-    return _service("s3")
+@pytest.fixture(scope="session", params=["s3", "minio"], ids=["moto", "minio"])
+def s3_service(request) -> dict:
+    """Every S3 test runs against two real endpoints: moto's server and MinIO (tests/services)."""
+    return _service(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         assert all(p["total_ms"] > 0 for p in s["phases_ms"])
 
     files = sec["files"]
-    assert set(files["targets"]) == {"local", "hdfs", "s3"}
+    assert set(files["targets"]) == {"local", "hdfs", "s3", "s3-moto"}
     for t, d in files["targets"].items():
         _check_variants(d["variants"], rows)
         cand, base = list(d["variants"])

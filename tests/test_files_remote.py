@@ -335,8 +335,8 @@ def sroot(s3_service, s3):
     prefix = f"twophase-test/{uuid.uuid4().hex[:10]}"
     bucket = s3_service["bucket"]
     yield f"s3://{bucket}/{prefix}", prefix
-    for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []):
-        s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+    for key, upload_id in sopen(s3, bucket, prefix):
+        s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
     for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
         s3.delete_object(Bucket=bucket, Key=o["Key"])
 
@@ -358,8 +358,10 @@ def svisible(s3, bucket, prefix):
 
 
 def sopen(s3, bucket, prefix):
-    return sorted((u["Key"], u["UploadId"])
-                  for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", []))
+    # The bucket's whole listing, filtered here: MinIO matches ListMultipartUploads' Prefix only
+    # against whole keys (see _S3Backend._lists_uploads_by_prefix).
+    return sorted((u["Key"], u["UploadId"]) for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+                  if u["Key"].startswith(prefix + "/"))
 
 
 @pytest.mark.s3
@@ -476,6 +478,21 @@ def test_s3_abort_lingering_finds_orphans_of_the_batch_only(s3_service, s3, sroo
 
 
 @pytest.mark.s3
+def test_s3_upload_listing_is_probed_once_and_the_probe_leaves_nothing(s3_service, s3, sroot, s3env):
+    """S3 and moto filter ListMultipartUploads by key prefix; MinIO only by whole key, so there
+    the sink lists the bucket's uploads and filters them (the test above passes on both)."""
+    url, prefix = sroot
+    sink = FileSink(url, storage_options=s3env)
+    backend = sink._backend
+    assert backend._lists_uploads_by_prefix() is (s3_service.get("server") != "minio")
+    assert sopen(s3, s3_service["bucket"], prefix) == []  # the probe upload was aborted
+    calls = []
+    backend._list_uploads = lambda p: calls.append(p) or []
+    backend._lists_uploads_by_prefix()
+    assert calls == []  # answered from the first probe
+
+
+@pytest.mark.s3
 def test_s3_bad_input_is_refused_and_leaves_nothing(s3_service, s3, sroot, s3env):
     url, prefix = sroot
     bucket = s3_service["bucket"]
@@ -568,6 +585,9 @@ class _StripConditionsProxy(http.server.ThreadingHTTPServer):
 
 @pytest.mark.s3
 def test_transaction_log_on_s3_is_refused_without_conditional_writes(s3_service, sroot, s3env):
+    if s3_service.get("server") == "minio":
+        pytest.skip("the proxy that strips If-None-Match breaks the SigV4 signature, which MinIO checks and "
+                    "moto does not; the detection under test does not depend on the endpoint")
     url, prefix = sroot
     proxy = _StripConditionsProxy(s3_service["endpoint_url"])
     t = threading.Thread(target=proxy.serve_forever, daemon=True)

@@ -1,6 +1,6 @@
 """Real servers for tests, benchmarks and the demo, started on loopback by the project itself.
 
-Each backend is one module (``kafka``, ``postgres``, ``hdfs``, ``s3``) defining a
+Each backend is one module (``kafka``, ``postgres``, ``hdfs``, ``s3`` (moto), ``minio``) defining a
 :class:`Service` subclass.  ``python -m tests.services start|stop|status [NAME ...]``
 drives them by hand; pytest session fixtures call :func:`ensure`.
 """
@@ -24,7 +24,7 @@ STATE_DIR = Path(os.environ.get("TWOPHASE_SERVICES_DIR", Path.home() / ".cache" 
 #: Where downloaded jars are cached (outside the repository; never committed).
 JAR_CACHE = Path(os.environ.get("TWOPHASE_JAR_CACHE", Path.home() / ".cache" / "twophase" / "jars"))
 
-NAMES = ("kafka", "postgres", "hdfs", "s3")
+NAMES = ("kafka", "postgres", "hdfs", "s3", "minio")
 
 
 class ServiceError(RuntimeError):

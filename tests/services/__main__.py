@@ -1,4 +1,4 @@
-"""``python -m tests.services start|stop|status [kafka|postgres|hdfs|s3|all ...]``."""
+"""``python -m tests.services start|stop|status [kafka|postgres|hdfs|s3|minio|all ...]``."""
 
 from __future__ import annotations
 
