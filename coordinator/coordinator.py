@@ -212,7 +212,7 @@ class Coordinator:
         tlog = self._start(df.sparkSession, query_id, streaming)
         prog = BatchProgress(self.name, batch_id, query_id, "committed")
         t0 = time.perf_counter()
-        tlog.heartbeat()
+        tlog.heartbeat(force=False)
         state = tlog.state(batch_id)
         prog.log_ms += _ms(t0)
 

@@ -148,3 +148,22 @@ def test_records_are_valid_json_with_checksum(tmp_path):
     data = encode_record({"a": 1})
     obj = json.loads(data)
     assert obj["format"] == "twophase-log" and len(obj["sha256"]) == 64
+
+
+def test_per_batch_heartbeat_writes_the_lease_at_most_every_quarter_timeout(tmp_path, monkeypatch):
+    import twophase.log as tlog_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(tlog_mod.time, "time", lambda: clock[0])
+    log = TransactionLog(str(tmp_path / "log"), lease_timeout=120.0)
+    log.acquire("q-1", "test")
+    first = log.lease().heartbeat_at
+    clock[0] += 29.0
+    log.heartbeat(force=False)          # a batch 29 s later: the lease is fresh enough
+    assert log.lease().heartbeat_at == first
+    clock[0] += 2.0
+    log.heartbeat(force=False)          # 31 s > 120/4: written
+    assert log.lease().heartbeat_at == first + 31.0
+    clock[0] += 1.0
+    log.heartbeat()                     # forced: always written
+    assert log.lease().heartbeat_at == first + 32.0

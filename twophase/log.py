@@ -331,6 +331,7 @@ class TransactionLog:
         self.epoch: int | None = None
         self.generation: int | None = None
         self.query_id: str | None = None
+        self._heartbeat_written = 0.0
         self._ensure_format()
 
     # -- basics
@@ -431,11 +432,19 @@ class TransactionLog:
         for old in current[:-2]:
             self.store.delete(f"epochs/{old:010d}.json")
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, force: bool = True) -> None:
+        """Refresh the lease.  ``force=False`` (once per batch) writes only when the last refresh
+        by this process is older than a quarter of ``lease_timeout``: the lease is a liveness
+        hint for other hosts (fencing is by epoch), and a durable write per batch would cost a
+        file write and two fsyncs on every batch."""
         self._require_owner()
+        now = time.time()
+        if not force and now - self._heartbeat_written < self.lease_timeout / 4:
+            return
         self.store.replace("lease.json", encode_record({
             "kind": "lease", "epoch": self.epoch, "owner": self.owner, "host": socket.gethostname(),
-            "pid": os.getpid(), "heartbeat_at": time.time(), "query_id": self.query_id}))
+            "pid": os.getpid(), "heartbeat_at": now, "query_id": self.query_id}))
+        self._heartbeat_written = now
 
     def _require_owner(self) -> None:
         if self.epoch is None:
