@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import uuid
 
 import pytest
@@ -37,17 +38,26 @@ def _conn(info):
 
 
 def _write_input(folder, files: int, rows: int, keys: int) -> tuple[list[int], dict[int, int]]:
-    """Files part-000.json ... with unique ids; key k = id % keys, v = file number."""
+    """Files part-000.json ... with unique ids; key k = id % keys, v = file number.
+
+    Spark's file source takes files in modification-time order (ms resolution) and breaks
+    ties by listing order, which is not the name order: files written in the same
+    millisecond once went into batches 0, 2, 1.  Each file gets its own second, so batch
+    order is file order and "last value per key" is well defined.
+    """
     os.makedirs(folder)
     ids, last = [], {}
     n = 0
+    base = int(time.time()) - files - 1
     for f in range(files):
-        with open(os.path.join(folder, f"part-{f:03d}.json"), "w") as fh:
+        path = os.path.join(folder, f"part-{f:03d}.json")
+        with open(path, "w") as fh:
             for _ in range(rows):
                 fh.write(json.dumps({"id": n, "k": n % keys, "v": f}) + "\n")
                 ids.append(n)
                 last[n % keys] = f
                 n += 1
+        os.utime(path, (base + f, base + f))
     return ids, last
 
 
