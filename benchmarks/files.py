@@ -72,7 +72,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
     # -- S3: MinIO (assembles a multipart object from its parts, as S3 does) and moto ---------
     for label, svc_name, server in (("s3", "minio", "MinIO"), ("s3-moto", "s3", "moto")):
         if svc_name in services:
-            targets.append((label, _s3_variants(df, params, services[svc_name], server, commit)))
+            targets.append((label, _s3_variants(df, params, services[svc_name], label, server, commit[label])))
             pgids[label] = service(svc_name).pid()
 
     for label, variants in targets:
@@ -96,8 +96,8 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _s3_variants(df, params: Params, info: dict[str, Any], server: str,
-                 commit: dict[str, list[float]]) -> list[Variant]:
+def _s3_variants(df, params: Params, info: dict[str, Any], label: str, server: str,
+                 commit_ms: list[float]) -> list[Variant]:
     """FileSink vs a plain s3fs upload of the same rows, both to one S3 server."""
     import pyarrow.parquet as pq
     import s3fs
@@ -105,7 +105,6 @@ def _s3_variants(df, params: Params, info: dict[str, Any], server: str,
     from tests.services.s3 import storage_options
     from twophase.sinks.files import FileSink
 
-    label = "s3" if server == "MinIO" else "s3-moto"
     so = storage_options(info)
     prefix = f"{info['bucket']}/bench-{uid()}"
     fs = s3fs.S3FileSystem(**so)
@@ -121,7 +120,7 @@ def _s3_variants(df, params: Params, info: dict[str, Any], server: str,
 
     return [_sink_variant(f"FileSink S3 ({server})", FileSink(f"s3://{prefix}/ours", format="parquet",
                                                               storage_options=so),
-                          label, params.rows, df, commit[label]),
+                          label, params.rows, df, commit_ms),
             Variant(f"plain s3fs upload ({server})", s3fs_run)]
 
 

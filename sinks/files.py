@@ -30,6 +30,7 @@ import re
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -208,7 +209,7 @@ class _FormatWriter:
             self._pending_rows += batch.num_rows
             self._pending_bytes += batch.nbytes
             if self._pending_bytes >= self.ROW_GROUP_BYTES or self._pending_rows >= self.ROW_GROUP_ROWS:
-                self._flush_row_group()
+                self.flush_row_group()
         elif self.fmt == "csv":
             import pyarrow.csv as pacsv
 
@@ -228,7 +229,8 @@ class _FormatWriter:
         self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
         self.close()
 
-    def _flush_row_group(self) -> None:
+    def flush_row_group(self) -> None:
+        """Encode the rows gathered so far as one row group (Parquet; a no-op otherwise)."""
         if self._pending:
             self._writer.write_table(pa.Table.from_batches(self._pending), row_group_size=self.ROW_GROUP_ROWS)
             self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
@@ -236,7 +238,7 @@ class _FormatWriter:
     def close(self) -> None:
         if self._writer is not None:
             if self.fmt == "parquet":
-                self._flush_row_group()
+                self.flush_row_group()
             self._writer.close()
             self._writer = None
         if self._compressed is not None:
@@ -815,8 +817,6 @@ class _S3Upload(_ChunkedWriter):
             self._done.append(self._pending.pop(0).result())
 
     def _upload(self, data: bytes) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self._start()
         n = self._next
         if n > S3_MAX_PARTS:
@@ -1268,7 +1268,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             if total <= limit // 2:
                 break
             total -= f.writer.pending_bytes
-            f.writer._flush_row_group()
+            f.writer.flush_row_group()
 
     def pre_commit(self, txn: FileTransaction) -> dict:
         entries = []

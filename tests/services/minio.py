@@ -79,14 +79,9 @@ class MinioService(Service):
             return False
 
     def after_ready(self) -> None:
-        from tests.services.s3 import client
+        from tests.services.s3 import ensure_bucket
 
-        s3 = client(self.info())
-        try:
-            s3.create_bucket(Bucket=BUCKET)
-        except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
-            pass
-        s3.head_bucket(Bucket=BUCKET)
+        ensure_bucket(self.info())
 
     def info(self) -> dict[str, Any]:
         return {"endpoint_url": ENDPOINT, "bucket": BUCKET, "key": KEY, "secret": SECRET, "region": REGION,

@@ -48,6 +48,16 @@ def storage_options(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def ensure_bucket(info: dict[str, Any]) -> None:
+    """Create the test bucket of the server described by ``info`` unless it exists (moto, MinIO)."""
+    s3 = client(info)
+    try:
+        s3.create_bucket(Bucket=info["bucket"])
+    except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+        pass
+    s3.head_bucket(Bucket=info["bucket"])
+
+
 def client(info: dict[str, Any] | None = None, **kwargs):
     """A boto3 S3 client for the server (``info`` defaults to this module's constants);
     ``kwargs`` go to ``boto3.client`` (e.g. ``config=botocore.config.Config(...)``)."""
@@ -90,12 +100,7 @@ class S3Service(Service):
             return False
 
     def after_ready(self) -> None:
-        s3 = client(self.info())
-        try:
-            s3.create_bucket(Bucket=BUCKET)
-        except s3.exceptions.BucketAlreadyOwnedByYou:
-            pass
-        s3.head_bucket(Bucket=BUCKET)
+        ensure_bucket(self.info())
 
     def info(self) -> dict[str, Any]:
         return {"endpoint_url": ENDPOINT, "bucket": BUCKET, "key": KEY, "secret": SECRET, "region": REGION}
