@@ -65,7 +65,9 @@ class Coordinator:
     Runs on the driver.  ``log_location`` is an fsspec URL for the transaction
     log (default ``<checkpoint_location>/twophase``).  Giving ``checkpoint_location``
     also records each batch's source offsets (Spark's ``offsets/N``) in its
-    commit decision, for ``twophase offsets``.
+    commit decision, for ``twophase offsets``, and clears the temp files a kill
+    during the query's first batch leaves there (see
+    :func:`twophase.spark.clear_interrupted_start`).
 
     ``commit_parallelism`` handles are committed at once; a commit that fails is
     retried ``commit_retries`` times with exponential backoff from
@@ -122,6 +124,19 @@ class Coordinator:
         self._stateful: bool | None = None
         self.last_progress: dict[str, Any] | None = None
         self.recent_progress: list[dict[str, Any]] = []
+        if checkpoint_location is not None:
+            self._clear_interrupted_start(checkpoint_location, storage_options)
+
+    @staticmethod
+    def _clear_interrupted_start(checkpoint_location: str, storage_options: dict[str, Any] | None) -> None:
+        """A driver killed while Spark wrote ``offsets/0`` must not leave a query Spark refuses to start."""
+        from twophase.spark import clear_interrupted_start
+
+        try:
+            clear_interrupted_start(checkpoint_location, storage_options)
+        except Exception as e:  # noqa: BLE001 - Spark's own start-up check then reports the state
+            log.warning("could not check %s for temp files of an interrupted first batch: %s",
+                        checkpoint_location, e)
 
     # ------------------------------------------------------------- entry points
     def __call__(self, df, batch_id: int) -> None:

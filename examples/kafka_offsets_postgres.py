@@ -175,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
         def each_batch(df, batch_id: int) -> None:
             coordinator(events(df), batch_id)
     else:
+        from twophase.spark import clear_interrupted_start
+
+        clear_interrupted_start(args.checkpoint)  # the Coordinator does this in the other variant
         upsert = _common.at_least_once_upsert(args.dsn, args.table, EVENT_COLUMNS, ["id"])
 
         def each_batch(df, batch_id: int) -> None:

@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         def each_batch(df, batch_id: int) -> None:
             coordinator(payments(df), batch_id)
     else:
+        from twophase.spark import clear_interrupted_start
+
+        clear_interrupted_start(args.checkpoint)  # the Coordinator does this in the other variant
         upsert = _common.at_least_once_upsert(args.dsn, args.table, COLUMNS, ["payment_id"])
 
         def each_batch(df, batch_id: int) -> None:

@@ -162,6 +162,63 @@ def test_replaced_checkpoint_is_refused(spark, tmp_path):
     assert output_ids(tmp_path / "out") == [1]
 
 
+def _interrupted_first_batch(cp: Path) -> list[Path]:
+    """What a driver SIGKILLed between Spark's temp write and rename of ``offsets/0`` leaves (seen in CI)."""
+    (cp / "offsets").mkdir(parents=True)
+    (cp / "commits").mkdir()
+    tmp = cp / "offsets" / ".0.fa2423c1-a2cc-40f9-a272-fa6b6ed55718.tmp"
+    tmp.write_text('v1\n{"batchWatermarkMs":0}\n{"logOffset":0}\n')
+    crc = cp / "offsets" / "..0.fa2423c1-a2cc-40f9-a272-fa6b6ed55718.tmp.crc"
+    crc.write_bytes(b"crc")
+    return [tmp, crc]
+
+
+def test_kill_during_the_first_offsets_write_does_not_wedge_the_query(spark, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text("".join(json.dumps({"id": i}) + "\n" for i in range(5)))
+
+    def start(cp, each_batch):
+        return (spark.readStream.schema("id LONG").json(str(src)).writeStream.foreachBatch(each_batch)
+                .option("checkpointLocation", str(cp)).trigger(availableNow=True).start())
+
+    # Spark alone: the leftover temp file makes every restart fail, forever.
+    bare = tmp_path / "bare"
+    _interrupted_first_batch(bare)
+    with pytest.raises(Exception, match="CHECKPOINT_LOCATION_NOT_EMPTY"):
+        start(bare, lambda df, bid: None).awaitTermination()
+    # With the coordinator given the checkpoint: the temp files go, the query runs batch 0.
+    cp = tmp_path / "cp"
+    leftovers = _interrupted_first_batch(cp)
+    c = Coordinator(FileSink(str(tmp_path / "out")), checkpoint_location=str(cp), name="k")
+    assert not any(p.exists() for p in leftovers)
+    start(cp, c).awaitTermination()
+    assert sorted(output_ids(tmp_path / "out")) == list(range(5))
+    assert (cp / "offsets" / "0").exists() and (cp / "commits" / "0").exists()
+
+
+def test_clear_interrupted_start_touches_only_temp_files_of_an_unplanned_first_batch(tmp_path):
+    from twophase.spark import clear_interrupted_start
+
+    first = tmp_path / "first"
+    leftovers = _interrupted_first_batch(first)
+    other = first / "offsets" / "notes.txt"  # not Spark's: left for Spark's own check to report
+    other.write_text("x")
+    (first / "commits" / ".0.0b1e6f0c-0000-4000-8000-000000000000.tmp").write_text("v1")
+    removed = clear_interrupted_start(str(first))
+    assert sorted(removed) == sorted([str(p) for p in leftovers]
+                                     + [str(first / "commits" / ".0.0b1e6f0c-0000-4000-8000-000000000000.tmp")])
+    assert os.listdir(first / "offsets") == ["notes.txt"] and os.listdir(first / "commits") == []
+
+    # Once batch 0 is planned, Spark restarts from it: a temp file of batch 1 is Spark's business.
+    later = tmp_path / "later"
+    later.mkdir()
+    tmp1 = _interrupted_first_batch(later)[0].rename(later / "offsets" / ".1.fa2423c1-a2cc-40f9-a272-fa6b6ed55718.tmp")
+    (later / "offsets" / "0").write_text("v1")
+    assert clear_interrupted_start(str(later)) == [] and tmp1.exists()
+    assert clear_interrupted_start(str(tmp_path / "missing")) == []
+
+
 def test_called_outside_foreach_batch_is_explained(spark, tmp_path):
     c = Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"))
     with pytest.raises(Exception, match="outside a streaming foreachBatch"):

@@ -1,12 +1,21 @@
-"""Small helpers around PySpark: a sized local session, and where a batch comes from."""
+"""Small helpers around PySpark: a sized local session, and a checkpoint left unstartable by a kill."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
 from typing import Any
 
 from twophase._deps import require
+
+log = logging.getLogger(__name__)
+
+# Spark writes each metadata-log file (offsets/N, commits/N) to ".N.<uuid>.tmp" and renames
+# it; the checksum file of that temp file is "..N.<uuid>.tmp.crc".
+_SPARK_TEMP = re.compile(r"^\.\.?\d+\.[0-9a-fA-F-]{36}\.tmp(\.crc)?$")
+_SPARK_BATCH = re.compile(r"^\d+$")
 
 
 def local_session(master: str = "local[2]", app_name: str = "twophase", conf: dict[str, Any] | None = None):
@@ -32,3 +41,39 @@ def local_session(master: str = "local[2]", app_name: str = "twophase", conf: di
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("TWOPHASE_SPARK_LOG_LEVEL", "ERROR"))
     return spark
+
+
+def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Remove what a kill during a query's very first batch left in its checkpoint; return the paths removed.
+
+    Spark (4.1 and later, ``spark.sql.streaming.verifyCheckpointDirectoryEmptyOnStart``) refuses
+    to start a query at batch 0 unless ``offsets/`` and ``commits/`` are empty.  A driver killed
+    while writing ``offsets/0`` leaves Spark's temp file (``.0.<uuid>.tmp``) behind, so every
+    restart then fails with ``STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY`` and the query can never
+    run again.  This removes exactly those temp files, and only from a directory that holds no
+    batch file: no batch was planned, so nothing of Spark's state is lost.  Anything else in
+    the directory is left alone (and Spark's check then still stops the query, as it should).
+
+    Run it before ``start()``, while no driver runs the query.  :class:`~twophase.coordinator.Coordinator`
+    calls it when given ``checkpoint_location``.  ``storage_options`` are fsspec options.
+    """
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(checkpoint_location, **(storage_options or {}))
+    removed: list[str] = []
+    for sub in ("offsets", "commits"):
+        path = f"{root.rstrip('/')}/{sub}"
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+        except FileNotFoundError:
+            continue
+        if any(_SPARK_BATCH.match(n) for n in names):
+            continue  # a planned batch: Spark restarts from it and never looks at temp files
+        for n in sorted(n for n in names if _SPARK_TEMP.match(n)):
+            fs.rm(f"{path}/{n}")
+            removed.append(f"{path}/{n}")
+    if removed:
+        log.warning("removed %d temp file(s) of an interrupted first batch from %s so that Spark can start "
+                    "the query at batch 0: %s", len(removed), checkpoint_location,
+                    ", ".join(r.rsplit("/", 2)[-2] + "/" + r.rsplit("/", 1)[-1] for r in removed))
+    return removed
