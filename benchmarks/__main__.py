@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, SECTIONS, Params, make_data, progress, session
+from benchmarks.common import SECTIONS, Params, make_data, progress, session
 
 NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3", "minio"), "recovery": ("postgres",),
          "coordinator": (), "scaling": ()}

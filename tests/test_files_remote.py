@@ -472,6 +472,7 @@ def test_s3_abort_lingering_finds_orphans_of_the_batch_only(s3_service, s3, sroo
     assert sink.abort_lingering("q", 9, intent, [winner]) == 2
     remaining = {k for k, _ in sopen(s3, bucket, prefix)}
     assert remaining == {other_batch["files"][0]["key"], f"{prefix}/k=a/notours-00000009.parquet"}
+    assert not {f["key"] for f in orphan["files"]} & remaining  # the crashed attempt's 2 uploads went
     assert sink.abort_lingering("q", 9, intent, []) == 0
     assert svisible(s3, bucket, prefix) == ["k=a/part-00000009-00000.parquet", "k=b/part-00000009-00000.parquet"]
     assert [u for u in sopen(s3, bucket, prefix) if u[1] == foreign]

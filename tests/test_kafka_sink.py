@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 
 from twophase.context import TransactionContext
-from twophase.errors import ConfigurationError, DataLossError, TwoPhaseError
+from twophase.errors import ConfigurationError, DataLossError
 from twophase.sink import CommitOutcome
 from twophase.sinks import _kafka_protocol as kp
 from twophase.sinks.kafka import KafkaSink
@@ -367,7 +367,6 @@ def test_expired_transaction_is_data_loss_unless_ignored(kafka_service, spark, t
     p = subprocess.run([PY, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 137, p.stderr[-3000:]
     assert len(_prepared_in_log(log_dir)) == 1
-    handle = json.loads(next(log_dir.rglob("*.prepared.json")).read_text())
     # Wait until the broker has aborted the timed-out transaction.
     client = kp.TxnClient({"bootstrap_servers": bs})
     deadline = time.time() + 60
