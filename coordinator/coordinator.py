@@ -22,7 +22,7 @@ from typing import Any
 
 from twophase import crash
 from twophase.errors import CommitError, ConfigurationError, DataLossError, TwoPhaseError
-from twophase.log import COMMITTED, INTENT, PREPARED, TransactionLog
+from twophase.log import COMMITTED, INTENT, PREPARED, LogStore, TransactionLog, open_store
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.coordinator")
@@ -120,6 +120,7 @@ class Coordinator:
         self._log_args = dict(storage_options=storage_options, retain_batches=retain_batches,
                               lease_timeout=lease_timeout)
         self.log: TransactionLog | None = None
+        self._checkpoint_store: LogStore | bool | None = None  # False: its scheme has no store
         self._query_id: str | None = None
         self._stateful: bool | None = None
         self.last_progress: dict[str, Any] | None = None
@@ -493,16 +494,20 @@ class Coordinator:
     # -------------------------------------------------------------------- misc
     def _source_offsets(self, batch_id: int) -> dict[str, Any] | None:
         """Spark's ``offsets/N`` for this batch, parsed, when the checkpoint location is known."""
-        if self.checkpoint_location is None:
+        if self.checkpoint_location is None or self._checkpoint_store is False:
             return None
-        import fsspec
-
-        url = f"{self.checkpoint_location.rstrip('/')}/offsets/{batch_id}"
-        try:
-            with fsspec.open(url, "rt") as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
+        if self._checkpoint_store is None:  # the log's stores: local, HDFS (WebHDFS), S3
+            try:
+                self._checkpoint_store = open_store(self.checkpoint_location, self.storage_options)
+            except ConfigurationError as e:
+                log.warning("%s: Spark's offsets will not be recorded in commit decisions: %s", self.name, e)
+                self._checkpoint_store = False
+                return None
+        data = self._checkpoint_store.read(f"offsets/{batch_id}")
+        if data is None:
             return None
+        url = self._checkpoint_store.location(f"offsets/{batch_id}")
+        lines = data.decode("utf-8").splitlines()
         # Line 0 is the version ("v1"), line 1 the batch metadata, then one line per source.
         parsed = []
         for line in lines[2:]:

@@ -1457,7 +1457,7 @@ class HdfsLogStore(LogStore):
     def replace(self, name: str, data: bytes) -> None:
         self._put(self._path(name), data, overwrite=True)
 
-    def list(self, folder: str) -> list[str]:
+    def list(self, folder: str, hidden: bool = False) -> list[str]:
         from hdfs import HdfsError
 
         try:
@@ -1466,7 +1466,7 @@ class HdfsLogStore(LogStore):
             if _hdfs_exc(e) == "FileNotFoundException":
                 return []
             raise
-        return sorted(n for n in names if not n.startswith("."))
+        return sorted(n for n in names if hidden or not n.startswith("."))
 
     def delete(self, name: str) -> None:
         self.client.delete(self._path(name))
@@ -1547,7 +1547,7 @@ class S3LogStore(LogStore):
     def replace(self, name: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
 
-    def list(self, folder: str) -> list[str]:
+    def list(self, folder: str, hidden: bool = False) -> list[str]:
         prefix = self._key(folder).rstrip("/") + "/" if (folder or self.root) else ""
         names: list[str] = []
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/"}
@@ -1557,7 +1557,7 @@ class S3LogStore(LogStore):
             if not r.get("IsTruncated"):
                 break
             kwargs["ContinuationToken"] = r["NextContinuationToken"]
-        return sorted(n for n in names if n and not n.startswith("."))
+        return sorted(n for n in names if n and (hidden or not n.startswith(".")))
 
     def delete(self, name: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(name))

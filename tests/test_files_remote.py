@@ -321,6 +321,41 @@ def test_coordinator_with_data_and_log_on_hdfs(hdfs_service, hdfs, hroot, spark)
     assert hstaged(hdfs, f"{path}/out") == []
 
 
+@pytest.mark.hdfs
+@pytest.mark.spark
+def test_interrupted_first_batch_on_an_hdfs_checkpoint_does_not_wedge_the_query(hdfs_service, hdfs, hroot,
+                                                                                 spark, tmp_path):
+    """The twin of the local test in test_coordinator.py, with Spark's checkpoint on HDFS."""
+    from twophase.coordinator import Coordinator
+
+    url, path = hroot
+    opts = hopts(hdfs_service)
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text("".join(json.dumps({"id": i}) + "\n" for i in range(4)))
+    temp = ".0.fa2423c1-a2cc-40f9-a272-fa6b6ed55718.tmp"  # what a kill between write and rename leaves
+
+    def leave_temp(cp: str) -> None:
+        hdfs.write(f"{cp}/offsets/{temp}", data=b'v1\n{"batchWatermarkMs":0}\n')
+        hdfs.write(f"{cp}/offsets/.{temp}.crc", data=b"crc")
+        hdfs.makedirs(f"{cp}/commits")
+
+    def start(cp_url, each_batch):
+        return (spark.readStream.schema("id LONG").json(str(src)).writeStream.foreachBatch(each_batch)
+                .option("checkpointLocation", cp_url).trigger(availableNow=True).start())
+
+    leave_temp(f"{path}/bare")
+    with pytest.raises(Exception, match="CHECKPOINT_LOCATION_NOT_EMPTY"):
+        start(f"{url}/bare", lambda df, bid: None).awaitTermination()
+    leave_temp(f"{path}/cp")
+    c = Coordinator(FileSink(f"{url}/out", storage_options=opts), checkpoint_location=f"{url}/cp",
+                    storage_options=opts, name="hdfswedge")
+    assert sorted(hdfs.list(f"{path}/cp/offsets")) == []
+    start(f"{url}/cp", c).awaitTermination()
+    assert sorted(r["id"] for r in spark.read.parquet(f"{url}/out").collect()) == [0, 1, 2, 3]
+    assert "0" in hdfs.list(f"{path}/cp/offsets") and "0" in hdfs.list(f"{path}/cp/commits")
+
+
 # ============================================================================== S3
 @pytest.fixture(scope="module")
 def s3(s3_service):

@@ -60,8 +60,11 @@ class LogStore(ABC):
         """Atomically set ``name`` to ``data`` (readers see old or new, never a mix)."""
 
     @abstractmethod
-    def list(self, folder: str) -> list[str]:
-        """Names of the files directly in ``folder`` ('' = root); [] if it does not exist."""
+    def list(self, folder: str, hidden: bool = False) -> list[str]:
+        """Names of the files directly in ``folder`` ('' = root); [] if it does not exist.
+
+        Names starting with ``.`` (temp files) are left out unless ``hidden``.
+        """
 
     @abstractmethod
     def delete(self, name: str) -> None:
@@ -130,9 +133,9 @@ class LocalStore(LogStore):
         os.replace(tmp, path)
         self._fsync_dir(os.path.dirname(path))
 
-    def list(self, folder: str) -> list[str]:
+    def list(self, folder: str, hidden: bool = False) -> list[str]:
         try:
-            return sorted(n for n in os.listdir(self._path(folder)) if not n.startswith("."))
+            return sorted(n for n in os.listdir(self._path(folder)) if hidden or not n.startswith("."))
         except FileNotFoundError:
             return []
 
@@ -184,14 +187,14 @@ class FsspecStore(LogStore):
             f.write(data)
         self.fs.mv(tmp, path)
 
-    def list(self, folder: str) -> list[str]:
+    def list(self, folder: str, hidden: bool = False) -> list[str]:
         path = self._path(folder) if folder else self.root
         try:
             entries = self.fs.ls(path, detail=False)
         except FileNotFoundError:
             return []
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
-        return sorted(n for n in names if not n.endswith(".tmp"))
+        return sorted(n for n in names if hidden or not (n.startswith(".") or n.endswith(".tmp")))
 
     def delete(self, name: str) -> None:
         try:

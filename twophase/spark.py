@@ -55,23 +55,21 @@ def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str,
     the directory is left alone (and Spark's check then still stops the query, as it should).
 
     Run it before ``start()``, while no driver runs the query.  :class:`~twophase.coordinator.Coordinator`
-    calls it when given ``checkpoint_location``.  ``storage_options`` are fsspec options.
+    calls it when given ``checkpoint_location``.  Works on every location the transaction log
+    supports (local disk, HDFS over WebHDFS, S3); ``storage_options`` as for the log.
     """
-    import fsspec
+    from twophase.log import open_store
 
-    fs, root = fsspec.core.url_to_fs(checkpoint_location, **(storage_options or {}))
+    store = open_store(checkpoint_location, storage_options)
     removed: list[str] = []
     for sub in ("offsets", "commits"):
-        path = f"{root.rstrip('/')}/{sub}"
-        try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
-        except FileNotFoundError:
-            continue
+        names = store.list(sub, hidden=True)
         if any(_SPARK_BATCH.match(n) for n in names):
             continue  # a planned batch: Spark restarts from it and never looks at temp files
-        for n in sorted(n for n in names if _SPARK_TEMP.match(n)):
-            fs.rm(f"{path}/{n}")
-            removed.append(f"{path}/{n}")
+        for n in names:
+            if _SPARK_TEMP.match(n):
+                store.delete(f"{sub}/{n}")
+                removed.append(store.location(f"{sub}/{n}"))
     if removed:
         log.warning("removed %d temp file(s) of an interrupted first batch from %s so that Spark can start "
                     "the query at batch 0: %s", len(removed), checkpoint_location,
