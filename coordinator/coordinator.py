@@ -498,8 +498,9 @@ class Coordinator:
             return None
         if self._checkpoint_store is None:  # the log's stores: local, HDFS (WebHDFS), S3
             try:
-                self._checkpoint_store = open_store(self.checkpoint_location, self.storage_options)
-            except ConfigurationError as e:
+                self._checkpoint_store = open_store(self.checkpoint_location, self.storage_options,
+                                                    exclusive=False)
+            except (ConfigurationError, ImportError, ValueError) as e:
                 log.warning("%s: Spark's offsets will not be recorded in commit decisions: %s", self.name, e)
                 self._checkpoint_store = False
                 return None

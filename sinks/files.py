@@ -1406,8 +1406,8 @@ class HdfsLogStore(LogStore):
     durable once the DataNode has closed the file (HDFS close semantics).
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        so = dict(storage_options or {})
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, exclusive: bool = True):
+        so = dict(storage_options or {})  # rename2 with NONE is always exclusive: nothing to prove
         base, user, root = _hdfs_location(url, so)
         self.url = url
         self.root = root
@@ -1482,13 +1482,14 @@ class S3LogStore(LogStore):
     could both "create" the same decision, so the log is refused.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, exclusive: bool = True):
         parts = urlsplit(url)
         self.url = url
         self.bucket = parts.netloc
         self.root = parts.path.strip("/")
         self.client = _s3_client(dict(storage_options or {}))
-        self._probe()
+        if exclusive:
+            self._probe()
 
     def _key(self, name: str) -> str:
         return f"{self.root}/{name}" if self.root else name

@@ -385,6 +385,31 @@ def s3env(s3_service, monkeypatch):
             "endpoint_url": s3_service["endpoint_url"], "region_name": s3_service["region"]}
 
 
+@pytest.mark.s3
+def test_s3_checkpoint_interrupted_first_batch_is_cleared_without_a_probe(s3_service, s3, sroot, s3env,
+                                                                            monkeypatch):
+    """Spark's checkpoint on S3: only read, listed and deleted, so no conditional-write probe object."""
+    from twophase.sinks.files import S3LogStore
+    from twophase.spark import clear_interrupted_start
+
+    def no_probe(self):
+        raise AssertionError("a checkpoint opened to read and clean must not be probed")
+
+    monkeypatch.setattr(S3LogStore, "_probe", no_probe)
+
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    temp = ".0.fa2423c1-a2cc-40f9-a272-fa6b6ed55718.tmp"
+    for key in (f"{prefix}/first/offsets/{temp}", f"{prefix}/first/offsets/.{temp}.crc",
+                f"{prefix}/later/offsets/0", f"{prefix}/later/offsets/{temp.replace('.0.', '.1.')}"):
+        s3.put_object(Bucket=bucket, Key=key, Body=b"v1")
+    removed = clear_interrupted_start(f"{url}/first", s3env)
+    assert sorted(removed) == [f"{url}/first/offsets/.{temp}.crc", f"{url}/first/offsets/{temp}"]
+    assert clear_interrupted_start(f"{url}/later", s3env) == []  # batch 0 planned: Spark's business
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+    assert keys == [f"{prefix}/later/offsets/{temp.replace('.0.', '.1.')}", f"{prefix}/later/offsets/0"]
+
+
 def svisible(s3, bucket, prefix):
     out = []
     for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):

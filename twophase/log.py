@@ -207,19 +207,26 @@ _STORES: dict[str, Any] = {}
 
 
 def register_store(scheme: str, factory) -> None:
-    """Register a :class:`LogStore` factory ``(url, storage_options) -> LogStore`` for a URL scheme."""
+    """Register a :class:`LogStore` factory ``(url, storage_options, exclusive) -> LogStore`` for a URL scheme.
+
+    ``exclusive=False`` opens a location only to read, list and delete (Spark's checkpoint), so
+    the store need not prove that its ``create`` is exclusive.
+    """
     _STORES[scheme] = factory
 
 
-def open_store(url: str, storage_options: dict[str, Any] | None = None) -> LogStore:
-    """The store for a log URL: local paths and ``file://`` natively, others by registered scheme."""
+def open_store(url: str, storage_options: dict[str, Any] | None = None, exclusive: bool = True) -> LogStore:
+    """The store for a log URL: local paths and ``file://`` natively, others by registered scheme.
+
+    ``exclusive=False``: the caller will not ``create`` records (see :func:`register_store`).
+    """
     scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
     if scheme == "file":
         return LocalStore(url.split("://", 1)[1] if "://" in url else url)
     if scheme == "memory":
         return FsspecStore(url, storage_options)
     if scheme in _STORES:
-        return _STORES[scheme](url, storage_options)
+        return _STORES[scheme](url, storage_options, exclusive)
     if scheme in ("hdfs", "webhdfs", "swebhdfs", "viewfs", "s3", "s3a"):
         # sinks/files.py registers the HDFS store and the S3 store (which refuses endpoints
         # without conditional writes) when imported.
@@ -227,7 +234,9 @@ def open_store(url: str, storage_options: dict[str, Any] | None = None) -> LogSt
 
         _ = _files
         if scheme in _STORES:
-            return _STORES[scheme](url, storage_options)
+            return _STORES[scheme](url, storage_options, exclusive)
+    if not exclusive:  # reading Spark's checkpoint elsewhere: any fsspec filesystem will do
+        return FsspecStore(url, storage_options)
     if scheme in ("gs", "gcs", "abfs", "az"):
         raise ConfigurationError(
             f"the transaction log cannot live on {scheme}:// : twophase has no store with atomic "

@@ -60,7 +60,7 @@ def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str,
     """
     from twophase.log import open_store
 
-    store = open_store(checkpoint_location, storage_options)
+    store = open_store(checkpoint_location, storage_options, exclusive=False)
     removed: list[str] = []
     for sub in ("offsets", "commits"):
         names = store.list(sub, hidden=True)
