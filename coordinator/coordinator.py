@@ -62,8 +62,9 @@ def _ms(t0: float) -> float:
 class Coordinator:
     """Pass an instance to ``DataStreamWriter.foreachBatch``; or call :meth:`write` for a batch DataFrame.
 
-    Runs on the driver.  ``log_location`` is an fsspec URL for the transaction
-    log (default ``<checkpoint_location>/twophase``).  Giving ``checkpoint_location``
+    Runs on the driver.  ``log_location`` is the transaction log's URL: a local
+    path, ``hdfs://`` (WebHDFS) or ``s3://`` with conditional writes (default
+    ``<checkpoint_location>/twophase``).  Giving ``checkpoint_location``
     also records each batch's source offsets (Spark's ``offsets/N``) in its
     commit decision, for ``twophase offsets``, and clears the temp files a kill
     during the query's first batch leaves there (see
