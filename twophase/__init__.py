@@ -16,6 +16,7 @@ from twophase.errors import (
     LogError,
     LogOwnershipError,
     MissingDependencyError,
+    PrunedBatchError,
     QueryMismatchError,
     TwoPhaseError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "LogError",
     "LogOwnershipError",
     "MissingDependencyError",
+    "PrunedBatchError",
     "QueryMismatchError",
     "TransactionContext",
     "TwoPhaseCommitSink",

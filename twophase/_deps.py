@@ -1,4 +1,9 @@
-"""Import optional dependencies with an error that names the ``pip install`` that fixes it."""
+"""Import optional dependencies with an error that names the ``pip install`` that fixes it.
+
+The one place a missing optional package is reported: sinks, storage backends and the
+testing harness all call :func:`require`, so every such error reads the same and names
+the extra (``pip install 'twophase[s3]'``), never a bare ModuleNotFoundError.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,35 @@ from types import ModuleType
 
 from twophase.errors import MissingDependencyError
 
+#: Top-level import name -> the extra of pyproject.toml that installs it.
 _EXTRA = {
     "confluent_kafka": "kafka",
     "kafka": "kafka",
     "psycopg2": "postgres",
-    "s3fs": "s3",
+    "botocore": "s3",
     "hdfs": "hdfs",
+    "requests": "hdfs",
     "pyspark": "spark",
     "hypothesis": "testing",
 }
 
 
-def require(module: str, feature: str) -> ModuleType:
-    """Return the imported module, or raise MissingDependencyError naming the extra to install."""
+def install_hint(module: str, extra: str | None = None) -> str:
+    """The ``pip install`` line that brings ``module`` (``extra`` overrides the lookup)."""
+    return f"pip install 'twophase[{extra or _EXTRA.get(module.split('.')[0], 'all')}]'"
+
+
+def require(module: str, feature: str, extra: str | None = None) -> ModuleType:
+    """Return the imported module, or raise MissingDependencyError naming the extra to install.
+
+    ``feature`` says what needs it ("FileSink on s3://"); ``extra`` names the extra when
+    the caller knows it (the storage registry does), else it is looked up by package.
+    """
     try:
         return importlib.import_module(module)
     except ImportError as e:
         top = module.split(".")[0]
-        extra = _EXTRA.get(top, "all")
         raise MissingDependencyError(
             f"{feature} needs the Python package {top!r}, which is not installed: "
-            f"pip install 'twophase[{extra}]'"
+            f"{install_hint(module, extra)}"
         ) from e

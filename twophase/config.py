@@ -8,7 +8,9 @@ connection is made.  Third-party sinks register under the entry-point group
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import json
 import os
 from importlib.metadata import entry_points
@@ -55,7 +57,59 @@ def sink_from_config(config: dict[str, Any] | str | Path):
             raise ConfigurationError(f"sink config is not JSON: {e}") from None
     if not isinstance(config, dict) or "sink" not in config:
         raise ConfigurationError('a sink config is a JSON object with a "sink" field (e.g. "files")')
-    return sink_class(config["sink"]).from_config(config)
+    kind = config["sink"]
+    cls = sink_class(kind)
+    check_params(cls, kind, {k: v for k, v in config.items() if k != "sink"})
+    try:
+        return cls.from_config(config)
+    except (TypeError, ValueError) as e:  # what the signature check could not see
+        raise ConfigurationError(f"{kind} sink config: {e}") from None
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+               list: "a list", tuple: "a list", dict: "an object"}
+
+
+def check_params(cls: type, kind: str, params: dict[str, Any]) -> None:
+    """Refuse unknown, missing and mistyped parameters of a sink config with one line naming the field.
+
+    Types are checked against the constructor's defaults (a parameter defaulting to ``5``
+    takes an integer); a secret reference ``{"env": ...}`` is accepted wherever a value is.
+    Values are never echoed (they may be secrets).
+    """
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return
+    fields = {n: p for n, p in sig.parameters.items() if n != "self"
+              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        for k in params:
+            if k not in fields:
+                close = difflib.get_close_matches(k, list(fields), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigurationError(f"{kind} sink config: unknown parameter {k!r}{hint} "
+                                         f"(accepted: {', '.join(fields)})")
+    for n, p in fields.items():
+        if p.default is inspect.Parameter.empty and n not in params:
+            raise ConfigurationError(f"{kind} sink config: parameter {n!r} is required")
+        if n not in params or p.default in (inspect.Parameter.empty, None):
+            continue
+        value, want = params[n], type(p.default)
+        if value is None or is_secret_ref(value) or want not in _TYPE_NAMES:
+            continue
+        ok = (isinstance(value, bool) if want is bool else
+              isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
+              isinstance(value, int) and not isinstance(value, bool) if want is int else
+              isinstance(value, (list, tuple)) if want in (list, tuple) else isinstance(value, want))
+        if not ok:
+            raise ConfigurationError(f"{kind} sink config: parameter {n!r} must be {_TYPE_NAMES[want]}, "
+                                     f"got {_json_type(value)}")
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def is_secret_ref(value: Any) -> bool:

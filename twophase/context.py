@@ -15,6 +15,13 @@ class TransactionContext:
     ``intent`` is the batch's INTENT payload (what transactions this batch may
     open: transactional ids, staging prefixes, gid prefixes), as the sink's
     :meth:`~twophase.TwoPhaseCommitSink.plan_batch` returned it.
+
+    ``run`` is unique to one execution of the batch by one coordinator (a short
+    token, letters and digits).  Spark numbers task attempts from 0 in every job, so
+    a replay of the batch, or a second coordinator racing on it, reuses
+    ``(partition_id, attempt)``; a sink that names transactions after them adds
+    ``run`` so that two executions never share a name (and aborting one can never
+    touch the other).  Empty when the caller does not know it.
     """
 
     query_name: str
@@ -22,6 +29,7 @@ class TransactionContext:
     partition_id: int
     attempt: int = 0
     intent: dict[str, Any] = field(default_factory=dict)
+    run: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

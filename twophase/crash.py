@@ -13,6 +13,9 @@ import os
 import sys
 
 ENV = "TWOPHASE_CRASH_AT"
+#: A file each process appends "<point> <batch> <pid>" to when it dies at a crash point, so that a
+#: chaos runner can tell a point that fired from one that was armed but never reached.
+LOG_ENV = "TWOPHASE_CRASH_LOG"
 EXIT_CODE = 137
 
 POINTS = (
@@ -49,6 +52,26 @@ def reload() -> None:
     _plan = _parse(os.environ.get(ENV, ""))
 
 
+def carried_env() -> dict[str, str]:
+    """This process' crash plan (``TWOPHASE_CRASH_AT``, ``TWOPHASE_CRASH_LOG``), for its executors.
+
+    Executors on a cluster do not inherit the driver's environment; the coordinator ships
+    this dict with its tasks and they :func:`adopt` it.
+    """
+    return {k: os.environ[k] for k in (ENV, LOG_ENV) if os.environ.get(k)}
+
+
+def adopt(env: dict[str, str]) -> None:
+    """Arm the crash plan a driver shipped (executor side); a plan set here already wins."""
+    changed = False
+    for k, v in env.items():
+        if not os.environ.get(k):
+            os.environ[k] = v
+            changed = True
+    if changed:
+        reload()
+
+
 def armed() -> bool:
     if _plan is None:
         reload()
@@ -65,4 +88,11 @@ def crash_point(name: str, batch_id: int | None = None) -> None:
     if batches is None or (batch_id is not None and batch_id in batches):
         sys.stderr.write(f"twophase: crash point {name} reached (batch {batch_id}): exiting\n")
         sys.stderr.flush()
+        where = os.environ.get(LOG_ENV)
+        if where:
+            try:
+                with open(where, "a") as f:
+                    f.write(f"{name} {batch_id} {os.getpid()}\n")
+            except OSError:
+                pass
         os._exit(EXIT_CODE)

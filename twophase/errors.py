@@ -32,6 +32,13 @@ class LogOwnershipError(LogError):
     """Another coordinator owns this log (or owns a newer epoch of it): this one must not commit."""
 
 
+class PrunedBatchError(LogError):
+    """A batch id at or below the log's low-water mark: committed long ago, its records pruned.
+
+    Writing it again would duplicate it, so it is refused (idempotence must not end at the
+    retention window)."""
+
+
 class QueryMismatchError(LogError):
     """The log belongs to another streaming query (a deleted or replaced checkpoint)."""
 

@@ -100,6 +100,30 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         break the guarantee (e.g. ``max_prepared_transactions = 0``).
         """
 
+    def executor_modules(self) -> list[str]:
+        """Python modules the executor-side methods import (driver).
+
+        The coordinator imports them on the executors before its first batch on a cluster,
+        so that a missing package fails at once, with what to ship, before anything is written.
+        """
+        return ["pyarrow"]
+
+    def local_paths(self) -> list[str]:
+        """Local filesystem paths the executors write to (driver).
+
+        On a cluster every host must see them (a shared mount); the coordinator refuses
+        them with a non-local master unless told the storage is shared.
+        """
+        return []
+
+    def max_parallelism(self) -> int | None:
+        """The most transactions one batch may open at this target, or None for no limit (driver).
+
+        Asked after :meth:`open`.  The coordinator writes a batch with at most this many
+        tasks (PostgreSQL: ``max_prepared_transactions`` bounds prepared transactions).
+        """
+        return None
+
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         """Return the INTENT payload for a batch (driver): what transactions it may open.
 
@@ -112,6 +136,20 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         secret-free.  Default: nothing beyond the batch identity.
         """
         return {}
+
+    def verify_prepared(self, batch_id: int, handles: list[HandleT], *, prepare_started_at: float) -> None:
+        """Check that every pre-committed transaction of a batch can still be committed (driver).
+
+        Called after the executors returned their handles and *before* the decision
+        (PREPARED) is logged.  A sink whose target can abort a pre-committed
+        transaction on its own (Kafka's ``transaction.timeout.ms``) checks here that
+        each one is still open and has a safe margin left, and raises
+        :class:`~twophase.errors.TwoPhaseError` otherwise: the batch then fails while
+        it is undecided (its leftovers are aborted and its replay writes it again),
+        instead of being decided and reported as data loss later.
+        ``prepare_started_at`` is the ``time.time()`` at which the batch's executors
+        started.  Default: nothing to check.
+        """
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
                         keep: list[HandleT]) -> int:
