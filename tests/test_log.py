@@ -167,3 +167,44 @@ def test_per_batch_heartbeat_writes_the_lease_at_most_every_quarter_timeout(tmp_
     clock[0] += 1.0
     log.heartbeat()                     # forced: always written
     assert log.lease().heartbeat_at == first + 32.0
+
+
+def test_short_write_of_a_prepared_record_is_completed_not_linked_truncated(tmp_path, monkeypatch):
+    """os.write may write fewer bytes than asked (a nearly full disk): the record is written whole."""
+    tlog = make_log(tmp_path)
+    real_write = os.write
+
+    def short_write(fd, data):
+        return real_write(fd, bytes(data[: max(1, len(data) // 3)]))
+
+    monkeypatch.setattr(os, "write", short_write)
+    tlog.write(4, PREPARED, {"handles": [{"sink": "files", "v": 1, "data": {"x": "y" * 500}}], "rows": 9})
+    monkeypatch.undo()
+    st = tlog.state(4)  # would be CorruptLogError with a truncated record
+    assert st.state == PREPARED and st.body["rows"] == 9
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 64 KiB tmpfs: a disk that fills up (needs root, as CI and this project's machines run)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_prepared_record_fails_and_leaves_no_record(tiny_fs):
+    from twophase.errors import LogError
+
+    tlog = TransactionLog(str(tiny_fs / "log"))
+    tlog.acquire("q-1", "test")
+    big = {"handles": [{"sink": "files", "v": 1, "data": {"blob": "z" * 200_000}}], "rows": 1}
+    with pytest.raises(LogError, match="disk full"):
+        tlog.write(7, PREPARED, big)
+    assert tlog.state(7) is None  # no record, and certainly no corrupt one
+    assert not [n for n in os.listdir(tiny_fs / "log" / "g0001") if n.endswith(".tmp")]
+    tlog.write(7, PREPARED, {"handles": [], "rows": 1})  # room for a small one: the log still works
+    assert tlog.state(7).body["rows"] == 1

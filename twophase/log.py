@@ -24,225 +24,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
+import threading
 import time
 import uuid
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from twophase.errors import ConfigurationError, CorruptLogError, LogError, LogOwnershipError, QueryMismatchError
+from twophase.errors import (ConfigurationError, CorruptLogError, LogError, LogOwnershipError, PrunedBatchError,
+                             QueryMismatchError)
+# The stores live in twophase.storage (one module per backend, picked by URL scheme in its
+# registry); these names stay importable from here.
+from twophase.storage import LogStore, open_store, register_store  # noqa: F401
+from twophase.storage.fsspec_store import FsspecStore  # noqa: F401
+from twophase.storage.local import LocalStore  # noqa: F401
+
+log = logging.getLogger("twophase.log")
 
 FORMAT = "twophase-log"
 FORMAT_VERSION = 1
 
 INTENT, PREPARED, COMMITTED = "intent", "prepared", "committed"
+_LOW_WATER = "low-water.json"
 STATES = (INTENT, PREPARED, COMMITTED)
-
-
-# --------------------------------------------------------------------------- stores
-class LogStore(ABC):
-    """Byte storage under one root with atomic exclusive create and atomic replace."""
-
-    url: str
-
-    @abstractmethod
-    def read(self, name: str) -> bytes | None:
-        """The bytes of ``name``, or None if it does not exist."""
-
-    @abstractmethod
-    def create(self, name: str, data: bytes) -> bool:
-        """Atomically create ``name``; False (and nothing written) if it already exists."""
-
-    @abstractmethod
-    def replace(self, name: str, data: bytes) -> None:
-        """Atomically set ``name`` to ``data`` (readers see old or new, never a mix)."""
-
-    @abstractmethod
-    def list(self, folder: str, hidden: bool = False) -> list[str]:
-        """Names of the files directly in ``folder`` ('' = root); [] if it does not exist.
-
-        Names starting with ``.`` (temp files) are left out unless ``hidden``.
-        """
-
-    @abstractmethod
-    def delete(self, name: str) -> None:
-        """Remove ``name`` if it exists."""
-
-    def location(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}/{name}"
-
-
-class LocalStore(LogStore):
-    """Local (or POSIX-mounted) directory: temp file + fsync + link/rename + directory fsync."""
-
-    def __init__(self, root: str):
-        self.root = os.path.abspath(root)
-        self.url = self.root
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            raise LogError(f"cannot create the transaction log directory {self.root}: {e.strerror}") from None
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.root, name)
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            with open(self._path(name), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def _write_tmp(self, path: str, data: bytes) -> str:
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return tmp
-
-    @staticmethod
-    def _fsync_dir(folder: str) -> None:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def create(self, name: str, data: bytes) -> bool:
-        path = self._path(name)
-        tmp = self._write_tmp(path, data)
-        try:
-            os.link(tmp, path)  # fails with EEXIST instead of overwriting: exclusive and atomic
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-        self._fsync_dir(os.path.dirname(path))
-        return True
-
-    def replace(self, name: str, data: bytes) -> None:
-        path = self._path(name)
-        tmp = self._write_tmp(path, data)
-        os.replace(tmp, path)
-        self._fsync_dir(os.path.dirname(path))
-
-    def list(self, folder: str, hidden: bool = False) -> list[str]:
-        try:
-            return sorted(n for n in os.listdir(self._path(folder)) if hidden or not n.startswith("."))
-        except FileNotFoundError:
-            return []
-
-    def delete(self, name: str) -> None:
-        try:
-            os.unlink(self._path(name))
-        except FileNotFoundError:
-            pass
-
-
-class FsspecStore(LogStore):
-    """Any fsspec filesystem whose ``mv`` is an atomic rename and whose ``open(mode='xb')`` is exclusive.
-
-    Used for ``memory://`` in tests; other schemes get their own store.
-    """
-
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        import fsspec
-
-        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        self.url = url
-        self.fs.makedirs(self.root, exist_ok=True)
-
-    def _path(self, name: str) -> str:
-        return f"{self.root.rstrip('/')}/{name}"
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            with self.fs.open(self._path(name), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def create(self, name: str, data: bytes) -> bool:
-        path = self._path(name)
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        try:
-            with self.fs.open(path, "xb") as f:
-                f.write(data)
-        except FileExistsError:
-            return False
-        return True
-
-    def replace(self, name: str, data: bytes) -> None:
-        path = self._path(name)
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        with self.fs.open(tmp, "wb") as f:
-            f.write(data)
-        self.fs.mv(tmp, path)
-
-    def list(self, folder: str, hidden: bool = False) -> list[str]:
-        path = self._path(folder) if folder else self.root
-        try:
-            entries = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
-        return sorted(n for n in names if hidden or not (n.startswith(".") or n.endswith(".tmp")))
-
-    def delete(self, name: str) -> None:
-        try:
-            self.fs.rm(self._path(name))
-        except FileNotFoundError:
-            pass
-
-
-_STORES: dict[str, Any] = {}
-
-
-def register_store(scheme: str, factory) -> None:
-    """Register a :class:`LogStore` factory ``(url, storage_options, exclusive) -> LogStore`` for a URL scheme.
-
-    ``exclusive=False`` opens a location only to read, list and delete (Spark's checkpoint), so
-    the store need not prove that its ``create`` is exclusive.
-    """
-    _STORES[scheme] = factory
-
-
-def open_store(url: str, storage_options: dict[str, Any] | None = None, exclusive: bool = True) -> LogStore:
-    """The store for a log URL: local paths and ``file://`` natively, others by registered scheme.
-
-    ``exclusive=False``: the caller will not ``create`` records (see :func:`register_store`).
-    """
-    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
-    if scheme == "file":
-        return LocalStore(url.split("://", 1)[1] if "://" in url else url)
-    if scheme == "memory":
-        return FsspecStore(url, storage_options)
-    if scheme in _STORES:
-        return _STORES[scheme](url, storage_options, exclusive)
-    if scheme in ("hdfs", "webhdfs", "swebhdfs", "viewfs", "s3", "s3a"):
-        # sinks/files.py registers the HDFS store and the S3 store (which refuses endpoints
-        # without conditional writes) when imported.
-        from twophase.sinks import files as _files
-
-        _ = _files
-        if scheme in _STORES:
-            return _STORES[scheme](url, storage_options, exclusive)
-    if not exclusive:  # reading Spark's checkpoint elsewhere: any fsspec filesystem will do
-        return FsspecStore(url, storage_options)
-    if scheme in ("gs", "gcs", "abfs", "az"):
-        raise ConfigurationError(
-            f"the transaction log cannot live on {scheme}:// : twophase has no store with atomic "
-            "exclusive create for it, so two writers could both believe they decided a batch. "
-            "Put the log on local disk, HDFS or S3 with conditional writes (log_location=...).")
-    raise ConfigurationError(f"no transaction-log store for URL scheme {scheme!r} ({url})")
 
 
 # -------------------------------------------------------------------------- records
@@ -320,6 +126,7 @@ class Lease:
     pid: int
     heartbeat_at: float
     query_id: str | None = None
+    released: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -332,11 +139,16 @@ class TransactionLog:
     """
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
-                 retain_batches: int = 100, lease_timeout: float = 120.0):
+                 retain_batches: int = 100, lease_timeout: float = 120.0, readonly: bool = False):
         if retain_batches < 1:
             raise ConfigurationError("retain_batches must be at least 1")
+        if lease_timeout <= 0:
+            raise ConfigurationError("lease_timeout must be positive")
         self.url = url
-        self.store = open_store(url, storage_options)
+        self.readonly = readonly
+        if readonly and "://" not in url and not os.path.isdir(url):
+            raise LogError(f"no transaction log at {url}: the directory does not exist (a mistyped path?)")
+        self.store = open_store(url, storage_options, exclusive=not readonly)
         self.retain_batches = retain_batches
         self.lease_timeout = lease_timeout
         self.owner = uuid.uuid4().hex
@@ -344,6 +156,9 @@ class TransactionLog:
         self.generation: int | None = None
         self.query_id: str | None = None
         self._heartbeat_written = 0.0
+        self._heartbeat_lock = threading.Lock()
+        self._heartbeat_stop: threading.Event | None = None
+        self._low_water: dict[int, int] = {}
         self._ensure_format()
 
     # -- basics
@@ -354,8 +169,28 @@ class TransactionLog:
         return decode_record(data, self.store.location(name), _advice(state, batch_id))
 
     def _ensure_format(self) -> None:
-        if self._read("log.json") is None:
-            self.store.create("log.json", encode_record({"kind": "log", "created_at": time.time()}))
+        rec = self._read("log.json")
+        if rec is None:
+            if self.readonly:
+                raise LogError(f"no transaction log at {self.url} (no log.json there): a mistyped path? "
+                               "Give the coordinator's log location, e.g. CHECKPOINT/twophase")
+            self.store.create("log.json", encode_record({"kind": "log", "created_at": time.time(),
+                                                         "log_id": uuid.uuid4().hex}))
+            rec = self._read("log.json")
+            assert rec is not None
+        # The log's identity: a random id for logs made by this version, the record's own digest
+        # for older ones (log.json is written once and never changes, so either is stable).
+        self.log_id = str(rec.get("log_id") or hashlib.sha256(_canonical(rec)).hexdigest())
+
+    def scope(self, generation: int | None = None) -> str:
+        """A short token unique to this log and generation (``3f9a2b1cg1``).
+
+        The coordinator appends it to the query name it gives sinks, so that two
+        pipelines with the same coordinator name (or two generations of one log) never
+        share staging directories, prepared-transaction gids or marker rows.
+        """
+        g = generation if generation is not None else self.generation
+        return f"{self.log_id[:8]}g{g or 0}"
 
     # -- generations
     def generations(self) -> list[dict[str, Any]]:
@@ -402,10 +237,11 @@ class TransactionLog:
         if rec is None:
             return None
         return Lease(epoch=rec["epoch"], owner=rec["owner"], host=rec["host"], pid=rec["pid"],
-                     heartbeat_at=rec["heartbeat_at"], query_id=rec.get("query_id"))
+                     heartbeat_at=rec["heartbeat_at"], query_id=rec.get("query_id"),
+                     released=bool(rec.get("released")))
 
     def _holder_alive(self, lease: Lease) -> bool:
-        if lease.owner == self.owner:
+        if lease.owner == self.owner or lease.released:
             return False
         if lease.host == socket.gethostname():
             if lease.pid == os.getpid():
@@ -450,13 +286,61 @@ class TransactionLog:
         hint for other hosts (fencing is by epoch), and a durable write per batch would cost a
         file write and two fsyncs on every batch."""
         self._require_owner()
-        now = time.time()
-        if not force and now - self._heartbeat_written < self.lease_timeout / 4:
-            return
+        with self._heartbeat_lock:
+            now = time.time()
+            if not force and now - self._heartbeat_written < self.lease_timeout / 4:
+                return
+            self._write_lease(now, released=False)
+            self._heartbeat_written = now
+
+    def _write_lease(self, now: float, released: bool) -> None:
         self.store.replace("lease.json", encode_record({
             "kind": "lease", "epoch": self.epoch, "owner": self.owner, "host": socket.gethostname(),
-            "pid": os.getpid(), "heartbeat_at": now, "query_id": self.query_id}))
-        self._heartbeat_written = now
+            "pid": os.getpid(), "heartbeat_at": now, "query_id": self.query_id, "released": released}))
+
+    def start_heartbeat(self) -> None:
+        """Refresh the lease every ``lease_timeout / 4`` from a daemon thread, until :meth:`close`.
+
+        A healthy query that stays idle longer than ``lease_timeout`` (a trigger every
+        10 minutes, a source with no data) must not look dead to a driver started on
+        another host: that one would take the log over.  The thread stops by itself once
+        this coordinator is fenced (a newer epoch exists).
+        """
+        self._require_owner()
+        if self._heartbeat_stop is not None:
+            return
+        stop = self._heartbeat_stop = threading.Event()
+        interval = self.lease_timeout / 4
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    latest = self.epochs()
+                    if latest and latest[-1] != self.epoch:
+                        log.info("transaction log %s: epoch %s was fenced by epoch %s; heartbeat stops",
+                                 self.url, self.epoch, latest[-1])
+                        return
+                    self.heartbeat(force=True)
+                except Exception as e:  # noqa: BLE001 - a missed beat is retried; the lease is a hint
+                    log.warning("transaction log %s: lease heartbeat failed: %s", self.url, e)
+
+        threading.Thread(target=beat, name=f"twophase-lease-{self.epoch}", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the heartbeat and release the lease, so that a driver started elsewhere need not
+        wait ``lease_timeout``.  The epoch stays: a later coordinator takes the next one."""
+        if self._heartbeat_stop is not None:
+            self._heartbeat_stop.set()
+            self._heartbeat_stop = None
+        if self.epoch is None or self.readonly:
+            return
+        try:
+            lease = self.lease()
+            if lease is not None and lease.owner == self.owner:
+                with self._heartbeat_lock:
+                    self._write_lease(time.time(), released=True)
+        except Exception as e:  # noqa: BLE001 - best effort: the lease then expires on its own
+            log.warning("transaction log %s: could not release the lease: %s", self.url, e)
 
     def _require_owner(self) -> None:
         if self.epoch is None:
@@ -488,7 +372,11 @@ class TransactionLog:
         return BatchRecord(batch_id, state, body, self.store.location(name))
 
     def state(self, batch_id: int) -> BatchRecord | None:
-        """The most advanced record of a batch (COMMITTED > PREPARED > INTENT), or None."""
+        """The most advanced record of a batch (COMMITTED > PREPARED > INTENT), or None.
+
+        Raises :class:`PrunedBatchError` for a batch without records at or below the
+        low-water mark: it was committed and pruned, and must never be written again.
+        """
         for st in (COMMITTED, PREPARED, INTENT):
             rec = self.record(batch_id, st)
             if rec is not None:
@@ -497,24 +385,46 @@ class TransactionLog:
                     if prepared is not None:
                         rec.body.setdefault("handles", prepared.handles)
                 return rec
+        low = self.low_water()
+        if low is not None and batch_id <= low:
+            raise PrunedBatchError(
+                f"batch {batch_id} is at or below the low-water mark {low} of {self.url} (generation "
+                f"{self.generation}): batches up to {low} were committed and their records pruned "
+                f"(retain_batches={self.retain_batches}). Writing it again would duplicate it, so it is "
+                "refused. A re-run of an old job needs a batch id above the mark; a streaming query "
+                "restored from an old checkpoint needs a new log generation.")
         return None
 
-    def write(self, batch_id: int, state: str, payload: dict[str, Any]) -> BatchRecord:
+    def low_water(self, generation: int | None = None) -> int | None:
+        """The highest batch id whose records were pruned after it was committed, or None."""
+        g = generation if generation is not None else self.generation
+        if g is None:
+            return None
+        if g not in self._low_water:
+            rec = self._read(f"g{g:04d}/{_LOW_WATER}")
+            self._low_water[g] = int(rec["batch_id"]) if rec is not None else -1
+        low = self._low_water[g]
+        return None if low < 0 else low
+
+    def write(self, batch_id: int, state: str, payload: dict[str, Any],
+              generation: int | None = None) -> BatchRecord:
         """Atomically create a batch record.  If it already exists, return the existing one.
 
         PREPARED and COMMITTED are decisions and are written only after checking
-        that this coordinator was not fenced.
+        that this coordinator was not fenced.  ``generation``: an older generation's
+        batch (recovery finishes decided batches of every generation).
         """
         if state not in STATES:
             raise ValueError(state)
         self._require_owner()
         if state in (PREPARED, COMMITTED):
             self.check_fence()
-        body = dict(payload, batch_id=batch_id, state=state, epoch=self.epoch, generation=self.generation,
+        g = generation if generation is not None else self.generation
+        body = dict(payload, batch_id=batch_id, state=state, epoch=self.epoch, generation=g,
                     written_at=time.time())
-        name = _batch_name(self.generation or 0, batch_id, state)
+        name = _batch_name(g or 0, batch_id, state)
         if not self.store.create(name, encode_record(body)):
-            existing = self.record(batch_id, state)
+            existing = self.record(batch_id, state, generation=g)
             assert existing is not None
             return existing
         return BatchRecord(batch_id, state, body, self.store.location(name))
@@ -548,6 +458,15 @@ class TransactionLog:
         folder = f"g{self.generation:04d}"
         names = self.store.list(folder)
         committed = {int(n[6:18]) for n in names if n.endswith(".committed.json") and n.startswith("batch-")}
+        doomed = [b for b in committed if b <= horizon]
+        if not doomed:
+            return 0
+        # The low-water mark is raised before any record goes: idempotence must outlive the records.
+        mark = max(doomed)
+        if mark > (self.low_water() or -1):
+            self.store.replace(f"{folder}/{_LOW_WATER}", encode_record(
+                {"kind": "low-water", "batch_id": mark, "generation": self.generation, "at": time.time()}))
+            self._low_water[self.generation] = mark
         deleted = 0
         # Delete the committed marker last, so a crash mid-prune leaves a batch still marked committed.
         for n in sorted(names, key=lambda x: x.endswith(".committed.json")):

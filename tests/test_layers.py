@@ -1,0 +1,85 @@
+"""The layers point one way: the core package (``twophase/``: protocol, log, recovery, storage)
+never imports a sink or the coordinator, not even lazily inside a function.
+
+Checked by parsing every module under ``twophase/`` with ``ast`` (so imports inside
+functions count), without importing anything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parent.parent / "twophase"
+UPPER = ("twophase.sinks", "twophase.coordinator")
+#: Applications on top of the whole stack that still live in the core directory.  ``demo.py``
+#: is the ``twophase demo`` command (Spark + FileSink + Coordinator); it is not imported by
+#: any core module but the CLI's ``demo`` subcommand.  Remove it from here when it moves out.
+APPLICATIONS = {"demo.py"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(CORE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, module: str | None = None) -> list[tuple[int, str]]:
+    """Every module an ``import`` statement in ``path`` names, at any depth, with its line."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = module or _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            out.append((node.lineno, mod))
+            # ``from twophase import sinks`` names the sink package as an attribute
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+def core_modules() -> list[Path]:
+    return sorted(
+        p for p in CORE.rglob("*.py") if p.relative_to(CORE).as_posix() not in APPLICATIONS
+    )
+
+
+def test_core_never_imports_a_sink_or_the_coordinator():
+    bad = [
+        f"{p.relative_to(CORE.parent)}:{line}: imports {mod}"
+        for p in core_modules()
+        for line, mod in _imports(p)
+        if any(mod == u or mod.startswith(u + ".") for u in UPPER)
+    ]
+    assert not bad, "the core must not depend on sinks or the coordinator:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    """The parse finds a lazy import (as log.py once had for the HDFS and S3 stores)."""
+    sample = tmp_path / "probe.py"
+    sample.write_text(
+        "def f():\n    from twophase.sinks import files\n    from ..coordinator import x\n"
+    )
+    found = _imports(sample, "twophase.storage.probe")
+    assert (2, "twophase.sinks.files") in found
+    assert (3, "twophase.coordinator") in found
+
+
+def test_storage_never_imports_the_log():
+    """Storage backends sit below the log: the log imports them, never the other way round."""
+    bad = [
+        f"{p.relative_to(CORE.parent)}:{line}: imports {mod}"
+        for p in sorted((CORE / "storage").rglob("*.py"))
+        for line, mod in _imports(p)
+        if mod in ("twophase.log", "twophase.recovery") or mod.startswith(("twophase.log.",))
+    ]
+    assert not bad, "\n".join(bad)
