@@ -13,21 +13,23 @@ from __future__ import annotations
 
 import json
 import logging
-import random
+import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from twophase import crash
-from twophase.errors import CommitError, ConfigurationError, DataLossError, TwoPhaseError
+from twophase.errors import CommitError, ConfigurationError, LogOwnershipError, TwoPhaseError
 from twophase.log import COMMITTED, INTENT, PREPARED, LogStore, TransactionLog, open_store
-from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+from twophase.recovery import Committer, pending_batches, recover_pending
+from twophase.sink import TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.coordinator")
 
 _RESULT_SCHEMA = "partition INT, attempt INT, rows LONG, handle STRING"
+#: Coordinator names: they become part of directory names, gids and marker rows.
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Physical operators that keep state across micro-batches (their state stores must commit each batch).
 _STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "StreamingSymmetricHashJoin",
                      "StreamingGlobalLimit")
@@ -70,11 +72,30 @@ class Coordinator:
     during the query's first batch leaves there (see
     :func:`twophase.spark.clear_interrupted_start`).
 
+    ``parallelism`` bounds the writer tasks, and so the transactions, of a batch
+    (Flink's sink parallelism): a batch with more Spark partitions is coalesced (no
+    shuffle) to that many before the sink's tasks run, so a batch's cost does not grow
+    with how its data happens to be partitioned.  Default: Spark's
+    ``defaultParallelism`` (the cores the application has), capped by what the sink's
+    target allows (:meth:`~twophase.TwoPhaseCommitSink.max_parallelism`).
+
     ``commit_parallelism`` handles are committed at once; a commit that fails is
     retried ``commit_retries`` times with exponential backoff from
     ``retry_backoff`` seconds.  A commit that can never succeed after the
     decision was logged raises :class:`~twophase.errors.DataLossError` (naming
     batch, handle, reason) unless ``ignore_failures_after_transaction_timeout``.
+
+    ``name`` (letters, digits, ``_ . -``; 1-64) labels the pipeline in logs and in
+    the target (staging directories, gids, marker rows); the coordinator adds the
+    log's identity to it, so two pipelines with the same name never share anything.
+    The log's lease is refreshed from a background thread while the coordinator
+    lives; :meth:`close` (or ``with Coordinator(...)``) releases it, so that a driver
+    restarted on another host need not wait ``lease_timeout``.
+
+    On a cluster master (not ``local[...]``) the first batch first checks that the
+    executors can import twophase (same version) and the sink's modules
+    (:meth:`~twophase.TwoPhaseCommitSink.executor_modules`), and refuses a sink that
+    writes to local paths unless ``shared_storage=True`` says every host mounts them.
     """
 
     def __init__(
@@ -85,6 +106,7 @@ class Coordinator:
         checkpoint_location: str | None = None,
         name: str = "twophase",
         storage_options: dict[str, Any] | None = None,
+        parallelism: int | None = None,
         commit_parallelism: int = 8,
         commit_retries: int = 5,
         retry_backoff: float = 0.2,
@@ -94,6 +116,7 @@ class Coordinator:
         new_generation: bool = False,
         takeover: bool = False,
         lease_timeout: float = 120.0,
+        shared_storage: bool = False,
     ):
         if not isinstance(sink, TwoPhaseCommitSink):
             raise ConfigurationError(f"sink must be a twophase.TwoPhaseCommitSink, got {type(sink).__name__}")
@@ -102,15 +125,20 @@ class Coordinator:
                 raise ConfigurationError("give log_location=... (or checkpoint_location=..., the log then "
                                          "lives in <checkpoint_location>/twophase)")
             log_location = checkpoint_location.rstrip("/") + "/twophase"
-        if not name or any(c in name for c in "/\\\0") or len(name) > 64:
-            raise ConfigurationError(f"name must be 1-64 characters without slashes, got {name!r}")
+        if not isinstance(name, str) or not _NAME_OK.match(name):
+            raise ConfigurationError(
+                f"name must be 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit "
+                f"(it becomes part of directory names and transaction ids), got {name!r}")
         if commit_parallelism < 1 or commit_retries < 0:
             raise ConfigurationError("commit_parallelism must be >= 1 and commit_retries >= 0")
+        if parallelism is not None and (not isinstance(parallelism, int) or parallelism < 1):
+            raise ConfigurationError(f"parallelism must be a positive integer or None, got {parallelism!r}")
         self.sink = sink
         self.name = name
         self.log_location = log_location
         self.checkpoint_location = checkpoint_location
         self.storage_options = storage_options
+        self.parallelism = parallelism
         self.commit_parallelism = commit_parallelism
         self.commit_retries = commit_retries
         self.retry_backoff = retry_backoff
@@ -118,12 +146,17 @@ class Coordinator:
         self.ignore_failures_after_transaction_timeout = ignore_failures_after_transaction_timeout
         self.new_generation = new_generation
         self.takeover = takeover
+        self.shared_storage = shared_storage
+        self._probed = False           # executors checked (cluster masters, first batch)
         self._log_args = dict(storage_options=storage_options, retain_batches=retain_batches,
                               lease_timeout=lease_timeout)
         self.log: TransactionLog | None = None
         self._checkpoint_store: LogStore | bool | None = None  # False: its scheme has no store
         self._query_id: str | None = None
         self._stateful: bool | None = None
+        self._scoped_name = name       # the name sinks see: name + the log's identity (set at start)
+        self._dirty = True             # run the recovery routine before the next batch
+        self._slots_capped = False
         self.last_progress: dict[str, Any] | None = None
         self.recent_progress: list[dict[str, Any]] = []
         if checkpoint_location is not None:
@@ -151,6 +184,13 @@ class Coordinator:
                 "use Coordinator.write(df, batch_id=...) for batch DataFrames")
         self._run(df, int(batch_id), query_id, streaming=True)
 
+    @property
+    def sink_query_name(self) -> str:
+        """The name the sink sees (``TransactionContext.query_name``, PostgreSQL's marker rows,
+        Kafka's transactional ids ...): ``name`` plus the log's identity and generation, so two
+        logs or two generations never share transaction names.  Known once the first batch ran."""
+        return self._scoped_name
+
     def write(self, df, *, batch_id: int) -> dict[str, Any]:
         """Write a batch (non-streaming) DataFrame exactly once under ``batch_id``; returns its progress.
 
@@ -169,12 +209,73 @@ class Coordinator:
         tlog = TransactionLog(self.log_location, **self._log_args)
         tlog.acquire(query_id, self.name, new_generation=self.new_generation, takeover=self.takeover)
         self.new_generation = False  # only the first acquire starts a generation
+        if self.log is not None:
+            self.log.close()
         self.log, self._query_id = tlog, query_id
-        self._recover_older(tlog)
+        self._scoped_name = f"{self.name}.{tlog.scope()}"
+        self._dirty = True
+        tlog.start_heartbeat()
         return tlog
+
+    def close(self) -> None:
+        """Release the transaction log (stop the lease heartbeat, mark the lease released).
+
+        Call it after the query stopped (or use ``with Coordinator(...) as c``).  A coordinator
+        that is used again after ``close()`` takes the log again at its next batch.
+        """
+        if self.log is not None:
+            self.log.close()
+            self.log, self._query_id = None, None
+        close = getattr(self.sink, "close", None)
+        if callable(close):
+            close()
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _recover(self, tlog: TransactionLog) -> set[tuple[int, int]]:
+        """The shared recovery routine (twophase/recovery.py): decided batches of every generation
+        are committed first, oldest first; only then are undecided batches' leftovers aborted.
+
+        Runs before the first batch and again after any batch failed, so that a new batch never
+        opens transactions while an older decided batch is not fully committed.  Returns the
+        (generation, batch) pairs it committed.
+        """
+        committed: set[tuple[int, int]] = set()
+        pending = pending_batches(tlog)
+        if not pending:
+            return committed
+
+        def mark(b) -> None:
+            tlog.write(b.batch_id, COMMITTED, {"recovered": True, "at": time.time()}, generation=b.generation)
+            committed.add((b.generation, b.batch_id))
+
+        recover_pending(self.sink, pending, self._committer(), mark_committed=mark)
+        return committed
+
+    def _committer(self) -> Committer:
+        return Committer(self.sink, parallelism=self.commit_parallelism, retries=self.commit_retries,
+                         backoff=self.retry_backoff, max_backoff=self.max_backoff,
+                         ignore_lost=self.ignore_failures_after_transaction_timeout,
+                         where=self.log_location, name=self.name)
 
     def _check_spark(self, spark, query_id: str, streaming: bool) -> None:
         conf = spark.sparkContext.getConf()
+        master = conf.get("spark.master", "local")
+        if not master.startswith("local"):
+            paths = self.sink.local_paths()
+            if paths and not self.shared_storage:
+                raise ConfigurationError(
+                    f"{type(self.sink).__name__} writes to local paths ({', '.join(paths)}) but the master is "
+                    f"{master}: each executor would write to its own host's disk and the driver could not "
+                    "commit what it cannot see. Use shared storage (hdfs://, s3://) or, if that path is a "
+                    "mount every host shares (NFS), pass Coordinator(..., shared_storage=True).")
+            if not self._probed:
+                self._probe_executors(spark)
+                self._probed = True
         if conf.get("spark.speculation", "false").lower() == "true" and not self.sink.supports_speculation:
             raise ConfigurationError(
                 f"spark.speculation=true would let two attempts of one task pre-commit, and "
@@ -197,86 +298,135 @@ class Coordinator:
                 raise ConfigurationError(f"{cls} does not run foreachBatch micro-batches; use a "
                                          "micro-batch trigger")
 
-    def _recover_older(self, tlog: TransactionLog) -> None:
-        """At start: finish decided batches, abort leftovers of undecided ones (never skip a decision).
+    def _probe_executors(self, spark) -> None:
+        """Before the first batch on a cluster: can the executors import what the sink needs?
 
-        Decided batches go first: sinks reuse transaction ids across batches (Kafka's
-        pool), so fencing an older undecided batch's ids before committing a later
-        decided batch on the same ids would abort that decided batch.
+        A missing package would otherwise fail every task of the first batch with an
+        ImportError buried in a Python worker's traceback, after the INTENT was logged.
         """
-        batches = tlog.batches()
-        latest = max(batches) if batches else None
-        for bid in sorted(batches):
-            states = batches[bid]
-            if COMMITTED not in states and PREPARED in states:
-                log.warning("%s: batch %d was decided but not fully committed before a crash: "
-                            "committing its %d handles again", self.name, bid, len(states[PREPARED].handles))
-                intent = states[INTENT].body.get("intent", {}) if INTENT in states else {}
-                self._commit_all(tlog, bid, states[PREPARED].handles, intent, recovering=True)
-                tlog.write(bid, COMMITTED, {"recovered": True})
-        for bid in sorted(batches):
-            states = batches[bid]
-            if COMMITTED in states or PREPARED in states or bid == latest:
-                continue
-            # Undecided and superseded (its query failed, then moved on): abort what it left open.
-            n = self.sink.abort_lingering(self.name, bid, states[INTENT].body.get("intent", {}), [])
-            if n:
-                log.warning("%s: aborted %d transactions left by undecided batch %d", self.name, n, bid)
+        import twophase
+
+        sc = spark.sparkContext
+        modules = ["twophase", *self.sink.executor_modules()]
+        n = max(1, int(sc.defaultParallelism))
+
+        def probe(_):
+            import importlib
+            import socket
+
+            out = []
+            for m in modules:
+                try:
+                    mod = importlib.import_module(m)
+                    out.append((socket.gethostname(), m, str(getattr(mod, "__version__", "")), ""))
+                except Exception as e:  # noqa: BLE001 - reported to the driver
+                    out.append((socket.gethostname(), m, "", f"{type(e).__name__}: {e}"))
+            return out
+
+        try:
+            found = sc.parallelize(range(n), n).mapPartitions(probe).collect()
+        except Exception as e:  # noqa: BLE001 - the job itself failed (e.g. no Python on the executors)
+            raise ConfigurationError(
+                f"could not run Python on the executors to check they can import {', '.join(modules)}: "
+                f"{str(e).splitlines()[0][:300]}") from e
+        missing = sorted({(m, host, err) for host, m, _, err in found if err})
+        if missing:
+            what = "; ".join(f"{m} on {host} ({err[:160]})" for m, host, err in missing[:5])
+            raise ConfigurationError(
+                f"the executors cannot import what {type(self.sink).__name__} needs: {what}. Ship them with "
+                "the job: spark-submit --py-files twophase.zip (or spark.submit.pyFiles / "
+                "SparkContext.addPyFile) for twophase itself, and a packed environment "
+                "(--archives env.tar.gz#env with spark.pyspark.python=./env/bin/python, see venv-pack) or "
+                "an install on every host for packages with native code (pyarrow, confluent_kafka, "
+                "psycopg2). Nothing was written.")
+        versions = {v for _, m, v, _ in found if m == "twophase" and v}
+        if versions and versions != {twophase.__version__}:
+            raise ConfigurationError(
+                f"the executors run twophase {', '.join(sorted(versions))} and the driver "
+                f"{twophase.__version__}: handles and logs are only promised between equal versions. "
+                "Ship the driver's version (spark-submit --py-files) or upgrade the executors.")
 
     # ----------------------------------------------------------------- a batch
     def _run(self, df, batch_id: int, query_id: str, streaming: bool) -> None:
         t_start = time.perf_counter()
         tlog = self._start(df.sparkSession, query_id, streaming)
         prog = BatchProgress(self.name, batch_id, query_id, "committed")
+        try:
+            self._run_batch(tlog, prog, df, batch_id, query_id, streaming)
+        except BaseException:
+            self._dirty = True  # before the next batch: finish (or report) whatever this one left
+            raise
+        self._finish(prog, t_start)
+
+    def _run_batch(self, tlog: TransactionLog, prog: BatchProgress, df, batch_id: int, query_id: str,
+                   streaming: bool) -> None:
         t0 = time.perf_counter()
         tlog.heartbeat(force=False)
-        state = tlog.state(batch_id)
+        recovered: set[tuple[int, int]] = set()
+        if self._dirty:
+            try:
+                recovered = self._recover(tlog)
+            except CommitError as e:
+                raise CommitError(f"batch {batch_id} was not started: an earlier decided batch is not fully "
+                                  f"committed, and a new batch could abort its transactions. {e}") from e
+            self._dirty = False
+        state = tlog.state(batch_id)  # PrunedBatchError below the low-water mark
         prog.log_ms += _ms(t0)
 
-        if state is not None and state.state == COMMITTED:                       # step 1
-            prog.action = "skipped"
+        if state is not None and state.state == PREPARED:    # only if recovery was skipped: never leave it
+            recovered = self._recover(tlog)
+            state = tlog.state(batch_id)
+        if state is not None and state.state == COMMITTED:                         # steps 1-2
+            prog.action = "recommitted" if (tlog.generation, batch_id) in recovered else "skipped"
+            if prog.action == "recommitted":
+                prepared = tlog.record(batch_id, PREPARED)
+                prog.handles = len(prepared.handles) if prepared else 0
+                prog.rows = int(prepared.body.get("rows", 0)) if prepared else 0
             self._commit_state(df, query_id, streaming)
-            return self._finish(prog, t_start)
-
-        if state is not None and state.state == PREPARED:                         # step 2
-            prog.action = "recommitted"
-            intent_rec = tlog.record(batch_id, INTENT)
-            intent = intent_rec.body.get("intent", {}) if intent_rec else {}
-            prog.handles = len(state.handles)
-            prog.rows = int(state.body.get("rows", 0))
-            self._decided(tlog, prog, batch_id, state.handles, intent, recovering=True)
-            self._commit_state(df, query_id, streaming)
-            return self._finish(prog, t_start)
+            return
 
         # step 3: INTENT, then abort what a crashed attempt of this batch left open
         t0 = time.perf_counter()
         if state is not None:  # an INTENT from a crashed attempt: reuse it, so recovery fences exactly it
             intent = state.body.get("intent", {})
+            qname = str(state.body.get("name") or self._scoped_name)
             planned = state.body.get("num_partitions")
             if planned and df.rdd.getNumPartitions() > planned:
                 # The INTENT names the transactions of partitions 0..planned-1 only; stay inside it.
                 df = df.coalesce(planned)
-            prog.aborted_lingering = self.sink.abort_lingering(self.name, batch_id, intent, [])
+            prog.aborted_lingering = self.sink.abort_lingering(qname, batch_id, intent, [])
             if prog.aborted_lingering:
                 log.info("%s: batch %d: aborted %d transactions left by a crashed attempt",
                          self.name, batch_id, prog.aborted_lingering)
         else:
+            qname = self._scoped_name
             num_partitions = df.rdd.getNumPartitions()
-            intent = self.sink.plan_batch(self.name, batch_id, num_partitions)
-            tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": self.name,
+            slots = self._slots(df.sparkSession)
+            if num_partitions > slots:
+                # Transactions per batch = writer slots, whatever the input partitioning (no shuffle).
+                df = df.coalesce(slots)
+                num_partitions = slots
+            intent = self.sink.plan_batch(qname, batch_id, num_partitions)
+            tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
                                           "num_partitions": num_partitions})
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
 
         t0 = time.perf_counter()
+        run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
         try:
-            results = self._prepare(df, batch_id, intent)
+            started_at = time.time()
+            results = self._prepare(df, qname, batch_id, intent, run)
+            # Before the decision: a pre-committed transaction the target may already have
+            # aborted on its own (Kafka's timeout) fails the batch now, while it is undecided.
+            self.sink.verify_prepared(batch_id, [self.sink.decode_handle(r["handle"]) for r in results],
+                                      prepare_started_at=started_at)
         except BaseException:
             # Nothing is decided: abort what the partitions that did pre-commit left open now,
             # rather than at the replay (prepared transactions hold locks, open Kafka
             # transactions hold back read_committed consumers).
             try:
-                self.sink.abort_lingering(self.name, batch_id, intent, [])
+                self.sink.abort_lingering(qname, batch_id, intent, [])
             except Exception:
                 log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
                             "replay aborts them", self.name, batch_id, exc_info=True)
@@ -293,21 +443,30 @@ class Coordinator:
         source = self._source_offsets(batch_id)
         if source is not None:
             payload["source"] = source
-        decided = tlog.write(batch_id, PREPARED, payload)
+        try:
+            decided = tlog.write(batch_id, PREPARED, payload)
+        except LogOwnershipError:
+            # Fenced: a newer coordinator owns the log and will run this batch itself. What our
+            # executors pre-committed is ours alone to abort (and would hold locks meanwhile).
+            self._abort_own(batch_id, handles, winner=[])
+            raise
         if decided.body.get("epoch") != tlog.epoch:
             # Another coordinator decided this batch first; ours are leftovers.
+            self._abort_own(batch_id, handles, winner=decided.handles)
             raise TwoPhaseError(f"batch {batch_id} was decided by coordinator epoch {decided.body.get('epoch')} "
-                                f"while this one (epoch {tlog.epoch}) was preparing it")
+                                f"while this one (epoch {tlog.epoch}) was preparing it; this one's "
+                                "transactions were aborted")
         prog.log_ms += _ms(t0)
         crash.crash_point("after_prepared_logged", batch_id)
 
-        self._decided(tlog, prog, batch_id, handles, intent, recovering=False)    # steps 5-6
-        return self._finish(prog, t_start)
-
-    def _decided(self, tlog: TransactionLog, prog: BatchProgress, batch_id: int,
-                 handles: list[dict[str, Any]], intent: dict[str, Any], recovering: bool) -> None:
-        t0 = time.perf_counter()
-        self._commit_all(tlog, batch_id, handles, intent, recovering)
+        t0 = time.perf_counter()                                                   # steps 5-6
+        decoded = [self.sink.decode_handle(e) for e in handles]
+        self._committer().commit(batch_id, decoded, recovering=False)
+        # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
+        aborted = self.sink.abort_lingering(qname, batch_id, intent, decoded)
+        if aborted:
+            log.info("%s: batch %d: aborted %d transactions of failed task attempts", self.name, batch_id,
+                     aborted)
         prog.commit_ms = _ms(t0)
         crash.crash_point("after_commit", batch_id)
         t0 = time.perf_counter()
@@ -315,6 +474,43 @@ class Coordinator:
         prog.log_ms += _ms(t0)
         crash.crash_point("after_committed_logged", batch_id)
         tlog.prune(batch_id)
+
+    def _abort_own(self, batch_id: int, envelopes: list[dict[str, Any]], winner: list[dict[str, Any]]) -> None:
+        """Abort this coordinator's pre-committed transactions after it lost the decision.
+
+        Never one that the winning decision names (compared as logged): that one is the
+        winner's to commit.  Best effort: a failure is logged, and the winner's (or the next
+        replay's) ``abort_lingering`` finds what is left by the batch's INTENT.
+        """
+        theirs = {json.dumps(e, sort_keys=True) for e in winner}
+        mine = [e for e in envelopes if json.dumps(e, sort_keys=True) not in theirs]
+        for env in mine:
+            try:
+                self.sink.recover_and_abort(self.sink.decode_handle(env))
+            except Exception as e:  # noqa: BLE001 - best effort, see above
+                log.warning("%s: batch %d: could not abort own transaction %s after losing the decision: %s",
+                            self.name, batch_id, env, e)
+        if mine:
+            log.warning("%s: batch %d: lost the decision to another coordinator; aborted %d own transactions",
+                        self.name, batch_id, len(mine))
+
+    def _slots(self, spark) -> int:
+        """Writer tasks (= transactions) per batch: ``parallelism``, else Spark's default parallelism,
+        capped by what the sink's target allows."""
+        slots = self.parallelism
+        if slots is None:
+            try:
+                slots = int(spark.sparkContext.defaultParallelism)
+            except Exception:  # noqa: BLE001 - no SparkContext (Spark Connect): a fixed default
+                slots = 8
+        cap = self.sink.max_parallelism()
+        if cap is not None and slots > cap:
+            if not self._slots_capped:
+                log.warning("%s: %s allows at most %d transactions per batch; writing with %d tasks "
+                            "instead of %d", self.name, type(self.sink).__name__, cap, cap, slots)
+                self._slots_capped = True
+            slots = cap
+        return max(1, slots)
 
     def _commit_state(self, df, query_id: str, streaming: bool) -> None:
         """Run a replayed batch's plan without output when the query is stateful.
@@ -340,13 +536,15 @@ class Coordinator:
             df.write.format("noop").mode("overwrite").save()
 
     # ---------------------------------------------------------------- executors
-    def _prepare(self, df, batch_id: int, intent: dict[str, Any]) -> list[dict[str, Any]]:
+    def _prepare(self, df, name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
         """Run every partition's transaction on the executors; return their handles (envelopes)."""
         import pyarrow as pa
 
-        sink, name = self.sink, self.name
+        sink = self.sink
         out_schema = pa.schema([("partition", pa.int32()), ("attempt", pa.int32()),
                                 ("rows", pa.int64()), ("handle", pa.string())])
+
+        crash_env = crash.carried_env()  # fault-injection runs: executors on a cluster arm the same plan
 
         def run_partition(batches):
             from pyspark import TaskContext
@@ -354,8 +552,11 @@ class Coordinator:
             from twophase import crash as _crash
             from twophase.context import TransactionContext
 
+            if crash_env:
+                _crash.adopt(crash_env)
+
             tc = TaskContext.get()
-            ctx = TransactionContext(name, batch_id, tc.partitionId(), tc.attemptNumber(), intent)
+            ctx = TransactionContext(name, batch_id, tc.partitionId(), tc.attemptNumber(), intent, run)
             txn, rows = None, 0
             try:
                 for rb in batches:
@@ -387,7 +588,7 @@ class Coordinator:
         group = sc.getLocalProperty("spark.jobGroup.id")
         own_group = None
         if not group:
-            own_group = group = f"twophase-{name}-{batch_id}-{uuid.uuid4().hex[:8]}"
+            own_group = group = f"twophase-{self.name}-{batch_id}-{uuid.uuid4().hex[:8]}"
             sc.setLocalProperty("spark.jobGroup.id", group)
         try:
             rows = df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
@@ -433,64 +634,6 @@ class Coordinator:
                         "when the batch is replayed", self.name, timeout)
         except Exception:  # best effort: the replay aborts leftovers anyway
             log.debug("could not wait for the tasks of job group %s", group, exc_info=True)
-
-    # ------------------------------------------------------------------ commits
-    def _commit_all(self, tlog: TransactionLog, batch_id: int, envelopes: list[dict[str, Any]],
-                    intent: dict[str, Any], recovering: bool) -> None:
-        handles = [self.sink.decode_handle(e) for e in envelopes]
-        if handles:
-            # Armed crash points commit one at a time, so mid_commit really leaves some uncommitted.
-            workers = 1 if crash.armed() else min(self.commit_parallelism, len(handles))
-            done = 0
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="twophase-commit") as pool:
-                futures = [pool.submit(self._commit_one, batch_id, h, recovering) for h in handles]
-                try:
-                    for fut in as_completed(futures):
-                        fut.result()
-                        done += 1
-                        if done < len(handles):
-                            crash.crash_point("mid_commit", batch_id)
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
-        # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
-        aborted = self.sink.abort_lingering(self.name, batch_id, intent, handles)
-        if aborted:
-            log.info("%s: batch %d: aborted %d transactions of failed task attempts", self.name, batch_id, aborted)
-
-    def _commit_one(self, batch_id: int, handle: Any, recovering: bool) -> CommitResult:
-        attempt = 0
-        while True:
-            reason: str
-            try:
-                res = self.sink.recover_and_commit(handle) if recovering else self.sink.commit(handle)
-            except DataLossError:
-                raise
-            except Exception as e:  # unexpected: retried, then the batch fails and its replay retries
-                res, reason = None, f"{type(e).__name__}: {e}"
-            else:
-                if res.done:
-                    return res
-                reason = res.reason
-                if res.outcome is CommitOutcome.LOST:
-                    what = self.sink.describe_handle(handle)
-                    msg = (f"DATA LOSS: batch {batch_id} was decided (its PREPARED record is in "
-                           f"{self.log_location}) but transaction {what} can no longer be committed: {reason}")
-                    if self.ignore_failures_after_transaction_timeout:
-                        log.error("%s (ignored: ignore_failures_after_transaction_timeout=True)", msg)
-                        return res
-                    raise DataLossError(msg, batch_id=batch_id, handle=what, reason=reason)
-            attempt += 1
-            if attempt > self.commit_retries:
-                raise CommitError(
-                    f"batch {batch_id}: committing {self.sink.describe_handle(handle)} failed "
-                    f"{attempt} times, last: {reason}. The decision is logged: restarting the query "
-                    "(or 'twophase recover') commits it again.")
-            delay = min(self.max_backoff, self.retry_backoff * (2 ** (attempt - 1))) * (0.5 + random.random())
-            log.warning("%s: batch %d: commit of %s failed (%s); retry %d/%d in %.2fs", self.name, batch_id,
-                        self.sink.describe_handle(handle), reason, attempt, self.commit_retries, delay)
-            time.sleep(delay)
 
     # -------------------------------------------------------------------- misc
     def _source_offsets(self, batch_id: int) -> dict[str, Any] | None:

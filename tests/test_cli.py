@@ -72,15 +72,17 @@ def test_status_shows_states_handles_and_ages(tmp_path):
 def test_recover_commits_decided_and_aborts_undecided(tmp_path):
     out, sink = pending_log(tmp_path)
     cfg = json.dumps(sink.to_config())
+    # Batch 1 is decided: aborting leftovers before committing it could abort it. Refused, nothing done.
     r = run_cli("abort-lingering", str(tmp_path / "log"), "--sink-config", cfg)
-    assert r.returncode == 0, r.stderr
-    assert "batch 2: 1" in r.stdout
+    assert r.returncode == 2 and "batch 1 (generation 1)" in r.stderr and "twophase recover" in r.stderr
     visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
     assert visible == ["part-00000000-00000.parquet"]  # abort-lingering commits nothing
+    assert len([p for p in (out / "_twophase").rglob("*") if p.is_file()]) == 3  # nor aborts anything
     r = run_cli("recover", str(tmp_path / "log"), "--sink-config", cfg, "--json")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["committed_batches"] == [1] and rep["handles_committed"] == 2
+    assert rep["aborted"] == {"2": 1}
     visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
     assert visible == ["part-00000000-00000.parquet", "part-00000001-00000.parquet",
                        "part-00000001-00001.parquet"]
@@ -110,8 +112,11 @@ def test_recover_is_refused_while_a_live_coordinator_owns_the_log(tmp_path):
 
 def test_errors_are_clear(tmp_path):
     r = run_cli("recover", str(tmp_path / "nolog"), "--sink-config", '{"sink": "files", "url": "/tmp/x"}')
-    assert r.returncode == 2 and "holds no log generation" in r.stderr
+    assert r.returncode == 2 and "no transaction log at" in r.stderr
     r = run_cli("recover", str(tmp_path / "nolog"), "--sink-config", '{"url": 1}')
     assert r.returncode == 2 and '"sink" field' in r.stderr
     r = run_cli("offsets", str(tmp_path / "nolog"))
-    assert r.returncode == 1 and "holds no log generation" in r.stderr
+    assert r.returncode == 2 and "no transaction log at" in r.stderr
+    r = run_cli("status", str(tmp_path / "log"), "--storage-options", "{nope")
+    assert r.returncode == 2 and "--storage-options is not JSON" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "nolog").exists() and not (tmp_path / "log").exists()

@@ -117,12 +117,14 @@ def test_postgres_recover_and_abort_lingering_from_config(postgres_service, tmp_
             return [r[0] for r in cur.fetchall()]
 
     assert prepared() == 2 and ids() == []
+    # Batch 0 is decided: abort-lingering refuses (it could abort a decided batch), touching nothing.
     r = cli("abort-lingering", str(log), "--sink-config", cfg, env=env)
-    assert r.returncode == 0, r.stderr
-    assert prepared() == 1 and ids() == []  # only the undecided batch's transaction was rolled back
+    assert r.returncode == 2 and "twophase recover" in r.stderr
+    assert prepared() == 2 and ids() == []
     r = cli("recover", str(log), "--sink-config", cfg, "--json", env=env)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["committed_batches"] == [0]
+    rep = json.loads(r.stdout)
+    assert rep["committed_batches"] == [0] and rep["aborted"] == {"1": 1}
     assert prepared() == 0 and ids() == list(range(10))
     assert "password=" not in r.stdout + r.stderr
     db.close()

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from twophase import __version__
-from twophase.errors import TwoPhaseError
+from twophase.errors import ConfigurationError, TwoPhaseError
 
 
 def _storage_options(args) -> dict[str, Any] | None:
@@ -19,7 +19,9 @@ def _storage_options(args) -> dict[str, Any] | None:
     try:
         opts = json.loads(args.storage_options)
     except ValueError as e:
-        raise SystemExit(f"twophase: --storage-options is not JSON: {e}") from None
+        raise ConfigurationError(f"--storage-options is not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise ConfigurationError("--storage-options must be a JSON object")
     return opts
 
 
@@ -43,19 +45,24 @@ def cmd_status(args) -> int:
               f"created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(g['created_at']))}")
     owner = info["owner"]
     if owner:
-        print(f"owner: epoch {owner['epoch']} on {owner['host']} pid {owner['pid']}, "
-              f"last heartbeat {owner['heartbeat_age_s']}s ago")
+        state = "released" if owner.get("released") else f"last heartbeat {owner['heartbeat_age_s']}s ago"
+        print(f"owner: epoch {owner['epoch']} on {owner['host']} pid {owner['pid']}, {state}")
+    if info.get("low_water") is not None:
+        print(f"low-water mark: batches up to {info['low_water']} were committed and pruned")
     if not info["batches"]:
         print("no batch records")
         return 0
-    print(f"{'batch':>8}  {'state':<10} {'handles':>7} {'rows':>10} {'age':>10}")
+    decided = any(b["state"] == "prepared" for b in info["batches"])
+    print(f"{'gen':>4} {'batch':>8}  {'state':<10} {'handles':>7} {'rows':>10} {'age':>10}")
     for b in info["batches"]:
         rows = "" if b["rows"] is None else str(b["rows"])
-        print(f"{b['batch_id']:>8}  {b['state']:<10} {b['handles']:>7} {rows:>10} {_age(b['age_s']):>10}")
+        print(f"{b['generation']:>4} {b['batch_id']:>8}  {b['state']:<10} {b['handles']:>7} {rows:>10} "
+              f"{_age(b['age_s']):>10}")
         if b["state"] != "committed":
             what = ("decided, NOT yet fully committed: 'twophase recover' or restarting the query commits it"
                     if b["state"] == "prepared" else
-                    "undecided: the query replays it; 'twophase abort-lingering' aborts its leftovers now")
+                    "undecided: the query replays it; 'twophase recover' aborts its leftovers now" if decided
+                    else "undecided: the query replays it; 'twophase abort-lingering' aborts its leftovers now")
             print(f"{'':>10}{what}")
             for h in b.get("pending_handles", []):
                 print(f"{'':>12}{json.dumps(h, sort_keys=True)[:200]}")
@@ -94,7 +101,7 @@ def cmd_recover(args) -> int:
 def cmd_offsets(args) -> int:
     from twophase.log import TransactionLog
 
-    tlog = TransactionLog(args.log, storage_options=_storage_options(args))
+    tlog = TransactionLog(args.log, storage_options=_storage_options(args), readonly=True)
     gens = tlog.generations()
     if not gens:
         print(f"twophase: {args.log} holds no log generation", file=sys.stderr)

@@ -1,24 +1,194 @@
-"""Recovery without Spark: what ``twophase recover`` and ``twophase abort-lingering`` do.
+"""Recovery: the one routine the coordinator, ``twophase recover`` and the conformance harness share.
 
-Both take ownership of the log (a new epoch, so a coordinator still running is
-refused or fenced), rebuild the sink from its config, and then either commit
-every decided-but-uncommitted batch (``recover``) or only abort what undecided
-batches left open (``abort_lingering``).  Both are idempotent.
+After a crash (or a failed commit) a log may hold decided batches whose handles are
+not all committed, and undecided batches whose attempts left transactions open.
+:func:`recover_pending` finishes them in the only safe order:
+
+1. every decided, uncommitted batch, of every log generation, oldest first: commit
+   all its handles (in parallel, transient failures retried).  If one cannot be
+   committed now, stop there: nothing is aborted;
+2. then, per decided batch: abort what its failed task attempts left (keeping its
+   handles) and log COMMITTED;
+3. only then abort the leftovers of undecided batches.
+
+Sinks reuse transaction names across batches (KafkaSink's transactional-id pool), so
+fencing an undecided batch's names before a decided batch on the same names is
+committed would abort the decided batch.  After step 1 no decided transaction is
+open anywhere, so no abort can touch one.
+
+:func:`recover` is ``twophase recover`` / ``twophase abort-lingering``: it takes
+ownership of the log (a new epoch, so a live coordinator is refused or fenced),
+rebuilds the sink from its config and runs the routine.  :func:`describe` is
+``twophase status`` (read-only).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import random
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
-from twophase.errors import DataLossError, LogError
-from twophase.log import COMMITTED, INTENT, PREPARED, TransactionLog
-from twophase.sink import CommitOutcome, TwoPhaseCommitSink
+from twophase import crash
+from twophase.errors import CommitError, ConfigurationError, DataLossError, LogError
+from twophase.log import COMMITTED, INTENT, PREPARED, STATES, TransactionLog
+from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+
+log = logging.getLogger("twophase.recovery")
 
 
+# ------------------------------------------------------------------ what is pending
+@dataclass
+class PendingBatch:
+    """A batch of the log that is not COMMITTED: decided (``handles`` set) or not (``None``)."""
+
+    generation: int
+    batch_id: int
+    name: str                          # the query name its transactions were opened under
+    intent: dict[str, Any]
+    sink_kind: str | None              # the INTENT's sink kind (None for records without one)
+    handles: list[dict[str, Any]] | None = None  # the decision's handle envelopes
+    decided_at: float | None = None
+
+    @property
+    def decided(self) -> bool:
+        return self.handles is not None
+
+    @property
+    def label(self) -> str:
+        return f"batch {self.batch_id} (generation {self.generation})"
+
+
+def pending_batches(tlog: TransactionLog, generations: list[int] | None = None) -> list[PendingBatch]:
+    """Every batch of the log that is not COMMITTED, of every generation, oldest first.
+
+    Reads only the records of batches without a COMMITTED record (one listing per
+    generation), so it stays cheap on logs that keep many committed batches.
+    """
+    if generations is None:
+        generations = [int(g["generation"]) for g in tlog.generations()]
+    out: list[PendingBatch] = []
+    for g in sorted(generations):
+        states: dict[int, set[str]] = {}
+        for n in tlog.store.list(f"g{g:04d}"):
+            parts = n.split(".")
+            if len(parts) == 3 and parts[0].startswith("batch-") and parts[1] in STATES and parts[0][6:].isdigit():
+                states.setdefault(int(parts[0][6:]), set()).add(parts[1])
+        default_name = _generation_name(tlog, g)
+        for bid in sorted(states):
+            if COMMITTED in states[bid]:
+                continue
+            intent_rec = tlog.record(bid, INTENT, generation=g) if INTENT in states[bid] else None
+            prepared = tlog.record(bid, PREPARED, generation=g) if PREPARED in states[bid] else None
+            ib = intent_rec.body if intent_rec is not None else {}
+            out.append(PendingBatch(
+                generation=g, batch_id=bid, name=str(ib.get("name") or default_name),
+                intent=dict(ib.get("intent") or {}), sink_kind=ib.get("sink"),
+                handles=prepared.handles if prepared is not None else None,
+                decided_at=prepared.written_at if prepared is not None else None))
+    return out
+
+
+def _generation_name(tlog: TransactionLog, generation: int) -> str:
+    for g in tlog.generations():
+        if int(g["generation"]) == generation:
+            return str(g.get("name") or "twophase")
+    return "twophase"
+
+
+# ------------------------------------------------------------------------ committing
+class Committer:
+    """Commits a decided batch's handles as the coordinator does: ``parallelism`` at once, each
+    retried ``retries`` times with exponential backoff; a handle the sink reports LOST is data loss.
+
+    Runs on the driver (or in ``twophase recover``).  Every handle is tried even when another
+    one fails, so that as much of a decided batch as possible becomes visible; then the first
+    failure is raised: :class:`~twophase.errors.DataLossError` for a lost handle (unless
+    ``ignore_lost``, which reports it in the results and goes on), else
+    :class:`~twophase.errors.CommitError` (the decision stays logged: a replay commits again).
+    """
+
+    def __init__(self, sink: TwoPhaseCommitSink[Any, Any], *, parallelism: int = 8, retries: int = 5,
+                 backoff: float = 0.2, max_backoff: float = 10.0, ignore_lost: bool = False,
+                 where: str = "the transaction log", name: str = "twophase"):
+        if parallelism < 1 or retries < 0:
+            raise ConfigurationError("commit parallelism must be >= 1 and retries >= 0")
+        self.sink = sink
+        self.parallelism = parallelism
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.ignore_lost = ignore_lost
+        self.where = where
+        self.name = name
+
+    def commit(self, batch_id: int, handles: list[Any], *, recovering: bool) -> list[CommitResult]:
+        """Commit every (decoded) handle of one decided batch; results in the handles' order."""
+        if not handles:
+            return []
+        # Armed crash points commit one at a time, so mid_commit really leaves some uncommitted.
+        workers = 1 if crash.armed() else min(self.parallelism, len(handles))
+        results: list[CommitResult | None] = [None] * len(handles)
+        errors: list[BaseException] = []
+        done = 0
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="twophase-commit") as pool:
+            futures = {pool.submit(self.commit_one, batch_id, h, recovering): i for i, h in enumerate(handles)}
+            for fut in as_completed(futures):
+                try:
+                    results[futures[fut]] = fut.result()
+                except Exception as e:  # noqa: BLE001 - raised below, after the others were tried
+                    errors.append(e)
+                    continue
+                done += 1
+                if done < len(handles):
+                    crash.crash_point("mid_commit", batch_id)
+        if errors:
+            lost = [e for e in errors if isinstance(e, DataLossError)]
+            raise (lost or errors)[0]
+        return [r for r in results if r is not None]
+
+    def commit_one(self, batch_id: int, handle: Any, recovering: bool) -> CommitResult:
+        sink = self.sink
+        attempt = 0
+        while True:
+            reason: str
+            try:
+                res = sink.recover_and_commit(handle) if recovering else sink.commit(handle)
+            except DataLossError:
+                raise
+            except Exception as e:  # unexpected: retried, then the batch fails and its replay retries
+                reason = f"{type(e).__name__}: {e}"
+            else:
+                if not isinstance(res, CommitResult):
+                    raise TypeError(f"{type(sink).__name__}.commit returned {res!r}, not a CommitResult")
+                if res.done:
+                    return res
+                reason = res.reason
+                if res.outcome is CommitOutcome.LOST:
+                    what = sink.describe_handle(handle)
+                    msg = (f"DATA LOSS: batch {batch_id} was decided (its PREPARED record is in "
+                           f"{self.where}) but transaction {what} can no longer be committed: {reason}")
+                    if self.ignore_lost:
+                        log.error("%s (ignored: ignore_failures_after_transaction_timeout)", msg)
+                        return res
+                    raise DataLossError(msg, batch_id=batch_id, handle=what, reason=reason)
+            attempt += 1
+            if attempt > self.retries:
+                raise CommitError(
+                    f"batch {batch_id}: committing {sink.describe_handle(handle)} failed "
+                    f"{attempt} times, last: {reason}. The decision is logged: restarting the query "
+                    "(or 'twophase recover') commits it again.")
+            delay = min(self.max_backoff, self.backoff * (2 ** (attempt - 1))) * (0.5 + random.random())
+            log.warning("%s: batch %d: commit of %s failed (%s); retry %d/%d in %.2fs", self.name, batch_id,
+                        sink.describe_handle(handle), reason, attempt, self.retries, delay)
+            time.sleep(delay)
+
+
+# --------------------------------------------------------------------------- routine
 @dataclass
 class RecoveryReport:
     committed_batches: list[int] = field(default_factory=list)
@@ -33,64 +203,116 @@ class RecoveryReport:
                 "aborted": {str(k): v for k, v in self.aborted.items()}, "lost": self.lost}
 
 
+def recover_pending(
+    sink: TwoPhaseCommitSink[Any, Any],
+    batches: list[PendingBatch],
+    committer: Committer,
+    *,
+    mark_committed: Callable[[PendingBatch], None],
+    abort_undecided: bool = True,
+    after_commits: Callable[[PendingBatch, list[CommitResult]], None] | None = None,
+) -> RecoveryReport:
+    """Finish ``batches`` (from :func:`pending_batches`, or a harness' model) in the safe order.
+
+    ``mark_committed(batch)`` records COMMITTED for a decided batch once its handles are
+    committed and its failed attempts' leftovers aborted.  ``after_commits`` (optional) sees
+    each decided batch's commit results.  ``abort_undecided=False`` leaves undecided
+    batches alone (their replay aborts their leftovers).
+    Raises whatever the commit of a decided batch raised; then nothing was aborted.
+    """
+    report = RecoveryReport()
+    for b in batches:
+        if b.sink_kind and b.sink_kind != sink.kind:
+            raise ConfigurationError(
+                f"{b.label} was written by a {b.sink_kind!r} sink, but the sink given is {sink.kind!r}: "
+                "recover with the sink configuration the query used")
+    ordered = sorted(batches, key=lambda b: (b.generation, b.batch_id))
+    decided = [b for b in ordered if b.decided]
+    decoded: dict[tuple[int, int], list[Any]] = {}
+    for b in decided:                                                        # 1. commit, oldest first
+        handles = [sink.decode_handle(e) for e in b.handles or []]
+        decoded[(b.generation, b.batch_id)] = handles
+        if handles:
+            log.warning("%s: %s was decided but not fully committed: committing its %d handles",
+                        committer.name, b.label, len(handles))
+        results = committer.commit(b.batch_id, handles, recovering=True)
+        for h, res in zip(handles, results):
+            if res.outcome is CommitOutcome.COMMITTED:
+                report.handles_committed += 1
+            elif res.outcome is CommitOutcome.ALREADY_COMMITTED:
+                report.handles_already_committed += 1
+            elif res.outcome is CommitOutcome.LOST:
+                report.lost.append({"batch_id": b.batch_id, "generation": b.generation,
+                                    "handle": sink.describe_handle(h), "reason": res.reason})
+        if after_commits is not None:
+            after_commits(b, results)
+    for b in decided:                                                        # 2. leftovers, COMMITTED
+        n = sink.abort_lingering(b.name, b.batch_id, b.intent, decoded[(b.generation, b.batch_id)])
+        if n:
+            report.aborted[b.batch_id] = report.aborted.get(b.batch_id, 0) + n
+        mark_committed(b)
+        report.committed_batches.append(b.batch_id)
+    if abort_undecided:                                                      # 3. undecided leftovers
+        for b in ordered:
+            if b.decided:
+                continue
+            n = sink.abort_lingering(b.name, b.batch_id, b.intent, [])
+            if n:
+                log.warning("%s: aborted %d transactions left by undecided %s", committer.name, n, b.label)
+                report.aborted[b.batch_id] = report.aborted.get(b.batch_id, 0) + n
+    return report
+
+
+def mark_committed_in(tlog: TransactionLog, how: dict[str, Any]) -> Callable[[PendingBatch], None]:
+    """A ``mark_committed`` for :func:`recover_pending` that writes COMMITTED into ``tlog``."""
+    def mark(b: PendingBatch) -> None:
+        tlog.write(b.batch_id, COMMITTED, dict(how, at=time.time()), generation=b.generation)
+    return mark
+
+
+# -------------------------------------------------------------------- operator tools
 def _open(log_url: str, storage_options: dict[str, Any] | None, takeover: bool) -> TransactionLog:
+    TransactionLog(log_url, storage_options=storage_options, readonly=True)  # no log there: refused, nothing written
     tlog = TransactionLog(log_url, storage_options=storage_options)
     gens = tlog.generations()
     if not gens:
         raise LogError(f"{log_url} holds no log generation: nothing was ever written there")
-    latest = gens[-1]
-    tlog.acquire(latest["query_id"], "twophase-recover", takeover=takeover)
+    tlog.acquire(gens[-1]["query_id"], "twophase-recover", takeover=takeover)
     return tlog
 
 
 def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options: dict[str, Any] | None = None,
             takeover: bool = False, abort_only: bool = False, ignore_lost: bool = False,
             parallelism: int = 8) -> RecoveryReport:
-    """Commit decided batches (unless ``abort_only``) and abort leftovers of undecided ones."""
+    """``twophase recover``: commit decided batches of every generation, then abort leftovers.
+
+    ``abort_only`` (``twophase abort-lingering``) refuses while a decided batch is not
+    fully committed, since aborting first could abort it: run ``recover`` then.
+    """
     tlog = _open(log_url, storage_options, takeover)
-    report = RecoveryReport()
-    batches = tlog.batches()
-    for bid in sorted(batches):
-        states = batches[bid]
-        if COMMITTED in states:
-            continue
-        intent = states[INTENT].body.get("intent", {}) if INTENT in states else {}
-        if PREPARED in states:
-            if abort_only:
-                continue
-            handles = [sink.decode_handle(e) for e in states[PREPARED].handles]
-            # In parallel, as the coordinator does: one round trip per handle otherwise.
-            with ThreadPoolExecutor(max_workers=max(1, min(parallelism, len(handles)))) as pool:
-                results = list(pool.map(sink.recover_and_commit, handles))
-            for h, res in zip(handles, results):
-                if res.outcome is CommitOutcome.COMMITTED:
-                    report.handles_committed += 1
-                elif res.outcome is CommitOutcome.ALREADY_COMMITTED:
-                    report.handles_already_committed += 1
-                elif res.outcome is CommitOutcome.LOST:
-                    report.lost.append({"batch_id": bid, "handle": sink.describe_handle(h), "reason": res.reason})
-                    if not ignore_lost:
-                        raise DataLossError(f"DATA LOSS: batch {bid}: {sink.describe_handle(h)} can no longer "
-                                            f"be committed: {res.reason}", batch_id=bid,
-                                            handle=sink.describe_handle(h), reason=res.reason)
-                else:
-                    raise LogError(f"batch {bid}: {sink.describe_handle(h)}: {res.reason}; run recover again")
-            n = sink.abort_lingering(tlog.name_for(bid), bid, intent, handles)
-            if n:
-                report.aborted[bid] = n
-            tlog.write(bid, COMMITTED, {"recovered_by": "twophase recover", "at": time.time()})
-            report.committed_batches.append(bid)
-        else:
-            n = sink.abort_lingering(tlog.name_for(bid), bid, intent, [])
-            if n:
-                report.aborted[bid] = n
-    return report
+    try:
+        pending = pending_batches(tlog)
+        if abort_only:
+            decided = [b for b in pending if b.decided]
+            if decided:
+                raise LogError(
+                    f"{', '.join(b.label for b in decided)} of {log_url} "
+                    f"{'is' if len(decided) == 1 else 'are'} decided but not fully committed. Aborting "
+                    "leftovers first could abort transactions of a decided batch (sinks reuse transaction "
+                    "names across batches), so abort-lingering refuses: run 'twophase recover', which "
+                    "commits decided batches first and then aborts the leftovers.")
+        committer = Committer(sink, parallelism=parallelism, ignore_lost=ignore_lost, where=log_url,
+                              name="twophase recover")
+        return recover_pending(sink, pending, committer,
+                               mark_committed=mark_committed_in(tlog, {"recovered_by": "twophase recover"}))
+    finally:
+        tlog.close()
 
 
 def describe(log_url: str, storage_options: dict[str, Any] | None = None,
              sink: TwoPhaseCommitSink[Any, Any] | None = None) -> dict[str, Any]:
-    """Everything ``twophase status`` shows, as JSON-able data (read-only: takes no ownership)."""
-    tlog = TransactionLog(log_url, storage_options=storage_options)
+    """Everything ``twophase status`` shows, as JSON-able data (read-only: writes nothing)."""
+    tlog = TransactionLog(log_url, storage_options=storage_options, readonly=True)
     now = time.time()
     lease = tlog.lease()
     gens = tlog.generations()
@@ -98,36 +320,42 @@ def describe(log_url: str, storage_options: dict[str, Any] | None = None,
         "log": log_url,
         "generations": gens,
         "owner": None if lease is None else {
-            "epoch": lease.epoch, "host": lease.host, "pid": lease.pid,
+            "epoch": lease.epoch, "host": lease.host, "pid": lease.pid, "released": lease.released,
             "heartbeat_age_s": round(now - lease.heartbeat_at, 1), "query_id": lease.query_id},
         "batches": [],
     }
-    batches = tlog.batches()
-    for bid in sorted(batches):
-        states = batches[bid]
-        state = COMMITTED if COMMITTED in states else PREPARED if PREPARED in states else INTENT
-        handles = states[PREPARED].handles if PREPARED in states else []
-        rec = states[state]
-        entry: dict[str, Any] = {
-            "batch_id": bid, "state": state, "handles": len(handles),
-            "rows": (states[PREPARED].body.get("rows") if PREPARED in states else None),
-            "age_s": round(now - rec.written_at, 1),
-        }
-        if state != COMMITTED:
-            entry["pending_handles"] = handles
-            if PREPARED in states:
-                age = now - states[PREPARED].written_at
-                entry["decided_age_s"] = round(age, 1)
-                if sink is not None and hasattr(sink, "pending_age_warning"):
-                    warnings = []
-                    for env in handles:
-                        w = sink.pending_age_warning(sink.decode_handle(env), age)
-                        if w:
-                            warnings.append(w)
-                    entry["warnings"] = warnings
-        out["batches"].append(entry)
-    last = tlog.last_committed()
+    latest = int(gens[-1]["generation"]) if gens else None
+    for g in gens:
+        gen = int(g["generation"])
+        batches = tlog.batches(gen)
+        for bid in sorted(batches):
+            states = batches[bid]
+            state = COMMITTED if COMMITTED in states else PREPARED if PREPARED in states else INTENT
+            if gen != latest and state == COMMITTED:
+                continue  # older generations: only what is still pending
+            handles = states[PREPARED].handles if PREPARED in states else []
+            rec = states[state]
+            entry: dict[str, Any] = {
+                "generation": gen, "batch_id": bid, "state": state, "handles": len(handles),
+                "rows": (states[PREPARED].body.get("rows") if PREPARED in states else None),
+                "age_s": round(now - rec.written_at, 1),
+            }
+            if state != COMMITTED:
+                entry["pending_handles"] = handles
+                if PREPARED in states:
+                    age = now - states[PREPARED].written_at
+                    entry["decided_age_s"] = round(age, 1)
+                    if sink is not None and hasattr(sink, "pending_age_warning"):
+                        warnings = []
+                        for env in handles:
+                            w = sink.pending_age_warning(sink.decode_handle(env), age)
+                            if w:
+                                warnings.append(w)
+                        entry["warnings"] = warnings
+            out["batches"].append(entry)
+    last = tlog.last_committed(latest) if latest is not None else None
     out["last_committed"] = None if last is None else last.batch_id
+    out["low_water"] = tlog.low_water(latest) if latest is not None else None
     return out
 
 
