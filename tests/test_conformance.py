@@ -6,6 +6,7 @@ for the right reason (checked on the ConformanceError's message).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,6 +14,8 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -23,7 +26,7 @@ from twophase.sink import CommitResult
 from twophase.sinks.files import STAGING_DIR, FileSink
 from twophase.testing import ConformanceError, SinkConformanceTests, default_settings, run_sink_conformance
 
-from examples.sqlite_sink import SQLiteSink, _closing, quote, read_table, staged_transactions
+from examples.sqlite_sink import COMMITS, SQLiteSink, _closing, quote, read_table, staged_transactions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,6 +167,97 @@ class AnyVersionSink(SQLiteSink):
         return dict(envelope["data"])
 
 
+class UnlockedManifestSink(SQLiteSink):
+    """Defect: commit publishes by a read-modify-write of a manifest file, without a lock.
+
+    Serial commits are fine; two commits at once (the coordinator's commit pool) both read the
+    old manifest and the last write wins: rows of the other commit vanish while both say COMMITTED.
+    """
+
+    @property
+    def manifest(self) -> str:
+        return self.path + ".manifest.json"
+
+    def read_manifest(self) -> dict:
+        try:
+            with open(self.manifest) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {"txns": [], "ids": []}
+
+    def commit(self, handle: dict) -> CommitResult:
+        with _closing(self._connect()) as con:
+            ids = [r[0] for r in con.execute(f"SELECT id FROM {quote(self.staging)} WHERE _txn = ?",
+                                             (handle["txn"],))] if handle["rows"] else []
+        m = self.read_manifest()
+        if handle["txn"] in m["txns"]:
+            return CommitResult.already_committed()
+        time.sleep(0.002)  # the window a real store's round trip opens
+        m["txns"].append(handle["txn"])
+        m["ids"].extend(ids)
+        tmp = f"{self.manifest}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(m, f)
+        os.replace(tmp, self.manifest)
+        return CommitResult.committed()
+
+    def abort_lingering(self, query_name, batch_id, intent, keep) -> int:
+        return 0 if keep else super().abort_lingering(query_name, batch_id, intent, keep)
+
+
+class AbortDeletesSiblingsSink(SQLiteSink):
+    """Defect: a failed task's abort() deletes everything its batch staged, siblings' pre-commits too."""
+
+    def abort(self, txn) -> None:
+        with _closing(self._connect()) as con:
+            if self._has_staging(con):
+                con.execute(f"DELETE FROM {quote(self.staging)} WHERE _query = ? AND _batch = ?",
+                            (txn.ctx.query_name, txn.ctx.batch_id))
+
+
+class RetryAppendsIntoDeadAttemptSink(SQLiteSink):
+    """Defect: transactions are named by partition only, so a retried task appends to what the dead
+    attempt already staged."""
+
+    def begin_transaction(self, ctx):
+        from examples.sqlite_sink import SQLiteTransaction
+
+        return SQLiteTransaction(ctx, f"{ctx.query_name}/{ctx.batch_id}/{ctx.partition_id}")
+
+
+class InMemoryHandoffSink(SQLiteSink):
+    """Defect: pre_commit leaves the rows in the sink object's memory and commit takes them from there.
+
+    On one object it works; Spark runs pre_commit on an executor's copy and commit on the driver's.
+    """
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.handoff: dict[str, list[int]] = {}
+
+    def write(self, txn, batch) -> None:
+        txn.__dict__.setdefault("ids", []).extend(batch.column(0).to_pylist())
+        txn.rows += batch.num_rows
+
+    def pre_commit(self, txn):
+        self.handoff[txn.txn] = list(txn.__dict__.get("ids", []))
+        return super().pre_commit(txn)
+
+    def commit(self, handle: dict) -> CommitResult:
+        ids = self.handoff.pop(handle["txn"], [])
+        with _closing(self._connect()) as con:
+            con.execute(f"CREATE TABLE IF NOT EXISTS {quote(self.table)} (id INTEGER, payload TEXT)")
+            con.execute(f"CREATE TABLE IF NOT EXISTS {quote(COMMITS)} (txn TEXT PRIMARY KEY)")
+            if con.execute(f"SELECT 1 FROM {quote(COMMITS)} WHERE txn = ?", (handle["txn"],)).fetchone():
+                return CommitResult.already_committed()
+            con.executemany(f"INSERT INTO {quote(self.table)} (id) VALUES (?)", [(i,) for i in ids])
+            con.execute(f"INSERT INTO {quote(COMMITS)} (txn) VALUES (?)", (handle["txn"],))
+        return CommitResult.committed()
+
+    def open(self) -> None:
+        pass
+
+
 # Finding the bug is what is tested; shrinking it (minutes of re-runs) is hypothesis' job.
 NO_SHRINK = settings(default_settings(), database=None, phases=[Phase.explicit, Phase.generate])
 
@@ -181,7 +275,7 @@ def _fail(sink_cls, db: str, *, pending: bool = True, max_examples: int = 200) -
 def test_harness_catches_non_idempotent_commit(fast_path):
     msg = _fail(NonIdempotentCommitSink, str(fast_path / "db"))
     assert "exactly-once violated" in msg
-    assert re.search(r"row \d+ appears 2 times", msg), msg
+    assert re.search(r"row \d+ appears \d+ times", msg), msg
 
 
 def test_harness_catches_pre_commit_that_publishes(fast_path):
@@ -199,7 +293,7 @@ def test_harness_catches_pre_commit_that_publishes_without_per_step_checks(fast_
                              settings=NO_SHRINK, max_examples=300,
                              check_every_step=False)
     msg = str(info.value)
-    assert re.search(r"row \d+ (appears 2 times|is visible but its batch was never decided)", msg), msg
+    assert re.search(r"row \d+ (appears \d+ times|is visible but its batch was never decided)", msg), msg
 
 
 def test_harness_catches_abort_that_does_nothing(fast_path):
@@ -224,10 +318,44 @@ def test_failure_story_names_batch_crash_point_and_row(fast_path):
         run_sink_conformance(lambda: NonIdempotentCommitSink(db), lambda: read_table(db), settings=NO_SHRINK,
                              max_examples=200)
     story = "\n".join(getattr(info.value, "__notes__", []))
-    assert "state.start_batch(" in story and "INTENT logged" in story, story
+    if "did not happen again" not in str(info.value):  # a race: the failing run's notes, without steps
+        assert "state.run_batch(" in story, story
+    assert "INTENT logged" in story, story
     assert "PREPARED logged" in story, story
     assert re.search(r"(commit|recover_and_commit)\(sqlite txn \S+ \(\d+ rows\)\) -> committed", story), story
-    assert re.search(r"row \d+ appears 2 times \(batch \d+ \(decided", story), story
+    assert re.search(r"row \d+ appears \d+ times \(batch \d+ \(decided", story), story
+
+
+def _manifest_ids(db: str) -> list[dict]:
+    return [{"id": i} for i in UnlockedManifestSink(db).read_manifest()["ids"]]
+
+
+# What Spark and the coordinator do to a sink that the harness must reproduce (issue 16): each broken
+# sink is caught in at least 19 of 20 runs with fresh random seeds, at the default settings.
+GAPS = {
+    "commit unsafe under concurrency": (UnlockedManifestSink, _manifest_ids, False),
+    "abort() removes sibling partitions' pre-commits": (AbortDeletesSiblingsSink, read_table, True),
+    "a retry appends into a dead attempt's transaction": (RetryAppendsIntoDeadAttemptSink, read_table, True),
+    "state passed in memory from pre_commit to commit": (InMemoryHandoffSink, read_table, False),
+}
+
+
+@pytest.mark.parametrize("gap", sorted(GAPS))
+def test_harness_catches_what_spark_and_the_coordinator_do(fast_path, gap):
+    sink_cls, read, with_pending = GAPS[gap]
+    caught, stories = 0, []
+    for run in range(20):
+        db = str(fast_path / f"db{run}")
+        try:
+            run_sink_conformance(lambda: sink_cls(db), lambda: read(db),
+                                 pending=(lambda: staged_transactions(db)) if with_pending else None,
+                                 settings=NO_SHRINK)
+        except ConformanceError as e:
+            caught += 1
+            stories.append(str(e).splitlines()[0])
+    assert caught >= 19, f"{gap}: caught in {caught} of 20 runs"
+    assert all(re.search(r"exactly-once violated|DATA LOSS|still open|was aborted, but", s) for s in stories), \
+        stories
 
 
 # ---------------------------------------------------------------------------- the harness itself
