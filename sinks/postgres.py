@@ -16,7 +16,9 @@ PREPARED`` fails with 42704 ("does not exist"); the marker row, written inside
 the transaction, then tells "already committed" (present) from "lost" (absent).
 Prepared transactions of attempts that never reached the decision are found in
 ``pg_prepared_xacts`` by the batch's gid prefix and rolled back, promptly,
-because they hold their locks until then.
+because they hold their locks until then: by the driver (``abort_lingering``), and
+by a retried task for its own earlier attempts of the same run, before it writes.
+Before the decision the driver checks that every returned gid is still prepared.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+from twophase.sinks import _postgres_dsn as _dsn
 
 from twophase._deps import require
 from twophase.config import is_secret_ref, resolve_secret
@@ -45,6 +48,7 @@ log = logging.getLogger("twophase.sinks.postgres")
 
 MODES = ("insert", "upsert")
 MAX_GID_BYTES = 199  # PostgreSQL: "transaction identifier ... is too long" at 200 bytes
+MAX_RUN_CHARS = 16  # a longer (or not gid-safe) TransactionContext.run goes in as a digest
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 # Keys of a libpq connection string that hold secrets: never stored in the config, handles or messages.
 _SECRET_DSN_KEYS = ("password", "sslpassword")
@@ -82,6 +86,13 @@ def scrub(text: str) -> str:
 
 def _safe(s: str) -> str:
     return _SAFE.sub("_", s)
+
+
+def _run_token(run: str) -> str:
+    """``run`` as it goes into a gid: itself if short and gid-safe, else a stable digest of it."""
+    if not run or (len(run) <= MAX_RUN_CHARS and _safe(run) == run):
+        return run
+    return "h" + hashlib.sha1(run.encode()).hexdigest()[:MAX_RUN_CHARS - 1]
 
 
 def _pg() -> Any:
@@ -255,11 +266,13 @@ class PostgresTransaction:
 class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
     """Write each batch into a PostgreSQL table exactly once, by prepared transactions.
 
-    ``dsn``: a libpq connection string or URI (``host=... port=... dbname=... user=...``);
-    ``None`` uses libpq's environment (``PGHOST``, ``PGPASSWORD``, ``~/.pgpass`` ...).  A
-    password in the DSN is taken out at once and kept only in memory; ``password``
-    may instead be a secret reference ``{"env": "VAR"}`` / ``{"file": "/path"}``,
-    resolved where a connection is made (driver and executors).
+    ``dsn``: a libpq connection string or URI (``host=... port=... dbname=... user=...``),
+    or a ``jdbc:postgresql://host:port/db?user=...&password=...`` URL (translated to libpq
+    parameters); ``None`` uses libpq's environment (``PGHOST``, ``PGPASSWORD``,
+    ``~/.pgpass`` ...).  A password in the DSN is taken out at once and kept only in
+    memory; a malformed DSN is refused without quoting it.  ``password`` may instead be
+    a secret reference ``{"env": "VAR"}`` / ``{"file": "/path"}``, resolved where a
+    connection is made (driver and executors).
 
     ``table`` (and optional ``schema``) name the target table literally: they are
     identifiers, quoted, never parsed (``"my.table"`` is one name with a dot).
@@ -284,7 +297,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                  marker_schema: str | None = None, gid_prefix: str = "tp",
                  lock_timeout: str | None = "60s", connect_timeout: int = 10,
                  marker_retention_batches: int = 100, application_name: str = "twophase"):
-        pg = _pg()
+        _pg()  # fail now, naming the extra to install, if psycopg2 is missing
         if not table or not isinstance(table, str):
             raise ConfigurationError("PostgresSink needs table=... (the target table's name)")
         if mode not in MODES:
@@ -302,13 +315,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             raise ConfigurationError(f"gid_prefix {gid_prefix!r} must be letters, digits, '_', '-' or '.'")
         if marker_retention_batches < 1:
             raise ConfigurationError("marker_retention_batches must be >= 1")
-        params: dict[str, str] = {}
-        if dsn:
-            try:
-                params = dict(pg.extensions.parse_dsn(dsn))
-            except pg.ProgrammingError as e:
-                raise ConfigurationError(f"PostgresSink dsn is not a valid connection string: "
-                                         f"{scrub(str(e)).strip()}") from None
+        params: dict[str, str] = _dsn.parse(dsn) if dsn else {}
         inline = {k: params.pop(k) for k in _SECRET_DSN_KEYS if k in params}
         if password is not None and "password" in inline:
             raise ConfigurationError("give the password either in the dsn or as password=..., not both")
@@ -379,7 +386,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
     def _connect(self, autocommit: bool) -> Any:
         """A new connection (driver or executor); errors name the server, never the password."""
         pg = _pg()
-        kw: dict[str, Any] = {"connect_timeout": self.connect_timeout}
+        kw: dict[str, Any] = {}
+        if "connect_timeout" not in self.params:  # the dsn's own value wins, like application_name
+            kw["connect_timeout"] = self.connect_timeout
         if "application_name" not in self.params:
             kw["application_name"] = self.application_name
         pw = resolve_secret(self._password_ref, "PostgresSink password") if self._password_ref \
@@ -392,9 +401,17 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             conn = pg.connect(self.dsn, **kw)
         except pg.Error as e:
             raise _ConnectError(f"cannot connect to PostgreSQL at {self.where}: "
-                                f"{scrub(str(e)).strip()}") from None
+                                f"{self._redact(str(e)).strip()}") from None
         conn.autocommit = autocommit
         return conn
+
+    def _redact(self, text: str) -> str:
+        """``scrub`` plus the inline passwords themselves, wherever a message might echo them."""
+        text = scrub(text)
+        for secret in (self._password_inline, self._sslpassword):
+            if secret and len(secret) >= 4:
+                text = text.replace(secret, "***")
+        return text
 
     @contextmanager
     def _driver_cursor(self) -> Iterator[Any]:
@@ -461,6 +478,14 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         return cfg
 
     # ---------------------------------------------------------------- driver
+    def executor_modules(self) -> list[str]:
+        return ["pyarrow", "psycopg2"]
+
+    def max_parallelism(self) -> int | None:
+        """Half of ``max_prepared_transactions`` (known after :meth:`open`): a batch's prepared
+        transactions must fit beside leftovers of a failed attempt and other writers' ones."""
+        return None if self._max_prepared is None else max(1, self._max_prepared // 2)
+
     def open(self) -> None:
         """Check the server and the table before the first batch (driver).
 
@@ -579,9 +604,17 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         """``{gid_prefix}:{query}:{batch}:`` — every gid of any attempt of this batch starts so."""
         return f"{self.gid_prefix}:{_safe(query_name)}:{int(batch_id)}:"
 
-    def make_gid(self, intent_prefix: str, partition_id: int, attempt: int) -> str:
-        """The gid of one task attempt; deterministic given the batch's INTENT.  < 200 bytes or refused."""
+    def make_gid(self, intent_prefix: str, partition_id: int, attempt: int, run: str = "") -> str:
+        """The gid of one task attempt of one execution of a batch.  < 200 bytes or refused.
+
+        ``{prefix}{partition}:{attempt}:{run}``, or ``{prefix}{partition}:{attempt}``
+        when ``run`` (:attr:`TransactionContext.run`) is empty — the form of old logs.
+        Spark numbers attempts from 0 in every job, so only ``run`` keeps a replay's
+        gids apart from those of the execution before it.
+        """
         gid = f"{intent_prefix}{int(partition_id)}:{int(attempt)}"
+        if run:
+            gid += f":{_run_token(run)}"
         n = len(gid.encode())
         if n > MAX_GID_BYTES:
             raise ConfigurationError(
@@ -597,13 +630,14 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         ids restart at 0, can never reuse the gid (and marker row) of an old batch.
         """
         prefix = f"{self.batch_prefix(query_name, batch_id)}{uuid.uuid4().hex[:8]}:"
-        # Longest gid this batch may use (attempt numbers up to 9999).
-        self.make_gid(prefix, max(num_partitions - 1, 0), 9999)
+        # Longest gid this batch may use (attempt numbers up to 9999, the longest run token).
+        self.make_gid(prefix, max(num_partitions - 1, 0), 9999, "r" * MAX_RUN_CHARS)
         if self._max_prepared is not None and num_partitions > self._max_prepared:
             raise ConfigurationError(
                 f"batch {batch_id} runs {num_partitions} partitions, each a prepared transaction, but "
                 f"max_prepared_transactions = {self._max_prepared} at {self.where}. Raise it to at "
-                f"least {2 * num_partitions} (restart PostgreSQL) or coalesce the DataFrame.")
+                f"least {2 * num_partitions} (restart PostgreSQL), or write with fewer tasks (the Coordinator "
+                f"writes a batch with at most max_prepared_transactions // 2 = {self._max_prepared // 2}).")
         return {"gid_prefix": prefix, "table": self.target_name, "database": self.params.get("dbname")}
 
     def _intent_prefix(self, query_name: str, batch_id: int, intent: dict[str, Any]) -> str:
@@ -622,6 +656,40 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                         "WHERE database = current_database() AND left(gid, length(%s)) = %s ORDER BY gid",
                         (prefix, prefix))
             return [{"gid": g, "prepared_at": p.isoformat(), "owner": o} for g, p, o in cur.fetchall()]
+
+    def verify_prepared(self, batch_id: int, handles: list[dict], *,
+                        prepare_started_at: float) -> None:
+        """Check that every handle's gid is still prepared, before the decision is logged (driver).
+
+        PostgreSQL never drops a prepared transaction on its own, but someone else may
+        have rolled one back since it was prepared (an operator, or another
+        coordinator cleaning up this batch).  Deciding it anyway would end in
+        :class:`~twophase.errors.DataLossError` at the commit; failing now lets the
+        batch be written again.  One query per batch.  If the server cannot be asked,
+        this only logs: the commit step retries and still tells a lost transaction.
+        """
+        pg = _pg()
+        gids = [h["gid"] for h in handles]
+        if not gids:
+            return
+        try:
+            with self._driver_cursor() as cur:
+                cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
+                            "AND gid = ANY(%s)", (gids,))
+                present = {r[0] for r in cur.fetchall()}
+        except (_ConnectError, pg.Error) as e:
+            why = e if isinstance(e, _ConnectError) else _describe_pg_error(e)
+            log.warning("batch %d: cannot check its %d prepared transactions before the decision: "
+                        "%s", batch_id, len(gids), why)
+            return
+        missing = [g for g in gids if g not in present]
+        if missing:
+            raise TwoPhaseError(
+                f"batch {batch_id}: {len(missing)} of its {len(gids)} prepared transactions no "
+                f"longer exist at {self.where} ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}): someone rolled them back (an operator, or "
+                "another coordinator cleaning up this batch). Nothing was decided; restart the "
+                "query and the batch is written again.")
 
     def commit(self, handle: dict) -> CommitResult:
         """``COMMIT PREPARED`` the handle's gid (driver; idempotent).
@@ -744,15 +812,23 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
 
     # -------------------------------------------------------------- executor
     def begin_transaction(self, ctx: TransactionContext) -> PostgresTransaction:
-        """Connect and begin the partition's transaction under its gid (executor)."""
+        """Connect and begin the partition's transaction under its gid (executor).
+
+        A retried task first rolls back what its earlier attempts in the same run left
+        prepared (see :meth:`_roll_back_earlier_attempts`): their locks would otherwise
+        make this attempt wait for ``lock_timeout`` and fail.
+        """
         pg = _pg()
         prefix = self._intent_prefix(ctx.query_name, ctx.batch_id, ctx.intent)
-        gid = self.make_gid(prefix, ctx.partition_id, ctx.attempt)
+        gid = self.make_gid(prefix, ctx.partition_id, ctx.attempt, ctx.run)
         try:
-            conn = self._connect(autocommit=False)
+            conn = self._connect(autocommit=ctx.attempt > 0 and bool(ctx.run))
         except _ConnectError as e:
             raise TwoPhaseError(f"{ctx.label}: {e}") from None
         try:
+            if conn.autocommit:  # ROLLBACK PREPARED cannot run inside a transaction block
+                self._roll_back_earlier_attempts(conn, ctx, prefix)
+                conn.autocommit = False
             conn.tpc_begin(gid)
             with conn.cursor() as cur:
                 if self.lock_timeout:
@@ -770,6 +846,39 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                                          sqlstate=e.pgcode) from None
             raise
         return PostgresTransaction(ctx, gid, conn, database, oid, columns)
+
+    def _roll_back_earlier_attempts(self, conn: Any, ctx: TransactionContext, prefix: str) -> int:
+        """``ROLLBACK PREPARED`` the gids of this partition, run and a lower attempt (executor).
+
+        Such an attempt prepared and then was lost with its executor; Spark discards the
+        result of a failed attempt, so its transaction is in no decision.  Gids of other
+        runs are never touched — another coordinator racing on the batch may have one in
+        its decision — nor gids without run (old logs), nor other partitions': those
+        are the coordinator's ``abort_lingering``.  Failures only log: the write then
+        waits on the leftover's locks and fails after ``lock_timeout``.
+        """
+        pg = _pg()
+        run = _run_token(ctx.run)
+        head = f"{prefix}{int(ctx.partition_id)}:"
+        n = 0
+        with conn.cursor() as cur:
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
+                        "AND left(gid, length(%s)) = %s", (head, head))
+            for (gid,) in cur.fetchall():
+                m = re.fullmatch(r"([0-9]+):(.+)", gid[len(head):])
+                if not m or m.group(2) != run or int(m.group(1)) >= ctx.attempt:
+                    continue
+                try:
+                    cur.execute("ROLLBACK PREPARED %s", (gid,))
+                    n += 1
+                    log.info("%s: rolled back %s, left prepared by an earlier attempt of this task",
+                             ctx.label, gid)
+                except pg.Error as e:
+                    if e.pgcode != _UNDEFINED_OBJECT:  # gone already: fine
+                        log.warning("%s: cannot roll back %s of an earlier attempt (%s); this "
+                                    "attempt may wait on its locks", ctx.label, gid,
+                                    _describe_pg_error(e))
+        return n
 
     def _map_columns(self, txn: PostgresTransaction, schema: pa.Schema) -> list[_Column]:
         """Match the batch's columns to the table's, by exact name; errors name the column."""
@@ -819,6 +928,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         elif list(batch.schema.names) != txn.copy_columns:
             raise PostgresWriteError(f"{txn.ctx.label}: Arrow batches of one partition changed columns "
                                      f"({txn.copy_columns} then {batch.schema.names})")
+        if self.mode == "upsert":
+            self._refuse_null_keys(txn, batch)
         col_list = sql.SQL(", ").join(sql.Identifier(c) for c in txn.copy_columns)
         try:
             with txn.conn.cursor() as cur:
@@ -834,6 +945,32 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             raise self._write_error(txn, "COPY", e) from None
         txn.rows += batch.num_rows
         txn.bytes += len(data)
+
+    def _refuse_null_keys(self, txn: PostgresTransaction, batch: pa.RecordBatch) -> None:
+        """Upsert: a NULL in a key column fails the batch, before its rows are sent.
+
+        ``DISTINCT ON`` takes NULL keys as equal (rows would silently collapse into one)
+        and ``ON CONFLICT`` never matches them (replays would add rows again): neither is
+        an upsert.  Arrow keeps a null count per column, so the check is free when there
+        are none.
+        """
+        import pyarrow.compute as pc
+
+        for k in self.key_columns:
+            col = batch.column(batch.schema.get_field_index(k))
+            if not col.null_count:
+                continue
+            i = pc.index(col.is_null(), True).as_py()
+            others = ", ".join(
+                f"{o}={batch.column(batch.schema.get_field_index(o))[i].as_py()!r}"[:80]
+                for o in self.key_columns if o != k)
+            raise PostgresWriteError(
+                f"{txn.ctx.label} (gid {txn.gid}): upsert key column {k!r} is NULL in row "
+                f"{txn.rows + i + 1} of this partition{f' ({others})' if others else ''}. A NULL key "
+                "matches no row and equals no other key, so it cannot be upserted. The transaction "
+                "is rolled back; nothing of this batch became visible. Filter or fill NULL keys in "
+                f"Spark (e.g. df.dropna(subset={list(self.key_columns)!r})) and restart the query.",
+                column=k)
 
     def _write_error(self, txn: PostgresTransaction, action: str, e: Any) -> PostgresWriteError:
         d = e.diag

@@ -80,7 +80,7 @@ def _run(tmp_path, info, table, mode, name, crash_points, random_kills, seed):
 def _leftovers(info, name) -> list[str]:
     with _conn(info) as c, c.cursor() as cur:
         cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
-                    "AND left(gid, length(%s)) = %s", (f"tp:{name}:", f"tp:{name}:"))
+                    "AND left(gid, length(%s)) = %s", (f"tp:{name}", f"tp:{name}"))
         return [r[0] for r in cur.fetchall()]
 
 

@@ -496,6 +496,41 @@ def test_upsert_last_row_wins_and_replays_are_idempotent(db, postgres_service):
     assert sorted(r[0] for r in q(db, f'SELECT k FROM "{t2}"')) == [1, 2]
 
 
+def test_upsert_with_a_null_key_is_refused_not_collapsed(db, postgres_service):
+    """Key columns need not be NOT NULL; DISTINCT ON takes NULL keys as equal, keeping one row.
+
+    The executor refuses the batch naming the column and the row; its abort leaves nothing
+    visible and nothing prepared.
+    """
+    t = table(db, "k1 bigint, k2 text, v text, UNIQUE (k1, k2)")
+    sink = PostgresSink(postgres_service["dsn"], table=t, mode="upsert", key_columns=["k1", "k2"])
+    sink.open()
+    name = f"nullkey-{_uid()}"
+    intent = sink.plan_batch(name, 0, 1)
+    ok = pa.record_batch({"k1": pa.array([1, 2], pa.int64()), "k2": ["a", "b"], "v": ["x", "y"]})
+    bad = pa.record_batch({"k1": pa.array([3, 4, 5], pa.int64()),
+                           "k2": pa.array(["c", None, None]).dictionary_encode(),
+                           "v": ["p", "q", "r"]})
+    txn = sink.begin_transaction(TransactionContext(name, 0, 0, 0, intent))
+    try:
+        with pytest.raises(PostgresWriteError) as ei:
+            sink.write(txn, ok)
+            sink.write(txn, bad)
+            sink.pre_commit(txn)
+    finally:
+        sink.abort(txn)  # what the executor does when a write fails
+    e = ei.value
+    msg = str(e)
+    assert e.column == "k2", msg
+    assert "'k2'" in msg and "NULL" in msg and "k1=4" in msg, msg
+    assert "row 4 of this partition" in msg, msg  # rows count across the partition's Arrow batches
+    assert "batch 0 partition 0 attempt 0" in msg and txn.gid in msg
+    assert q(db, f'SELECT count(*) FROM "{t}"')[0][0] == 0
+    assert prepared_gids(db, intent["gid_prefix"]) == []
+    stage = sink._stage_name(txn.gid)
+    assert q(db, "SELECT count(*) FROM pg_class WHERE relname = %s", (stage,))[0][0] == 0
+
+
 # ----------------------------------------------------------------------- bad input
 def test_bad_input_at_the_sink_names_column_and_constraint_and_rolls_back(db, postgres_service):
     t = table(db, "id bigint PRIMARY KEY, amount int NOT NULL CONSTRAINT amount_nonneg CHECK (amount >= 0)")
@@ -538,7 +573,7 @@ def _assert_failed_cleanly(db, t, name, ei, *needles):
         assert n in msg, msg
     assert "batch 0" in msg and "password=" not in msg
     assert q(db, f'SELECT count(*) FROM "{t}"')[0][0] == 0
-    assert prepared_gids(db, f"tp:{name}:") == []
+    assert prepared_gids(db, f"tp:{name}") == []
 
 
 @pytest.mark.spark
@@ -577,7 +612,7 @@ def test_bad_input_fails_before_decision_naming_column_or_constraint(db, postgre
     coord.write(good, batch_id=0)
     coord.write(good, batch_id=0)
     assert q(db, f'SELECT count(*), count(DISTINCT id) FROM "{t}"')[0] == (1000, 1000)
-    assert prepared_gids(db, f"tp:{name}:") == []
+    assert prepared_gids(db, f"tp:{name}") == []
 
 
 @pytest.mark.spark
@@ -597,7 +632,7 @@ def test_bad_row_in_one_partition_leaves_no_prepared_transaction(db, postgres_se
     finally:
         # What works today: the replay of the batch rolls the leftover back before writing again.
         coord.write(good, batch_id=0)
-        assert prepared_gids(db, f"tp:{name}:") == []
+        assert prepared_gids(db, f"tp:{name}") == []
         assert q(db, f'SELECT count(*), count(DISTINCT id) FROM "{t}"')[0] == (1000, 1000)
 
 
@@ -616,8 +651,10 @@ def test_coordinator_end_to_end_exactly_once(db, postgres_service, spark, tmp_pa
     assert coord.write(df, batch_id=0)["action"] == "skipped"
     assert q(db, f'SELECT count(*), count(DISTINCT id), min(at), max(amount) FROM "{t}"')[0] == (
         20000, 20000, dt.datetime(1970, 1, 1, tzinfo=dt.UTC), decimal.Decimal("199.99"))
-    assert q(db, "SELECT count(*) FROM twophase_commits WHERE query_name = %s", (name,))[0][0] == 2
-    assert prepared_gids(db, f"tp:{name}:") == []
+    qname = coord.sink_query_name
+    assert qname.startswith(f"{name}.")  # the name plus the log's identity
+    assert q(db, "SELECT count(*) FROM twophase_commits WHERE query_name = %s", (qname,))[0][0] == 2
+    assert prepared_gids(db, f"tp:{name}") == []
 
 
 # ------------------------------------------------------------------- server restart
@@ -651,12 +688,15 @@ def test_marker_rows_pruned_beyond_retention(db, postgres_service):
     name = f"prune-{_uid()}"
     sink = PostgresSink(postgres_service["dsn"], table=t, marker_retention_batches=2)
     sink.open()
-    for b in (5, 7, 8, 9):
-        _, (h,) = prepare(sink, name, b, [[ids_batch([b])]])
+    other = f"{name}-other"  # another query's old rows are not this query's to prune
+    for n, b in ((name, 5), (name, 7), (name, 8), (name, 9), (other, 1)):
+        _, (h,) = prepare(sink, n, b, [[ids_batch([b])]])
         assert sink.commit(h).done
     sink.abort_lingering(name, 10, sink.plan_batch(name, 10, 1), [])
     assert [r[0] for r in q(db, "SELECT batch_id FROM twophase_commits WHERE query_name = %s ORDER BY 1",
                             (name,))] == [8, 9]
+    assert [r[0] for r in q(db, "SELECT batch_id FROM twophase_commits WHERE query_name = %s",
+                            (other,))] == [1]
 
 
 # ---------------------------------------------------------------------- conformance
