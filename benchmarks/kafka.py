@@ -96,3 +96,162 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
         "phases_ms": variants[0].extras,
         "goals": [goal("KafkaSink >= 0.9x Spark's Kafka writer", r_spark, 0.9, ">=")],
     }
+
+
+# ------------------------------------------------------------------ per-transaction cost
+def txn_cost(bootstrap: str, transactions: int = 50, handles: int = 200, threads: int = 8,
+             rows: int = 100) -> dict[str, Any]:
+    """What one KafkaSink transaction costs, without Spark.
+
+    Run ``python -m benchmarks.kafka --txn-cost`` (prints JSON).
+
+    Executor side, in this process as in one Python worker: ``transactions`` transactions
+    of ``rows`` rows one after another, each under its own transactional id (as the
+    partitions of a batch), timed per step: ``begin_transaction`` (producer creation,
+    FindCoordinator + InitProducerId), ``write`` (topic check, produce), ``pre_commit``
+    (flush, producer id, release).  Then the parts alone on a bare producer with the
+    sink's settings: creation, ``init_transactions``, ``list_topics``, destruction.
+    Driver side, on ``handles`` pre-committed transactions: ``verify_prepared``, the
+    commit fan-out with ``threads`` threads (as the coordinator's commit pool), counting
+    the answers that asked for a retry, and recovery's ``recover_and_commit`` of the
+    same (now committed) handles.
+    """
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import confluent_kafka as ck
+    import pyarrow as pa
+
+    from twophase.context import TransactionContext
+    from twophase.sink import CommitOutcome
+    from twophase.sinks.kafka import KafkaSink
+
+    def ms(t0: float) -> float:
+        return (time.perf_counter() - t0) * 1000
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"p50": round(percentile(values, 50), 2), "p90": round(percentile(values, 90), 2),
+                "max": round(max(values), 2)}
+
+    topic = f"bench-txn-{uid()}"
+    _create_topic(bootstrap, topic, 4)
+    prefix = f"bench-txn-{uid()}"
+    sink = KafkaSink(bootstrap, topic=topic, transactional_id_prefix=prefix,
+                     transaction_timeout_ms=600_000)
+    batch = pa.RecordBatch.from_pydict({"value": [b"x" * 100] * rows})
+    steps: dict[str, list[float]] = {"begin_transaction": [], "write": [], "pre_commit": [],
+                                     "transaction": []}
+
+    def one(batch_id: int, partition: int, n: int) -> dict:
+        intent = sink.plan_batch("bench", batch_id, n)
+        ctx = TransactionContext("bench", batch_id, partition, 0, intent)
+        t0 = t = time.perf_counter()
+        txn = sink.begin_transaction(ctx)
+        steps["begin_transaction"].append(ms(t))
+        t = time.perf_counter()
+        sink.write(txn, batch)
+        steps["write"].append(ms(t))
+        t = time.perf_counter()
+        handle = sink.pre_commit(txn)
+        steps["pre_commit"].append(ms(t))
+        steps["transaction"].append(ms(t0))
+        return handle
+
+    progress(f"kafka txn cost: {transactions} transactions of {rows} rows")
+    first = [one(0, p, transactions) for p in range(transactions)]
+    for h in first:
+        assert sink.commit(h).done
+    out: dict[str, Any] = {"executor_ms": {k: stats(v) for k, v in steps.items()}}
+
+    parts: dict[str, list[float]] = {"create": [], "init_transactions": [], "list_topics": [],
+                                     "destroy": []}
+    for i in range(min(transactions, 30)):
+        conf = sink._producer_config(f"{prefix}-bare", [None])
+        for k in ("debug", "logger", "stats_cb", "statistics.interval.ms"):
+            conf.pop(k, None)
+        t = time.perf_counter()
+        p = ck.Producer(conf)
+        parts["create"].append(ms(t))
+        t = time.perf_counter()
+        p.init_transactions(60)
+        parts["init_transactions"].append(ms(t))
+        t = time.perf_counter()
+        p.list_topics(topic, timeout=30)
+        parts["list_topics"].append(ms(t))
+        t = time.perf_counter()
+        del p
+        parts["destroy"].append(ms(t))
+    out["bare_producer_ms"] = {k: stats(v) for k, v in parts.items()}
+
+    progress(f"kafka txn cost: {handles} pre-committed handles for the driver")
+    for values in steps.values():
+        values.clear()
+    pending = [one(1, p, handles) for p in range(handles)]
+    driver = KafkaSink(bootstrap, topic=topic, transactional_id_prefix=prefix,
+                       transaction_timeout_ms=600_000)
+    driver.open()
+    t = time.perf_counter()
+    driver.verify_prepared(1, pending, prepare_started_at=time.time() - 1)
+    out["driver_ms"] = {"verify_prepared": round(ms(t), 1)}
+    retries: dict[str, int] = {}
+
+    def commit(h: dict) -> None:
+        while True:
+            res = driver.commit(h)
+            if res.done:
+                return
+            assert res.outcome is CommitOutcome.RETRY_LATER, res
+            key = res.reason.split(" ")[0]
+            retries[key] = retries.get(key, 0) + 1
+            time.sleep(0.05)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(commit, pending))
+    out["driver_ms"][f"commit {handles} handles, {threads} threads"] = round(ms(t), 1)
+    out["commit_retries"] = retries
+    answers: dict[str, int] = {}
+
+    def recover(h: dict) -> None:
+        while True:
+            res = driver.recover_and_commit(h)
+            key = res.outcome.value
+            if res.reason.startswith("committed"):  # "committed (or already committed: ...)"
+                key += f" ({res.reason})"
+            answers[key] = answers.get(key, 0) + 1
+            if res.done:
+                return
+            time.sleep(0.05)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(recover, pending))
+    out["driver_ms"][f"recover_and_commit {handles} committed handles"] = round(ms(t), 1)
+    out["recovery_answers"] = answers
+    out["executor_ms_with_handles"] = {k: stats(v) for k, v in steps.items()}
+    driver.close()
+    sink.close()
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kafka",
+                                 description="KafkaSink's per-transaction cost (the Spark "
+                                 "comparison runs with python -m benchmarks --only kafka)")
+    ap.add_argument("--txn-cost", action="store_true", required=True)
+    ap.add_argument("--bootstrap", help="default: the test broker of tests/services")
+    ap.add_argument("--transactions", type=int, default=50)
+    ap.add_argument("--handles", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=8)
+    a = ap.parse_args()
+    if a.bootstrap is None:
+        from tests import services as svc
+
+        a.bootstrap = svc.ensure("kafka")["kafka"]["bootstrap_servers"]
+    result = txn_cost(a.bootstrap, a.transactions, a.handles, a.threads)
+    result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(result, indent=1))

@@ -2,13 +2,15 @@
 DescribeTransactions, sent with kafka-python's connection manager (which brings SSL and SASL).
 
 Nothing here runs on executors.  The client is the only place that touches
-kafka-python internals (``KafkaAdminClient._manager``), so a kafka-python upgrade
-that moves them breaks one small module.  Answers are returned as Kafka error
-codes; :mod:`twophase.sinks.kafka` decides what they mean for a batch.
+kafka-python internals (``KafkaAdminClient._manager``, ``_find_coordinator_id(s)``), so
+a kafka-python upgrade that moves them breaks one small module (and
+:func:`check_kafka_python_version` refuses versions it was not tested with).  Answers are
+returned as Kafka error codes; :mod:`twophase.sinks.kafka` decides what they mean for a batch.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from dataclasses import dataclass
@@ -19,6 +21,25 @@ from twophase._deps import require
 log = logging.getLogger("twophase.sinks.kafka")
 
 TRANSACTION_KEY_TYPE = 1  # FindCoordinator key_type for transactional ids
+
+#: kafka-python versions whose internals this module uses (``KafkaAdminClient._manager``,
+#: ``_find_coordinator_id(s)``, ``cluster._coordinators``, the transaction request classes):
+#: from (inclusive) .. to (exclusive).  Keep in step with pyproject.toml.
+KAFKA_PYTHON_VERSIONS = ((3, 0, 12), (3, 1))
+
+#: Highest EndTxn version the driver sends.  EndTxn v5 means transactions v2 (KIP-890): the
+#: broker then bumps the epoch on every commit and treats the request as coming from the
+#: producer that opened the transaction, so a v5 retry of a v4 commit answers
+#: INVALID_TXN_STATE, which would be reported as data loss.  Ours come from elsewhere.
+END_TXN_MAX_VERSION = 4
+
+#: Requests kafka-python may pipeline on one connection.  Its default, 5, made the 6th of
+#: the coordinator's concurrent commits fail at once ("Node paused: max_in_flight"), which
+#: came back as NETWORK_EXCEPTION and a retry with a fresh coordinator lookup.
+MAX_IN_FLIGHT = 32
+#: Requests this client has outstanding at once (all connections): callers beyond it wait.
+#: Below MAX_IN_FLIGHT, so kafka-python's own metadata requests always fit beside them.
+CONCURRENT_REQUESTS = 16
 
 # Kafka protocol error codes (org.apache.kafka.common.protocol.Errors) that matter here.
 NONE = 0
@@ -106,6 +127,41 @@ def kafka_python_config(rdkafka_config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_kafka_python_version(version: str) -> None:
+    """Raise MissingDependencyError unless ``version`` is in :data:`KAFKA_PYTHON_VERSIONS`.
+
+    Checked before the driver client is built: an upgrade that moved the internals used
+    here would otherwise fail later, at a commit, with an AttributeError.
+    """
+    from twophase.errors import MissingDependencyError
+
+    nums = []
+    for part in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        nums.append(int(digits))
+    low, high = KAFKA_PYTHON_VERSIONS
+    if not low <= tuple(nums) < high:
+        want = f"kafka-python>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+        raise MissingDependencyError(
+            f"KafkaSink's driver-side client needs {want} (it uses that line's internals to commit "
+            f"and fence transactions); found kafka-python {version}. Run: pip install '{want}'")
+
+
+class UnsupportedRequest(Exception):
+    """The broker does not speak a request this client needs (DescribeTransactions: Kafka < 3.0)."""
+
+
+def end_txn_request(tid: str, producer_id: int, producer_epoch: int, commit: bool) -> Any:
+    """The EndTxn request the driver sends: capped at :data:`END_TXN_MAX_VERSION`."""
+    from kafka.protocol.producer.transaction import EndTxnRequest
+
+    return EndTxnRequest(transactional_id=tid, producer_id=int(producer_id),
+                         producer_epoch=int(producer_epoch), committed=bool(commit),
+                         max_version=END_TXN_MAX_VERSION)
+
+
 @dataclass(frozen=True)
 class TxnDescription:
     """One transactional id as DescribeTransactions reports it (error_code 105 = unknown id)."""
@@ -130,15 +186,18 @@ class TxnClient:
 
     def __init__(self, config: dict[str, Any], request_timeout_ms: int = 30000):
         admin_mod = require("kafka.admin", "KafkaSink")
+        check_kafka_python_version(require("kafka", "KafkaSink").__version__)
         self._errors = require("kafka.errors", "KafkaSink")
         self._timeout_ms = request_timeout_ms
         kp = dict(config)
         kp.setdefault("client_id", "twophase-kafka-sink")
         kp["request_timeout_ms"] = request_timeout_ms
+        kp["max_in_flight_requests_per_connection"] = MAX_IN_FLIGHT
         kp.setdefault("bootstrap_timeout_ms", request_timeout_ms)
         self._admin = admin_mod.KafkaAdminClient(**kp)
         self._manager = self._admin._manager
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(CONCURRENT_REQUESTS)
         self._coordinators: dict[str, Any] = {}
         self.closed = False
 
@@ -151,8 +210,13 @@ class TxnClient:
                 log.debug("closing the Kafka admin client failed", exc_info=True)
 
     # ------------------------------------------------------------ plumbing
+    def _run(self, fn: Any, *args: Any) -> Any:
+        """Run a request coroutine on kafka-python's IO thread, CONCURRENT_REQUESTS at most."""
+        with self._slots:
+            return self._manager.run(fn, *args)
+
     def _send(self, request: Any, node_id: Any = None) -> Any:
-        return self._manager.run(self._manager.send, request, node_id, self._timeout_ms)
+        return self._run(self._manager.send, request, node_id, self._timeout_ms)
 
     def coordinator(self, tid: str) -> Any:
         """Node id of ``tid``'s transaction coordinator (FindCoordinator, cached)."""
@@ -160,10 +224,41 @@ class TxnClient:
             node = self._coordinators.get(tid)
         if node is not None:
             return node
-        node = self._manager.run(self._admin._find_coordinator_id, tid, TRANSACTION_KEY_TYPE)
+        node = self._run(self._admin._find_coordinator_id, tid, TRANSACTION_KEY_TYPE)
         with self._lock:
             self._coordinators[tid] = node
         return node
+
+    def coordinators(self, tids: list[str]) -> dict[str, Any]:
+        """Node ids of many ids' coordinators: one batched FindCoordinator (KIP-699) for the ones
+        not cached.  If the batch fails (one key's error fails it), each id is looked up alone;
+        ids whose lookup still fails are missing."""
+        out: dict[str, Any] = {}
+        unknown: list[str] = []
+        with self._lock:
+            for tid in dict.fromkeys(tids):
+                node = self._coordinators.get(tid)
+                if node is None:
+                    unknown.append(tid)
+                else:
+                    out[tid] = node
+        if not unknown:
+            return out
+        try:
+            found = dict(self._run(self._admin._find_coordinator_ids, unknown,
+                                   TRANSACTION_KEY_TYPE))
+        except (self._errors.KafkaError, OSError):
+            found = {}
+            for tid in unknown:
+                try:
+                    found[tid] = self.coordinator(tid)
+                except (self._errors.KafkaError, OSError):
+                    self.forget_coordinator(tid)
+        found = {t: n for t, n in found.items() if n is not None}
+        with self._lock:
+            self._coordinators.update(found)
+        out.update(found)
+        return out
 
     def forget_coordinator(self, tid: str) -> None:
         """Drop the cached coordinator of ``tid`` (after NOT_COORDINATOR and friends)."""
@@ -208,19 +303,17 @@ class TxnClient:
         return code, resp
 
     # ------------------------------------------------------------ requests
+    def negotiated_version(self, request: Any) -> int:
+        """The version kafka-python would send ``request`` in to this cluster (bootstrapped)."""
+        return int(self._manager.broker_version_data.api_version(request))
+
     def end_txn(self, tid: str, producer_id: int, producer_epoch: int, commit: bool) -> int:
-        """EndTxn for a transaction that another process (a Spark task) opened; the error code."""
-        from kafka.protocol.producer.transaction import EndTxnRequest
+        """EndTxn for a transaction that another process (a Spark task) opened; the error code.
 
-        # Version 4 at most: EndTxn v5 means transactions v2 (KIP-890), in which the
-        # broker bumps the epoch on every commit and treats a v5 request as coming from
-        # the producer that opened the transaction; ours comes from elsewhere.
-        def make():
-            return EndTxnRequest(transactional_id=tid, producer_id=int(producer_id),
-                                 producer_epoch=int(producer_epoch), committed=bool(commit),
-                                 max_version=4)
-
-        code, _ = self._coordinator_request(tid, make)
+        Sent as version :data:`END_TXN_MAX_VERSION` at most (see there).
+        """
+        code, _ = self._coordinator_request(
+            tid, lambda: end_txn_request(tid, producer_id, producer_epoch, commit))
         return code
 
     def init_producer_id(self, tid: str, transaction_timeout_ms: int) -> tuple[int, int, int]:
@@ -244,20 +337,21 @@ class TxnClient:
     def describe_transactions(self, tids: list[str]) -> dict[str, TxnDescription]:
         """DescribeTransactions for many ids (one request per coordinator).
 
-        Ids whose coordinator cannot be reached are missing from the answer.
+        Ids whose coordinator cannot be reached are missing from the answer.  Raises
+        :class:`UnsupportedRequest` when the broker does not speak DescribeTransactions
+        (KIP-664, Kafka 3.0).
         """
         from kafka.protocol.admin.transactions import DescribeTransactionsRequest
 
         by_node: dict[Any, list[str]] = {}
-        for tid in tids:
-            try:
-                by_node.setdefault(self.coordinator(tid), []).append(tid)
-            except self._errors.KafkaError:
-                self.forget_coordinator(tid)
+        for tid, node in self.coordinators(tids).items():
+            by_node.setdefault(node, []).append(tid)
         out: dict[str, TxnDescription] = {}
         for node, ids in by_node.items():
             try:
                 resp = self._send(DescribeTransactionsRequest(transactional_ids=ids), node)
+            except self._errors.IncompatibleBrokerVersion as e:
+                raise UnsupportedRequest(f"DescribeTransactions: {e}") from None
             except (self._errors.KafkaError, OSError):
                 for tid in ids:
                     self.forget_coordinator(tid)

@@ -14,10 +14,14 @@ How it recovers: a batch's INTENT lists the transactional ids it may use.  Befor
 a batch (re)runs, ``abort_lingering`` fences every id of that list that still has an
 open transaction (InitProducerId aborts it and bumps the epoch), so leftovers of a
 crashed attempt are aborted at once instead of blocking read_committed consumers
-until ``transaction.timeout.ms``.  Handles of a decided batch are committed again
-with EndTxn; committing an already committed transaction answers success.  A
-transaction the broker aborted (it outlived ``transaction.timeout.ms``) can never be
-committed: that is reported as data loss.  See docs/kafka.md.
+until ``transaction.timeout.ms``.  Before the decision is logged, ``verify_prepared``
+checks with DescribeTransactions that every transaction is still open under its
+producer id and epoch with ``commit_margin_ms`` of its timeout left; otherwise the
+batch fails while undecided.  Handles of a decided batch are committed again with
+EndTxn (which answers success for a first and a repeated commit alike, so recovery
+asks DescribeTransactions first to tell them apart).  A transaction the broker
+aborted after the decision (the driver was down longer than the margin) can never
+be committed: that is reported as data loss.  See docs/kafka.md.
 """
 
 from __future__ import annotations
@@ -35,14 +39,24 @@ import pyarrow as pa
 from twophase._deps import require
 from twophase.config import is_secret_ref, resolve_secret
 from twophase.context import TransactionContext
-from twophase.errors import ConfigurationError, TwoPhaseError
-from twophase.sink import CommitResult, TwoPhaseCommitSink
+from twophase.errors import ConfigurationError, MissingDependencyError, TwoPhaseError
+from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.sinks.kafka")
 _rdlog = logging.getLogger("twophase.sinks.kafka.librdkafka")
 
 #: Default transaction timeout: the broker's default ``transaction.max.timeout.ms`` (15 min).
 DEFAULT_TRANSACTION_TIMEOUT_MS = 900_000
+#: How long a Python worker trusts that a topic it checked exists (seconds).  The check only
+#: gives a clear error before anything is written; a topic deleted meanwhile still fails the
+#: batch, at the produce.
+TOPIC_CHECK_TTL_S = 60.0
+# (bootstrap servers, topic) -> time.monotonic() of the last successful check, per process.
+_TOPICS_SEEN: dict[tuple[str, str], float] = {}
+
+#: Default part of the timeout kept for the commit and a driver restart (see ``commit_margin_ms``):
+#: 5 minutes, or a third of ``transaction_timeout_ms`` when that is shorter than 15 minutes.
+DEFAULT_COMMIT_MARGIN_MS = 300_000
 
 _PREFIX_OK = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _ACQUIRED = re.compile(r"Acquired PID\{Id:(\d+),Epoch:(\d+)\}")
@@ -64,13 +78,6 @@ _OWNED = {
     "error_cb": "the sink records producer errors itself",
     "isolation.level": "a consumer setting: consumers of this topic need isolation.level=read_committed",
 }
-
-# Producers whose transaction was pre-committed in this Python worker, by transactional id.
-# They are never closed (close() aborts the transaction) and are dropped only when the next
-# transaction on the same id begins, which the coordinator starts only after the batch that
-# pre-committed this one is COMMITTED in the log.
-_PRECOMMITTED: dict[str, Any] = {}
-_PRECOMMITTED_LOCK = threading.Lock()
 
 
 class _LibrdkafkaLog(logging.Handler):
@@ -129,9 +136,14 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
     ``producer_config`` passes through to confluent-kafka (librdkafka names, e.g.
     ``security.protocol``, ``sasl.username``, ``linger.ms``); secrets may be given
     as ``{"env": "VAR"}`` references and are never logged nor put in handles.
-    ``transaction_timeout_ms`` must cover a batch plus the driver's recovery
-    time, and may not exceed the broker's ``transaction.max.timeout.ms`` (checked
-    by :meth:`open`).  ``tombstones=True`` writes null values as tombstones (as Spark's
+    ``transaction_timeout_ms`` must cover the whole prepare phase of a batch (every
+    wave of tasks, from the first record of the first task) plus the commit and a
+    driver restart, and may not exceed the broker's ``transaction.max.timeout.ms``
+    (checked by :meth:`open`).  ``commit_margin_ms`` is the part of it kept for the
+    commit and a driver restart: a batch whose oldest transaction has less than that
+    left when its tasks are done fails before its decision is logged
+    (:meth:`verify_prepared`); default 5 minutes, or a third of the timeout if shorter.
+    ``tombstones=True`` writes null values as tombstones (as Spark's
     sink does); by default a null value fails the batch.  ``auto_create_topics``
     lets the broker create missing topics (if it is configured to); by default a
     missing topic fails before anything is written.
@@ -146,7 +158,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                  transaction_timeout_ms: int = DEFAULT_TRANSACTION_TIMEOUT_MS,
                  tombstones: bool = False, auto_create_topics: bool = False,
                  flush_timeout_s: float = 300.0, request_timeout_s: float = 30.0,
-                 warn_age_fraction: float = 0.5):
+                 warn_age_fraction: float = 0.5, commit_margin_ms: int | None = None):
         if not bootstrap_servers or not isinstance(bootstrap_servers, str):
             raise ConfigurationError("KafkaSink needs bootstrap_servers='host:port[,host:port...]'")
         if not transactional_id_prefix or not _PREFIX_OK.match(transactional_id_prefix):
@@ -165,6 +177,12 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             raise ConfigurationError(f"transaction_timeout_ms must be >= 1000, got {transaction_timeout_ms}")
         if not 0 < warn_age_fraction < 1:
             raise ConfigurationError("warn_age_fraction must be between 0 and 1")
+        if commit_margin_ms is None:
+            commit_margin_ms = min(DEFAULT_COMMIT_MARGIN_MS, int(transaction_timeout_ms) // 3)
+        if not 0 <= int(commit_margin_ms) < int(transaction_timeout_ms):
+            raise ConfigurationError(
+                f"commit_margin_ms must be at least 0 and less than transaction_timeout_ms="
+                f"{int(transaction_timeout_ms)}, got {commit_margin_ms}")
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.transactional_id_prefix = transactional_id_prefix
@@ -175,6 +193,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         self.flush_timeout_s = float(flush_timeout_s)
         self.request_timeout_s = float(request_timeout_s)
         self.warn_age_fraction = float(warn_age_fraction)
+        self.commit_margin_ms = int(commit_margin_ms)
         self._client: Any = None
         self._client_lock = threading.Lock()
 
@@ -205,7 +224,9 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 "producer_config": dict(self.producer_config),
                 "transaction_timeout_ms": self.transaction_timeout_ms, "tombstones": self.tombstones,
                 "auto_create_topics": self.auto_create_topics, "flush_timeout_s": self.flush_timeout_s,
-                "request_timeout_s": self.request_timeout_s, "warn_age_fraction": self.warn_age_fraction}
+                "request_timeout_s": self.request_timeout_s,
+                "warn_age_fraction": self.warn_age_fraction,
+                "commit_margin_ms": self.commit_margin_ms}
 
     def _resolved_config(self) -> dict[str, Any]:
         conf = {k: resolve_secret(v, f"Kafka producer setting {k!r}") for k, v in self.producer_config.items()}
@@ -225,6 +246,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     raise ConfigurationError(str(e)) from None
                 try:
                     self._client = kp.TxnClient(cfg, request_timeout_ms=int(self.request_timeout_s * 1000))
+                except MissingDependencyError:  # e.g. a kafka-python line it was not built for
+                    raise
                 except Exception as e:
                     raise TwoPhaseError(
                         f"cannot connect to Kafka at {self.bootstrap_servers} to commit or fence "
@@ -242,6 +265,9 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         conf = self._resolved_config()
         conf.setdefault("socket.timeout.ms", int(self.request_timeout_s * 1000))
         return ck.AdminClient(conf)
+
+    def executor_modules(self) -> list[str]:
+        return ["pyarrow", "confluent_kafka"]
 
     def open(self) -> None:
         """Check reachability, the topic, and the transaction timeout against the broker (driver)."""
@@ -352,10 +378,141 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
+    def _describe(self, client, tids: list[str]) -> dict[str, Any]:
+        """DescribeTransactions for ``tids``, asking again (within ``request_timeout_s``) for ids
+        whose coordinator did not answer or answered a retriable error.  Ids still without an
+        answer are missing; the last retriable answer is kept."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        moved = kp.COORDINATOR_MOVED | {kp.COORDINATOR_LOAD_IN_PROGRESS}
+        deadline = time.monotonic() + self.request_timeout_s
+        out: dict[str, Any] = {}
+        todo, delay = list(dict.fromkeys(tids)), 0.05
+        while True:
+            got = client.describe_transactions(todo)
+            retry = []
+            for t in todo:
+                d = got.get(t)
+                if d is not None:
+                    out[t] = d
+                if d is None or d.error_code in kp.RETRIABLE:
+                    if d is not None and d.error_code in moved:
+                        client.forget_coordinator(t)
+                    retry.append(t)
+            if not retry or time.monotonic() > deadline:
+                return out
+            todo = retry
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def verify_prepared(self, batch_id: int, handles: list[dict], *,
+                        prepare_started_at: float) -> None:
+        """Before the decision: each transaction still open, ``commit_margin_ms`` left (driver).
+
+        The broker aborts a transaction ``transaction.timeout.ms`` after its first record,
+        whether or not the batch's other tasks are done: with several waves of tasks, the
+        first wave's transactions age while the last wave runs.  Deciding a batch one of
+        whose transactions is already aborted (or about to be) turns into data loss at
+        the commit.  So this asks DescribeTransactions (one request per transaction
+        coordinator) that each handle's transaction is ``Ongoing`` under the handle's
+        producer id and epoch, and that it has at least ``commit_margin_ms`` of its
+        timeout left.  A transaction's age is the driver's clock minus the broker's
+        start time of the transaction, capped at the time since ``prepare_started_at``
+        (it cannot be older than the batch).  Raises :class:`TwoPhaseError` otherwise;
+        the batch is then undecided and the coordinator aborts its transactions.
+        """
+        from twophase.sinks import _kafka_protocol as kp
+
+        if not handles:
+            return
+        client = self._txn_client()
+        tids = [str(h["transactional_id"]) for h in handles]
+        try:
+            states: dict[str, Any] | None = self._describe(client, tids)
+        except kp.UnsupportedRequest as e:
+            log.warning("batch %d: cannot check the Kafka transactions before the decision (%s); "
+                        "only the batch's duration is checked against transaction_timeout_ms",
+                        batch_id, e)
+            states = None
+        now = time.time()
+        duration = max(0.0, now - float(prepare_started_at))
+        margin_s = self.commit_margin_ms / 1000.0
+        not_open: list[str] = []
+        tight: list[tuple[float, str]] = []
+        oldest_age, oldest_tid, oldest_timeout_s = -1.0, "", self.transaction_timeout_ms / 1000.0
+        for h, tid in zip(handles, tids):
+            pid, epoch = int(h["producer_id"]), int(h["producer_epoch"])
+            timeout_s = int(h.get("timeout_ms", self.transaction_timeout_ms)) / 1000.0
+            # No transaction of this batch can be older than the batch: cap every estimate there.
+            started = h.get("started_at")
+            age = duration if started is None else min(duration, max(0.0, now - float(started)))
+            st = None if states is None else states.get(tid)
+            is_open = False
+            if states is None:
+                is_open = True  # the broker cannot tell: the clock check alone
+            elif st is None:
+                not_open.append(f"{tid}: its transaction coordinator did not answer "
+                                f"DescribeTransactions within {self.request_timeout_s:.0f}s "
+                                "(request_timeout_s)")
+            elif st.error_code != kp.NONE:
+                not_open.append(f"{tid}: DescribeTransactions answered {kp.error_name(st.error_code)}")
+            elif st.state != "Ongoing" or st.producer_id != pid or st.producer_epoch != epoch:
+                not_open.append(self._not_open_reason(tid, pid, epoch, st, timeout_s))
+            else:
+                is_open = True
+                # The broker's clock started the timeout: prefer its start time to the executor's.
+                timeout_s = st.timeout_ms / 1000.0
+                if st.start_time_ms > 0:
+                    age = min(duration, max(0.0, now - st.start_time_ms / 1000.0))
+            if age > oldest_age:
+                oldest_age, oldest_tid, oldest_timeout_s = age, tid, timeout_s
+            if is_open and timeout_s - age < margin_s:
+                tight.append((timeout_s - age, tid))
+        if not not_open and not tight:
+            return
+
+        def more(items: list[str]) -> str:
+            rest = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
+            return "; ".join(items[:5]) + rest
+
+        parts = [(f"batch {batch_id}: not deciding the batch: {len(not_open) + len(tight)} of its "
+                  f"{len(handles)} Kafka transactions could not be committed safely.")]
+        if not_open:
+            parts.append(f"Not open any more: {more(not_open)}.")
+        if tight:
+            parts.append(f"Less than commit_margin_ms={self.commit_margin_ms} ({margin_s:.0f}s) of "
+                         f"their timeout left: {more([t for _, t in sorted(tight)])}.")
+        age_txt = f"its oldest transaction ({oldest_tid}) is {oldest_age:.0f}s old"
+        parts.append(
+            "The broker aborts a transaction transaction_timeout_ms="
+            f"{int(oldest_timeout_s * 1000)} ms ({oldest_timeout_s:.0f}s) after its first record; "
+            f"the batch's tasks have run for {duration:.0f}s so far and {age_txt}. Nothing of this "
+            "batch is visible; its transactions are aborted and its replay writes it again. The "
+            "timeout must cover the whole prepare phase (every wave of tasks) plus the commit "
+            "margin: raise transaction_timeout_ms (up to the brokers' "
+            "transaction.max.timeout.ms, default 900000; raise that on the brokers if needed), or "
+            "shorten the batch: fewer rows per batch (e.g. maxOffsetsPerTrigger) or fewer waves "
+            "of tasks (no more partitions than executor cores).")
+        raise TwoPhaseError(" ".join(parts))
+
+    @staticmethod
+    def _not_open_reason(tid: str, pid: int, epoch: int, st: Any, timeout_s: float) -> str:
+        where = f"{tid} (producer id {pid}, epoch {epoch})"
+        seen = f"{st.state} under producer id {st.producer_id} epoch {st.producer_epoch}"
+        aborted = st.state in ("PrepareAbort", "CompleteAbort", "PrepareEpochFence")
+        if st.producer_id == pid and (st.producer_epoch > epoch
+                                      or (aborted and st.producer_epoch == epoch)):
+            return (f"{where}: the broker already aborted it ({seen}): it outlived its "
+                    f"transaction timeout of {timeout_s:.0f}s, or something else initialised this "
+                    "transactional id")
+        return f"{where}: the broker reports {seen}, not this handle's open transaction"
+
     def commit(self, handle: dict) -> CommitResult:
         """EndTxn(commit) with the handle's producer id and epoch (driver; idempotent).
 
-        The broker answers success both for this commit and for a repeated one.
+        The broker answers success both for this commit and for a repeated one (so a
+        retry after a lost answer also reports COMMITTED); :meth:`recover_and_commit`
+        tells them apart.
         """
         from twophase.sinks import _kafka_protocol as kp
 
@@ -385,6 +542,41 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 f"{name}: the broker no longer knows transactional id {tid} with producer id {pid} "
                 f"({age_txt}): it expired (transactional.id.expiration.ms) or was taken over")
         return CommitResult.retry_later(f"{name} from the transaction coordinator of {tid}")
+
+    def recover_and_commit(self, handle: dict) -> CommitResult:
+        """Commit a handle found in the log after a restart; tell an earlier commit apart (driver).
+
+        EndTxn answers success for a first commit and for a repeated one alike, so the
+        broker's transaction state is asked first: ``CompleteCommit`` under the handle's
+        producer id and exact epoch means an earlier call committed it (each producer
+        runs one transaction under its epoch, and an abort by timeout or fencing bumps
+        the epoch) -> ALREADY_COMMITTED; ``PrepareCommit`` (an earlier commit whose markers
+        are being written) -> RETRY_LATER.  Otherwise EndTxn decides; a success after any
+        state but ``Ongoing`` (e.g. the state could not be read) is reported as COMMITTED
+        with the reason "committed (or already committed: the broker cannot tell)".
+        """
+        from twophase.sinks import _kafka_protocol as kp
+
+        tid = handle["transactional_id"]
+        pid, epoch = int(handle["producer_id"]), int(handle["producer_epoch"])
+        try:
+            st = self._txn_client().describe_transactions([tid]).get(tid)
+        except Exception as e:  # e.g. a broker without DescribeTransactions: EndTxn alone decides
+            log.debug("DescribeTransactions for %s failed: %s", tid, e)
+            st = None
+        ours = (st is not None and st.error_code == kp.NONE and st.producer_id == pid
+                and st.producer_epoch == epoch)
+        what = f"the transaction of {tid} (producer id {pid}, epoch {epoch})"
+        if ours and st.state == "CompleteCommit":
+            return CommitResult.already_committed(f"the broker reports {what} committed")
+        if ours and st.state == "PrepareCommit":
+            # An earlier EndTxn was accepted; the broker is writing its markers.
+            return CommitResult.retry_later(f"the broker is completing the commit of {what}")
+        res = self.commit(handle)
+        if res.outcome is CommitOutcome.COMMITTED and not (ours and st.state == "Ongoing"):
+            return CommitResult(CommitOutcome.COMMITTED,
+                                "committed (or already committed: the broker cannot tell)")
+        return res
 
     def recover_and_abort(self, handle: dict) -> None:
         """Abort a pre-committed transaction by EndTxn(abort) (driver; best effort)."""
@@ -446,6 +638,11 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         conf.setdefault("allow.auto.create.topics", self.auto_create_topics)
         conf.setdefault("linger.ms", 5)
         conf.setdefault("client.id", f"twophase-{tid}")
+        # A producer lives for one transaction.  With sparse connections (librdkafka's default)
+        # init_transactions found no broker connection up right after creation and waited for
+        # librdkafka's coordinator query timer: 50 ms typically, 500 ms for about one in ten.
+        # Connecting to the brokers at once makes it a few ms (benchmarks/kafka.py --txn-cost).
+        conf.setdefault("enable.sparse.connections", False)
 
         seen: set[tuple[str, int]] = set()
         txn_box.append(seen)
@@ -491,9 +688,6 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             raise TwoPhaseError(f"{ctx.label}: partition {ctx.partition_id} is outside the batch INTENT "
                                 f"({len(tids)} transactional ids); nothing was written")
         tid = tids[ctx.partition_id]
-        with _PRECOMMITTED_LOCK:
-            # The previous batch on this id is COMMITTED (the coordinator's ordering): drop, never close.
-            _PRECOMMITTED.pop(tid, None)
         handler = _LibrdkafkaLog(f"{ctx.label} ({tid})")
         rdk_logger = logging.Logger(f"twophase.rdkafka.{tid}")
         rdk_logger.setLevel(logging.DEBUG)
@@ -508,15 +702,24 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             producer.init_transactions(self.request_timeout_s * 2)
             producer.begin_transaction()
         except ck.KafkaException as e:
+            self._release(txn)
             raise TwoPhaseError(f"{ctx.label}: cannot start a Kafka transaction as {tid} on "
                                 f"{self.bootstrap_servers}: {e.args[0].str() if e.args else e}") from None
         txn.started_at = time.time()
         return txn
 
     def _check_topic(self, txn: KafkaTransaction, topic: str) -> None:
+        """Fail before producing to a topic that does not exist (unless auto_create_topics).
+
+        One metadata request per topic and Python worker every TOPIC_CHECK_TTL_S seconds,
+        not one per transaction.
+        """
         if topic in txn.checked_topics:
             return
-        if not self.auto_create_topics:
+        key = (self.bootstrap_servers, topic)
+        seen = _TOPICS_SEEN.get(key)
+        if not self.auto_create_topics and (seen is None
+                                            or time.monotonic() - seen > TOPIC_CHECK_TTL_S):
             md = txn.producer.list_topics(topic, timeout=self.request_timeout_s)
             t = md.topics.get(topic)
             if t is None or t.error is not None:
@@ -524,6 +727,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     f"{txn.ctx.label}: topic {topic!r} does not exist on {self.bootstrap_servers} "
                     "(KafkaSink(auto_create_topics=False)); create it and restart the query. Nothing of this "
                     "batch was committed.")
+            _TOPICS_SEEN[key] = time.monotonic()
         txn.checked_topics.add(topic)
 
     def write(self, txn: KafkaTransaction, batch: pa.RecordBatch) -> None:
@@ -606,10 +810,28 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 f"{'; '.join(txn.delivery_errors)}. Nothing of this batch was committed; fix the cause "
                 "and its replay writes it again.")
 
+    @staticmethod
+    def _release(txn: KafkaTransaction) -> None:
+        """Destroy the transaction's producer without ending its transaction (executor).
+
+        Dropping the last reference to a confluent-kafka ``Producer`` runs
+        ``rd_kafka_destroy``: its threads and sockets go, and an open transaction stays
+        open on the broker (checked against Kafka 4.1 with confluent-kafka 2.16.1,
+        tests/test_kafka_release.py), so the driver can still commit it with EndTxn.
+        ``Producer.close()`` is never used: it aborts the open transaction.  The
+        delivery and statistics callbacks hold the transaction object, which holds the
+        producer: clearing ``txn.producer`` breaks that cycle, so the producer goes now
+        rather than at some later garbage collection.
+        """
+        producer, txn.producer = txn.producer, None
+        del producer  # the last reference: rd_kafka_destroy runs here
+
     def pre_commit(self, txn: KafkaTransaction) -> dict:
         """Flush with zero delivery errors; return (id, producer id, epoch, partitions) (executor).
 
-        The producer stays open and is never closed: closing would abort the transaction.
+        Then the producer is released (:meth:`_release`): destroyed, never closed, so its
+        transaction stays open for the driver's commit and no threads, sockets or
+        statistics are left behind in the Python worker.
         """
         remaining = txn.producer.flush(self.flush_timeout_s)
         if remaining:
@@ -631,13 +853,13 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 raise TwoPhaseError(f"{txn.ctx.label}: could not read the producer id and epoch of "
                                     f"{txn.transactional_id} from librdkafka; nothing was committed")
         txn.done = True
-        with _PRECOMMITTED_LOCK:
-            _PRECOMMITTED[txn.transactional_id] = txn.producer
-        return {"transactional_id": txn.transactional_id, "producer_id": pid_epoch[0],
-                "producer_epoch": pid_epoch[1],
-                "partitions": sorted(f"{t}:{p}" for t, p in txn.partitions),
-                "rows": txn.rows, "started_at": round(txn.started_at, 3),
-                "timeout_ms": self.transaction_timeout_ms}
+        handle = {"transactional_id": txn.transactional_id, "producer_id": pid_epoch[0],
+                  "producer_epoch": pid_epoch[1],
+                  "partitions": sorted(f"{t}:{p}" for t, p in txn.partitions),
+                  "rows": txn.rows, "started_at": round(txn.started_at, 3),
+                  "timeout_ms": self.transaction_timeout_ms}
+        self._release(txn)
+        return handle
 
     def abort(self, txn: KafkaTransaction) -> None:
         """Abort the open transaction (executor; best effort).  Never called after pre_commit."""
@@ -648,3 +870,4 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             txn.producer.abort_transaction(self.request_timeout_s)
         except Exception as e:  # the next attempt's init_transactions fences it anyway
             log.debug("%s: abort_transaction failed: %s", txn.ctx.label, e)
+        self._release(txn)

@@ -360,7 +360,9 @@ def test_expired_transaction_is_data_loss_unless_ignored(kafka_service, spark, t
         from twophase.spark import local_session
         spark = local_session("local[1]", "expire")
         df = spark.createDataFrame([(f"e{{i}}",) for i in range(20)], "value string").coalesce(1)
-        Coordinator(KafkaSink({bs!r}, {topic!r}, {prefix!r}, transaction_timeout_ms=3000),
+        # No commit margin: the batch is decided with a transaction that then times out.
+        Coordinator(KafkaSink({bs!r}, {topic!r}, {prefix!r}, transaction_timeout_ms=5000,
+                              commit_margin_ms=0),
                     log_location={str(log_dir)!r}, name="expire").write(df, batch_id=0)
     """)
     env = dict(os.environ, TWOPHASE_CRASH_AT="after_prepared_logged")
@@ -375,7 +377,7 @@ def test_expired_transaction_is_data_loss_unless_ignored(kafka_service, spark, t
         time.sleep(0.5)
     client.close()
     df = spark.createDataFrame([("e0",)], "value string")
-    sink = KafkaSink(bs, topic, prefix, transaction_timeout_ms=3000)
+    sink = KafkaSink(bs, topic, prefix, transaction_timeout_ms=5000)
     with pytest.raises(DataLossError, match=rf"DATA LOSS: batch 0 .*{prefix}-0.*PRODUCER_FENCED"):
         Coordinator(sink, log_location=str(log_dir), name="expire", takeover=True).write(df, batch_id=0)
     with caplog.at_level("ERROR", logger="twophase.coordinator"):
