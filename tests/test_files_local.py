@@ -97,6 +97,29 @@ def test_abort_and_abort_lingering_remove_staging_except_kept(tmp_path):
     assert sink.abort_lingering("q", 3, intent, []) == 0  # idempotent
 
 
+def test_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(tmp_path):
+    """A writer that died mid-write can leave its staged file after its batch's cleanup (on HDFS
+    the DataNode closes the file of a broken upload asynchronously); the next batch's cleanup
+    removes the older batches' staging folders, never the current batch's kept files."""
+    sink = FileSink(str(tmp_path))
+    late = prepare(sink, 2, 0, [7], attempt=0)        # batch 2's cleanup already ran; this appeared later
+    assert sink.abort_lingering("q", 1, sink.plan_batch("q", 1, 1), []) == 0  # older batch: not touched
+    assert os.path.exists(late["staging"])
+    winner = prepare(sink, 3, 0, [1, 2])
+    intent = sink.plan_batch("q", 3, 1)
+    assert sink.commit(winner).done
+    assert sink.abort_lingering("q", 3, intent, [winner]) == 1
+    assert not os.path.exists(os.path.dirname(late["staging"]))
+    other = prepare(sink, 2, 0, [8], attempt=0)
+    other_query = FileSink(str(tmp_path))           # another query's batch 2 is not this query's
+    ctx = TransactionContext("q2", 2, 0, 0, {})
+    t2 = other_query.begin_transaction(ctx)
+    other_query.write(t2, batch([9]))
+    h2 = other_query.pre_commit(t2)
+    assert sink.abort_lingering("q", 4, sink.plan_batch("q", 4, 1), []) == 1
+    assert not os.path.exists(other["staging"]) and os.path.exists(h2["staging"])
+
+
 @pytest.mark.parametrize("fmt,reader", [
     ("jsonl", lambda p: [json.loads(x)["id"] for x in open(p) if x.strip()]),
     ("csv", lambda p: pacsv.read_csv(p).column("id").to_pylist()),

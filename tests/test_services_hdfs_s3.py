@@ -137,18 +137,18 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.s3
 def test_s3_is_a_real_endpoint(s3_service, s3):
-    import s3fs
-
-    from tests.services.s3 import storage_options
+    """Written through twophase's own S3 storage (botocore), read back with boto3."""
+    from twophase.storage.s3 import S3Storage
 
     assert s3_service["bucket"] in [b["Name"] for b in s3.list_buckets()["Buckets"]]
     key = f"smoke/{uuid.uuid4().hex}.txt"
-    fs = s3fs.S3FileSystem(**storage_options(s3_service))
-    fs.pipe(f"{s3_service['bucket']}/{key}", b"via s3fs")
-    assert s3.get_object(Bucket=s3_service["bucket"], Key=key)["Body"].read() == b"via s3fs"
+    store = S3Storage(f"s3://{s3_service['bucket']}", {"key": s3_service["key"], "secret": s3_service["secret"],
+                                                       "endpoint_url": s3_service["endpoint_url"],
+                                                       "region_name": s3_service["region"]})
+    store.put(key, b"via twophase.storage")
+    assert s3.get_object(Bucket=s3_service["bucket"], Key=key)["Body"].read() == b"via twophase.storage"
     s3.delete_object(Bucket=s3_service["bucket"], Key=key)
-    fs.invalidate_cache()
-    assert not fs.exists(f"{s3_service['bucket']}/{key}")
+    assert store.head(key) is None
 
 
 @pytest.mark.s3
