@@ -51,6 +51,37 @@ def s3_service(request) -> dict:
 
 
 @pytest.fixture(scope="session")
+def spark_cluster_service() -> dict:
+    """The Spark standalone cluster (tests/services/spark_cluster.py): master + two workers."""
+    return _service("spark_cluster")
+
+
+@pytest.fixture
+def cluster_driver(spark_cluster_service, tmp_path):
+    """Start driver subprocesses on the cluster: ``cluster_driver(module, *args, **kw)`` is
+    :func:`tests.cluster.start_driver` with logs in the test's tmp_path.  At teardown every driver
+    still running is killed and a worker a test killed is started again, so the next test finds
+    the whole cluster."""
+    from tests import cluster
+
+    drivers: list = []
+
+    def start(module: str, *args: str, **kw):
+        kw.setdefault("log_dir", tmp_path)
+        drv = cluster.start_driver(module, *args, **kw)
+        drivers.append(drv)
+        return drv
+
+    yield start
+    for drv in drivers:
+        drv.kill()
+    try:
+        services.get("spark_cluster").start()
+    except services.ServiceError as e:
+        pytest.fail(f"could not bring the Spark cluster back to two workers: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def spark():
     """One local[2] Spark session for the whole test session."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

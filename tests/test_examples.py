@@ -79,7 +79,7 @@ def _sql(pg: dict, q: str, params=()):
 
 
 def _no_prepared_left(pg: dict, name: str) -> None:
-    left = _sql(pg, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", (f"tp:{name}:%",))
+    left = _sql(pg, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", (f"tp:{name}%",))
     assert left == [], left
 
 

@@ -1,8 +1,9 @@
 """Real servers for tests, benchmarks and the demo, started on loopback by the project itself.
 
-Each backend is one module (``kafka``, ``postgres``, ``hdfs``, ``s3`` (moto), ``minio``) defining a
-:class:`Service` subclass.  ``python -m tests.services start|stop|status [NAME ...]``
-drives them by hand; pytest session fixtures call :func:`ensure`.
+Each backend is one module (``kafka``, ``postgres``, ``hdfs``, ``s3`` (moto), ``minio``,
+``spark_cluster`` (a Spark standalone master and two workers)) defining a :class:`Service`
+subclass.  ``python -m tests.services start|stop|status [NAME ...]`` drives them by hand; pytest
+session fixtures call :func:`ensure`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ STATE_DIR = Path(os.environ.get("TWOPHASE_SERVICES_DIR", Path.home() / ".cache" 
 #: Where downloaded jars are cached (outside the repository; never committed).
 JAR_CACHE = Path(os.environ.get("TWOPHASE_JAR_CACHE", Path.home() / ".cache" / "twophase" / "jars"))
 
-NAMES = ("kafka", "postgres", "hdfs", "s3", "minio")
+NAMES = ("kafka", "postgres", "hdfs", "s3", "minio", "spark_cluster")
 
 
 class ServiceError(RuntimeError):

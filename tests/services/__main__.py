@@ -1,4 +1,4 @@
-"""``python -m tests.services start|stop|status [kafka|postgres|hdfs|s3|minio|all ...]``."""
+"""``python -m tests.services start|stop|status [NAME ... | all]`` (NAME: any of ``NAMES``)."""
 
 from __future__ import annotations
 
