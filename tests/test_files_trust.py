@@ -20,15 +20,10 @@ import pytest
 from tests.test_files_remote import (
     _StripConditionsProxy,
     batch,
-    hdfs,
     hopts,
-    hroot,
     prepare,  # noqa: F401
     roundtrip,
-    s3,
-    s3env,
     sopen,
-    sroot,
     svisible,
 )
 from twophase import CommitOutcome, TransactionContext
@@ -420,8 +415,8 @@ def test_hdfs_unreachable_webhdfs_is_named_with_where_its_address_came_from(
     # The namenode's RPC address, as Spark users write it; WebHDFS is derived as port 9870, where
     # nothing listens here (the test NameNode serves HTTP on another port).
     rpc = hdfs_service["namenode"]
-    assert rpc.endswith(":38020")
-    want = r"WebHDFS at http://127\.0\.0\.1:9870 \(derived from .*38020.*webhdfs_url"
+    assert rpc.endswith(":18020")
+    want = r"WebHDFS at http://127\.0\.0\.1:9870 \(derived from .*18020.*webhdfs_url"
     with pytest.raises(LogError, match=want):
         TransactionLog(f"{rpc}/twophase-test/{uuid.uuid4().hex}/log")
     sink = FileSink(f"{rpc}/twophase-test/x")

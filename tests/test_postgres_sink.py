@@ -1,4 +1,4 @@
-"""PostgresSink against the real PostgreSQL server (tests/services/postgres.py, 127.0.0.1:35432).
+"""PostgresSink against the real PostgreSQL server (tests/services/postgres.py, 127.0.0.1:15432).
 
 Covers: COPY of every supported Arrow type, invisibility until COMMIT PREPARED, idempotent commit
 resolved by the marker row, commit from another process after the writer was SIGKILLed, lost
@@ -25,11 +25,11 @@ import uuid
 
 import pyarrow as pa
 import pytest
-from twophase.sinks.postgres import PostgresSink, PostgresWriteError
 
 from twophase import ConfigurationError, TransactionContext
 from twophase.config import sink_from_config
 from twophase.sink import CommitOutcome
+from twophase.sinks.postgres import PostgresSink, PostgresWriteError
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
 
@@ -607,7 +607,7 @@ def test_bad_input_fails_before_decision_naming_column_or_constraint(db, postgre
     # After fixing the data the same batch id goes through, exactly once.
     name = f"fixed-{_uid()}"
     coord = _coordinator(PostgresSink(dsn, table=t), tmp_path / "fixed", name)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - the case's own error is asserted above
         coord.write(cases[0][1], batch_id=0)
     coord.write(good, batch_id=0)
     coord.write(good, batch_id=0)

@@ -44,7 +44,7 @@ def test_hdfs_is_a_real_namenode(hdfs_service):
     import requests
 
     base = hdfs_service["webhdfs_url"]
-    assert hdfs_service["namenode"] == "hdfs://127.0.0.1:38020"
+    assert hdfs_service["namenode"] == "hdfs://127.0.0.1:18020"
     beans = requests.get(f"{base}/jmx", params={"qry": "Hadoop:service=NameNode,name=NameNodeInfo"},
                          timeout=10).json()["beans"]
     assert beans and beans[0]["Safemode"] == ""

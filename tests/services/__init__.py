@@ -63,7 +63,8 @@ def wait_until(pred, timeout: float, what: str, log: Path | None = None, interva
         time.sleep(interval)
     tail = ""
     if log is not None and log.exists():
-        tail = "\n--- last lines of %s ---\n%s" % (log, "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+        last = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        tail = f"\n--- last lines of {log} ---\n{last}"
     raise ServiceError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
 
 

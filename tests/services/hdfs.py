@@ -5,7 +5,7 @@ Jars: ``org.apache.hadoop:hadoop-minicluster`` and its runtime deps from Maven C
 ``MiniDFSCluster`` calls (``GenericTestUtils`` -> ``org.junit.Assert``).  Started as::
 
     java -Xmx1g -cp <jars> org.apache.hadoop.mapreduce.MiniHadoopClusterManager \\
-         -nomr -format -nnport 38020 -nnhttpport 39870 -D ...
+         -nomr -format -nnport 18020 -nnhttpport 19870 -D ...
 
 Every start formats a fresh namespace (the data lives under the service dir and is
 wiped first).  WebHDFS is on the NameNode http port; writes are redirected to the
@@ -21,15 +21,15 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from tests.services import ServiceError, Service, popen
+from tests.services import Service, ServiceError, popen
 
 HADOOP_VERSION = "3.4.3"
 COORDS = [
     f"org.apache.hadoop:hadoop-minicluster:{HADOOP_VERSION}",
     "junit:junit:4.13.2",
 ]
-NN_PORT = 38020
-NN_HTTP_PORT = 39870
+NN_PORT = 18020
+NN_HTTP_PORT = 19870
 USER = "root"
 #: Java 17: JAXB (WebHDFS JSON/exception responses) calls ClassLoader.defineClass
 #: reflectively; without java.lang opened every WebHDFS request that reaches it fails

@@ -23,8 +23,8 @@ from tests.services.maven import resolve
 KAFKA_VERSION = "4.1.2"
 SCALA = "2.13"
 LOG4J_VERSION = "2.25.3"  # the log4j-core version kafka 4.1.2 itself depends on
-PORT = 39092
-CONTROLLER_PORT = 39093
+PORT = 19092
+CONTROLLER_PORT = 19093
 BOOTSTRAP = f"127.0.0.1:{PORT}"
 NODE_ID = 1
 

@@ -1,4 +1,4 @@
-"""S3: a MinIO server on 127.0.0.1:35100, built from source with ``go install``.
+"""S3: a MinIO server on 127.0.0.1:15100, built from source with ``go install``.
 
 moto (``tests/services/s3.py``) is a Python mock: its CompleteMultipartUpload copies
 and re-hashes every byte of the object (measured: 0.4-0.5 s of server CPU per 100 MB,
@@ -26,8 +26,8 @@ from typing import Any
 from tests.services import JAR_CACHE, Service, ServiceError, popen
 
 HOST = "127.0.0.1"
-PORT = 35100
-CONSOLE_PORT = 35101
+PORT = 15100
+CONSOLE_PORT = 15101
 ENDPOINT = f"http://{HOST}:{PORT}"
 BUCKET = "twophase-test"
 KEY = "twophase"

@@ -1,4 +1,4 @@
-"""PostgreSQL from Debian's ``postgresql`` package: a private cluster on 127.0.0.1:35432.
+"""PostgreSQL from Debian's ``postgresql`` package: a private cluster on 127.0.0.1:15432.
 
 ``initdb`` creates ``<service dir>/pgdata``; the postmaster runs in the foreground
 (its pid is the recorded one) with its unix socket in ``<service dir>/run``.
@@ -22,7 +22,7 @@ from typing import Any
 
 from tests.services import Service, ServiceError, pid_alive, port_open, wait_until
 
-PORT = 35432
+PORT = 15432
 HOST = "127.0.0.1"
 DBNAME = USER = PASSWORD = "twophase"
 DSN = f"host={HOST} port={PORT} dbname={DBNAME} user={USER} password={PASSWORD}"

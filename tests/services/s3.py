@@ -1,4 +1,4 @@
-"""S3: moto's standalone server (``moto[server]``, Flask/werkzeug) on 127.0.0.1:35000.
+"""S3: moto's standalone server (``moto[server]``, Flask/werkzeug) on 127.0.0.1:15000.
 
 State is in memory: a restart starts with an empty store (``after_ready`` recreates
 the test bucket).  Credentials are moto's usual dummies.
@@ -17,7 +17,7 @@ from typing import Any
 from tests.services import Service, ServiceError, popen
 
 HOST = "127.0.0.1"
-PORT = 35000
+PORT = 15000
 ENDPOINT = f"http://{HOST}:{PORT}"
 BUCKET = "twophase-test"
 KEY = "testing"
