@@ -12,8 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.common import (Params, Variant, data_bytes, goal, interleave, percentile, progress, ratio,
-                               summarize, tmpdir, uid)
+from benchmarks.common import (
+    Params,
+    Variant,
+    data_bytes,
+    goal,
+    interleave,
+    percentile,
+    progress,
+    ratio,
+    summarize,
+    tmpdir,
+    uid,
+)
 
 
 def _create_topic(bootstrap: str, topic: str, partitions: int) -> None:
@@ -165,7 +176,7 @@ def txn_cost(bootstrap: str, transactions: int = 50, handles: int = 200, threads
 
     parts: dict[str, list[float]] = {"create": [], "init_transactions": [], "list_topics": [],
                                      "destroy": []}
-    for i in range(min(transactions, 30)):
+    for _ in range(min(transactions, 30)):
         conf = sink._producer_config(f"{prefix}-bare", [None])
         for k in ("debug", "logger", "stats_cb", "statistics.interval.ms"):
             conf.pop(k, None)

@@ -5,6 +5,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 source scripts/setup.sh test,bench
+echo "[test] ruff check" >&2
+ruff check .   # lint first: seconds, and a failure here needs no servers
 python -m tests.services stop >/dev/null 2>&1 || true
 trap 'python -m tests.services stop || true' EXIT
 t0=$(date +%s)

@@ -33,8 +33,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from twophase.errors import (ConfigurationError, CorruptLogError, LogError, LogOwnershipError, PrunedBatchError,
-                             QueryMismatchError)
+from twophase.errors import (
+    ConfigurationError,
+    CorruptLogError,
+    LogError,
+    LogOwnershipError,
+    PrunedBatchError,
+    QueryMismatchError,
+)
+
 # The stores live in twophase.storage (one module per backend, picked by URL scheme in its
 # registry); these names stay importable from here.
 from twophase.storage import LogStore, open_store, register_store  # noqa: F401
