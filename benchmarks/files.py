@@ -16,8 +16,19 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from benchmarks.common import (Params, Variant, data_bytes, goal, interleave, percentile, progress, ratio,
-                               summarize, tmpdir, uid)
+from benchmarks.common import (
+    Params,
+    Variant,
+    data_bytes,
+    goal,
+    interleave,
+    percentile,
+    progress,
+    ratio,
+    summarize,
+    tmpdir,
+    uid,
+)
 
 
 def _sink_variant(name: str, sink, label: str, rows: int, df, commit_ms: list[float]) -> Variant:

@@ -14,8 +14,19 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from benchmarks.common import (Params, Variant, data_bytes, goal, interleave, percentile, progress, ratio,
-                               summarize, tmpdir, uid)
+from benchmarks.common import (
+    Params,
+    Variant,
+    data_bytes,
+    goal,
+    interleave,
+    percentile,
+    progress,
+    ratio,
+    summarize,
+    tmpdir,
+    uid,
+)
 
 
 def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:

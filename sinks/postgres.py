@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-from twophase.sinks import _postgres_dsn as _dsn
 
 from twophase._deps import require
 from twophase.config import is_secret_ref, resolve_secret
 from twophase.context import TransactionContext
 from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
 from twophase.sink import CommitResult, TwoPhaseCommitSink
+from twophase.sinks import _postgres_dsn as _dsn
 
 log = logging.getLogger("twophase.sinks.postgres")
 

@@ -22,11 +22,22 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import Phase, settings
 
+from examples.sqlite_sink import (
+    COMMITS,
+    SQLiteSink,
+    _closing,
+    quote,
+    read_table,
+    staged_transactions,
+)
 from twophase.sink import CommitResult
 from twophase.sinks.files import STAGING_DIR, FileSink
-from twophase.testing import ConformanceError, SinkConformanceTests, default_settings, run_sink_conformance
-
-from examples.sqlite_sink import COMMITS, SQLiteSink, _closing, quote, read_table, staged_transactions
+from twophase.testing import (
+    ConformanceError,
+    SinkConformanceTests,
+    default_settings,
+    run_sink_conformance,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -347,8 +358,8 @@ def test_harness_catches_what_spark_and_the_coordinator_do(fast_path, gap):
     for run in range(20):
         db = str(fast_path / f"db{run}")
         try:
-            run_sink_conformance(lambda: sink_cls(db), lambda: read(db),
-                                 pending=(lambda: staged_transactions(db)) if with_pending else None,
+            run_sink_conformance(lambda db=db: sink_cls(db), lambda db=db: read(db),
+                                 pending=(lambda db=db: staged_transactions(db)) if with_pending else None,
                                  settings=NO_SHRINK)
         except ConformanceError as e:
             caught += 1

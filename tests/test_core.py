@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from twophase import crash, handles
+from twophase._deps import require
 from twophase.config import resolve_secret, sink_from_config
 from twophase.errors import ConfigurationError, HandleError, MissingDependencyError
-from twophase._deps import require
 from twophase.sinks.files import FileSink
 
 

@@ -9,7 +9,12 @@ import sys
 
 import pytest
 
-from twophase.errors import ConfigurationError, CorruptLogError, LogOwnershipError, QueryMismatchError
+from twophase.errors import (
+    ConfigurationError,
+    CorruptLogError,
+    LogOwnershipError,
+    QueryMismatchError,
+)
 from twophase.log import COMMITTED, INTENT, PREPARED, LocalStore, TransactionLog, encode_record
 
 

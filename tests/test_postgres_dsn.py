@@ -16,12 +16,12 @@ from urllib.parse import quote, quote_plus
 
 import psycopg2
 import pytest
-from twophase.sinks.postgres import PostgresSink
 
 from tests.test_postgres_sink import _uid, ids_batch, prepare, prepared_gids, q, table
 from twophase import ConfigurationError, TransactionContext, TwoPhaseError
 from twophase.config import sink_from_config
 from twophase.sink import CommitOutcome
+from twophase.sinks.postgres import PostgresSink
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
 

@@ -17,11 +17,11 @@ import uuid
 import psycopg2
 import pyarrow as pa
 import pytest
-from twophase.sinks.postgres import MAX_GID_BYTES, PostgresSink
 
 from tests.test_postgres_sink import _uid, ids_batch, prepared_gids, q, table
 from twophase import ConfigurationError, TransactionContext, TwoPhaseError
 from twophase.sink import CommitOutcome
+from twophase.sinks.postgres import MAX_GID_BYTES, PostgresSink
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
 
