@@ -17,10 +17,11 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from twophase import crash
@@ -35,6 +36,11 @@ class Run:
     exit_code: int | None
     seconds: float
     completed: bool
+    #: "completed", "crash point fired", "killed", "finished before the fault" or "failed": a
+    #: crash point counts as fired only if the process that reached it wrote the crash log,
+    #: so an exit 137 from anything else (the OOM killer, a stray kill) is a failure.
+    outcome: str = ""
+    fired: list[str] = field(default_factory=list)  # "<point> <batch> <pid>" lines of the crash log
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,20 +89,34 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_once(cmd: Sequence[str], *, env: dict[str, str] | None = None, crash_at: str | None = None,
-             kill_after: float | None = None, timeout: float = 600.0, log_file=None) -> tuple[int | None, float]:
+             kill_after: float | None = None, timeout: float = 600.0, log_file=None,
+             crash_log: str | None = None,
+             progress_probe: Callable[[], int] | None = None) -> tuple[int | None, float]:
     """Start the driver once; arm ``crash_at`` or SIGKILL its process group after ``kill_after`` s.
+
+    With ``progress_probe`` (a counter of work done, e.g. records in the transaction log)
+    the ``kill_after`` clock starts only once the counter moves: the kill lands while
+    batches flow, not while the JVM starts.  ``crash_log``: the file crash points append
+    to (``TWOPHASE_CRASH_LOG``), in the driver and its executors.
 
     Returns (exit code, seconds).  The process group is always killed at the end,
     so no JVM or worker of a dead driver outlives it.
     """
     full_env = dict(os.environ, **(env or {}))
     full_env.pop(crash.ENV, None)
+    full_env.pop(crash.LOG_ENV, None)
     if crash_at:
         full_env[crash.ENV] = crash_at
+    if crash_log:
+        full_env[crash.LOG_ENV] = crash_log
     t0 = time.monotonic()
     proc = subprocess.Popen(list(cmd), env=full_env, start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
+        if kill_after is not None and progress_probe is not None:
+            base = progress_probe()
+            while proc.poll() is None and progress_probe() <= base and time.monotonic() - t0 < timeout:
+                time.sleep(0.1)
         code = proc.wait(timeout=kill_after if kill_after is not None else timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
@@ -108,13 +128,32 @@ def run_once(cmd: Sequence[str], *, env: dict[str, str] | None = None, crash_at:
     return code, time.monotonic() - t0
 
 
+def _outcome(label: str, code: int | None, fired: list[str]) -> str:
+    if label.startswith("crash:"):
+        point = label.split(":", 2)[1]
+        if any(line.split(" ", 1)[0] == point for line in fired):
+            return "crash point fired"
+        return "finished before the fault" if code == 0 else "failed"
+    if label.startswith("sigkill"):
+        if code == -signal.SIGKILL:
+            return "killed"
+        return "finished before the fault" if code == 0 else "failed"
+    return "completed" if code == 0 else "failed"
+
+
 def run_with_faults(cmd: Sequence[str], *, crash_points: Sequence[str] = (), random_kills: int = 0,
                     kill_window: tuple[float, float] = (5.0, 30.0), seed: int | None = None,
                     env: dict[str, str] | None = None, max_final_runs: int = 5, timeout: float = 600.0,
                     log_path: str | None = None,
-                    progress: Callable[[str], None] | None = None) -> list[Run]:
+                    progress: Callable[[str], None] | None = None,
+                    progress_probe: Callable[[], int] | None = None) -> list[Run]:
     """Run the driver once per crash point, then ``random_kills`` times with a random SIGKILL,
-    then without faults until it exits 0.  Returns every run; raises if it never completes."""
+    then without faults until it exits 0.  Returns every run; raises if it never completes.
+
+    Each run's :attr:`Run.outcome` says what happened: a crash point counts as fired only
+    if the crash log shows it (so an exit 137 from elsewhere is a ``failed`` run), a SIGKILL
+    only if it ended the run.  ``progress_probe``: see :func:`run_once`.
+    """
     rng = random.Random(seed)
     say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
     plan: list[tuple[str, str | None, float | None]] = [(f"crash:{p}", p, None) for p in crash_points]
@@ -127,17 +166,25 @@ def run_with_faults(cmd: Sequence[str], *, crash_points: Sequence[str] = (), ran
     try:
         for i, (label, point, delay) in enumerate(plan, 1):
             say(f"[run {i}/{total}+] {label} ...")
-            code, secs = run_once(cmd, env=env, crash_at=point, kill_after=delay, timeout=timeout,
-                                  log_file=log_file)
-            completed = code == 0
-            runs.append(Run(i, label, code, round(secs, 1), completed))
-            say(f"[run {i}/{total}+] {label}: exit {code} after {secs:.1f}s"
-                + (" (finished before the fault)" if completed else ""))
-        for j in range(max_final_runs):
+            with tempfile.NamedTemporaryFile(prefix="twophase-crash-", suffix=".log", delete=False) as t:
+                crash_log = t.name
+            try:
+                code, secs = run_once(cmd, env=env, crash_at=point, kill_after=delay, timeout=timeout,
+                                      log_file=log_file, crash_log=crash_log,
+                                      progress_probe=progress_probe if delay is not None else None)
+                with open(crash_log) as f:
+                    fired = [line.strip() for line in f if line.strip()]
+            finally:
+                os.unlink(crash_log)
+            outcome = _outcome(label, code, fired)
+            runs.append(Run(i, label, code, round(secs, 1), code == 0, outcome, fired))
+            say(f"[run {i}/{total}+] {label}: exit {code} after {secs:.1f}s: {outcome}"
+                + (f" ({'; '.join(fired)})" if fired else ""))
+        for _ in range(max_final_runs):
             n = len(runs) + 1
             say(f"[run {n}] no fault, until done ...")
             code, secs = run_once(cmd, env=env, timeout=timeout, log_file=log_file)
-            runs.append(Run(n, "none", code, round(secs, 1), code == 0))
+            runs.append(Run(n, "none", code, round(secs, 1), code == 0, _outcome("none", code, [])))
             say(f"[run {n}] no fault: exit {code} after {secs:.1f}s")
             if code == 0:
                 return runs
