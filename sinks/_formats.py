@@ -7,8 +7,12 @@ or commit.  Runs on executors.
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
 import io
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -94,8 +98,7 @@ class FormatWriter:
                 self._writer = pacsv.CSVWriter(self.f, batch.schema)
             self._writer.write_batch(batch)
         else:
-            lines = [json.dumps(row, default=str, ensure_ascii=False) for row in batch.to_pylist()]
-            self.f.write(("\n".join(lines) + "\n").encode())
+            self.f.write(json_lines(batch).encode())
 
     @property
     def pending_bytes(self) -> int:
@@ -123,3 +126,112 @@ class FormatWriter:
         if self._compressed is not None:
             self._compressed.close()
             self._compressed = None
+
+
+# ---------------------------------------------------------------- JSON lines, as Spark writes them
+# Spark's JSON writer (Jackson, default options): null fields left out, NaN and infinities as
+# the strings "NaN" / "Infinity" / "-Infinity", binary as base64, dates yyyy-MM-dd, timestamps
+# yyyy-MM-dd'T'HH:mm:ss.SSSXXX in the session time zone (the zone of Spark's Arrow batches),
+# timestamps without zone yyyy-MM-dd'T'HH:mm:ss.SSS, decimals as plain numbers, floats by their
+# shortest decimal form, maps as objects. tests/test_files_local.py compares with Spark's output.
+Encoder = Callable[[Any], str]
+
+
+def _float(v: float) -> str:
+    if math.isnan(v):
+        return '"NaN"'
+    if math.isinf(v):
+        return '"Infinity"' if v > 0 else '"-Infinity"'
+    return repr(v)
+
+
+def _float32(v: float) -> str:
+    import numpy as np
+
+    if math.isnan(v) or math.isinf(v):
+        return _float(v)
+    return str(np.float32(v))  # the shortest form that round-trips a 32-bit float, like Java's
+
+
+def _millis(t: dt.datetime | dt.time) -> str:
+    return f"{t.microsecond // 1000:03d}"
+
+
+def _timestamp(tz: str | None) -> Encoder:
+    if tz is None:
+        return lambda v: f'"{v.strftime("%Y-%m-%dT%H:%M:%S")}.{_millis(v)}"'
+
+    def enc(v: dt.datetime) -> str:
+        off = v.utcoffset() or dt.timedelta(0)
+        if off == dt.timedelta(0):
+            zone = "Z"
+        else:
+            sign = "-" if off < dt.timedelta(0) else "+"
+            mins = abs(int(off.total_seconds())) // 60
+            zone = f"{sign}{mins // 60:02d}:{mins % 60:02d}"
+        return f'"{v.strftime("%Y-%m-%dT%H:%M:%S")}.{_millis(v)}{zone}"'
+
+    return enc
+
+
+def _string(v: str) -> str:
+    return json.dumps(v, ensure_ascii=False)
+
+
+def json_encoder(t: pa.DataType) -> Encoder:
+    """The JSON text of one non-null value of Arrow type ``t`` (from ``to_pylist``), as Spark writes it."""
+    if pa.types.is_null(t):
+        return lambda v: "null"  # never called: null fields are left out
+    if pa.types.is_boolean(t):
+        return lambda v: "true" if v else "false"
+    if pa.types.is_integer(t):
+        return str
+    if pa.types.is_float32(t) or pa.types.is_float16(t):
+        return _float32
+    if pa.types.is_floating(t):
+        return _float
+    if pa.types.is_decimal(t):
+        return str
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return _string
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return lambda v: '"' + base64.b64encode(v).decode("ascii") + '"'
+    if pa.types.is_date(t):
+        return lambda v: f'"{v.isoformat()}"'
+    if pa.types.is_timestamp(t):
+        return _timestamp(t.tz)
+    if pa.types.is_struct(t):
+        fields = [(f.name, _string(f.name), json_encoder(f.type)) for f in t]
+        return lambda v: _object((k, enc, v[name]) for name, k, enc in fields)
+    if pa.types.is_map(t):
+        kenc, venc = json_encoder(t.key_type), json_encoder(t.item_type)
+        as_key = (lambda k: _string(k)) if pa.types.is_string(t.key_type) else (lambda k: _string(kenc(k)))
+        return lambda v: "{" + ",".join(f"{as_key(k)}:{'null' if x is None else venc(x)}" for k, x in v) + "}"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        enc = json_encoder(t.value_type)
+        return lambda v: "[" + ",".join("null" if x is None else enc(x) for x in v) + "]"
+    raise TypeError(f"cannot write Arrow type {t} as JSON")
+
+
+def _object(items) -> str:
+    return "{" + ",".join(f"{k}:{enc(v)}" for k, enc, v in items if v is not None) + "}"
+
+
+def _json_fields(schema: pa.Schema) -> list[tuple[str, Encoder]]:
+    fields = []
+    for f in schema:
+        try:
+            fields.append((_string(f.name), json_encoder(f.type)))
+        except TypeError as e:
+            raise TypeError(f"column {f.name!r}: {e}; cast it (e.g. to string) before writing jsonl") from None
+    return fields
+
+
+def json_lines(batch: pa.RecordBatch) -> str:
+    """The rows of ``batch`` as JSON lines (each ending in a newline), as Spark's JSON writer writes them."""
+    fields = _json_fields(batch.schema)
+    cols = [c.to_pylist() for c in batch.columns]
+    out = []
+    for i in range(batch.num_rows):
+        out.append(_object((k, enc, col[i]) for (k, enc), col in zip(fields, cols)))
+    return "\n".join(out) + "\n" if out else ""

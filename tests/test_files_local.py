@@ -192,3 +192,80 @@ def test_abort_drops_rows_not_yet_encoded(tmp_path):
     sink.abort(txn)
     assert visible(tmp_path) == []
     assert sink.abort_lingering("q", 0, {}, []) == 0
+
+
+# ---------------------------------------------------------------- JSON lines as Spark writes them
+_EVERY_TYPE_SQL = """
+SELECT id,
+       CAST(id % 2 = 0 AS BOOLEAN) AS flag, CAST(id AS TINYINT) AS b, CAST(id AS SMALLINT) AS s,
+       CAST(id AS INT) AS i, id * 10000000000 AS l,
+       CAST(id / 10 AS FLOAT) AS f,
+       CASE id WHEN 1 THEN double('NaN') WHEN 2 THEN double('Infinity') WHEN 3 THEN double('-Infinity')
+               ELSE id * 1e20 END AS d,
+       CAST(id / 3 AS DECIMAL(12, 4)) AS dec,
+       CASE WHEN id = 4 THEN NULL ELSE concat('é"\\\\', CAST(id AS STRING), char(10)) END AS str,
+       CAST(concat('x', CAST(id AS STRING)) AS BINARY) AS bin,
+       date_add(DATE'2024-02-28', CAST(id AS INT)) AS day,
+       timestamp_micros(1700000000123456 + id * 86400000000) AS ts,
+       CAST(timestamp_micros(1700000000123456 + id) AS TIMESTAMP_NTZ) AS ts_ntz,
+       array(id, NULL, id + 1) AS arr,
+       named_struct('a', id, 'b', CASE WHEN id = 2 THEN NULL ELSE 'x' END) AS st,
+       map('k', id, 'n', NULL) AS m
+FROM range(0, 6)
+"""
+
+
+@pytest.mark.spark
+def test_jsonl_matches_what_sparks_json_writer_writes_for_every_type(spark, tmp_path):
+    """Issue 19: bytes as base64 (not Python repr), NaN/Infinity as Spark writes them, ISO
+    timestamps in the session zone with 'T', nulls left out, decimals as numbers."""
+    from twophase.coordinator import Coordinator
+
+    old_tz = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        df = spark.sql(_EVERY_TYPE_SQL).coalesce(1)
+        df.write.json(str(tmp_path / "spark"))
+        Coordinator(FileSink(str(tmp_path / "ours"), format="jsonl"), log_location=str(tmp_path / "log"),
+                    name="types").write(df, batch_id=0)
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", old_tz)
+
+    def rows(folder, suffix):
+        out = []
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(suffix) and not name.startswith(("_", ".")):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    out += [json.loads(line) for line in f if line.strip()]
+        return sorted(out, key=lambda r: r["id"])
+
+    theirs, ours = rows(tmp_path / "spark", ".json"), rows(tmp_path / "ours", ".jsonl")
+    assert len(theirs) == 6
+    for t, o in zip(theirs, ours, strict=True):
+        assert o == t, (o, t)
+    assert ours[1]["d"] == "NaN" and ours[2]["d"] == "Infinity" and "str" not in ours[4]
+    assert ours[1]["ts"].endswith("-05:00") and "T" in ours[1]["ts"]
+
+
+def test_jsonl_refuses_a_type_it_cannot_write_naming_the_column(tmp_path):
+    sink = FileSink(str(tmp_path), format="jsonl")
+    txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, {}))
+    bad = pa.RecordBatch.from_pydict({"id": [1], "wait": pa.array([5], pa.duration("s"))})
+    with pytest.raises(TypeError, match=r"column 'wait': cannot write Arrow type duration\[s\] as JSON"):
+        sink.write(txn, bad)
+    sink.abort(txn)
+    assert visible(tmp_path) == []
+
+
+def test_jsonl_of_bytes_nan_and_timestamps_is_valid_json(tmp_path):
+    import datetime as dt
+
+    sink = FileSink(str(tmp_path), format="jsonl")
+    txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, {}))
+    sink.write(txn, pa.RecordBatch.from_pydict({
+        "id": [1], "raw": [b"\x00ab"], "x": [float("nan")],
+        "at": pa.array([dt.datetime(2024, 1, 2, 3, 4, 5, 600000)], pa.timestamp("us", tz="UTC"))}))
+    assert sink.commit(sink.pre_commit(txn)).done
+    (name,) = visible(tmp_path)
+    text = (tmp_path / name).read_text()
+    assert json.loads(text) == {"id": 1, "raw": "AGFi", "x": "NaN", "at": "2024-01-02T03:04:05.600Z"}, text
