@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from twophase import crash
 from twophase.errors import CommitError, ConfigurationError, LogOwnershipError, TwoPhaseError
@@ -55,6 +57,24 @@ class BatchProgress:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _local_or_url(location: str) -> str:
+    """Hadoop's qualified ``file:/x`` as a plain local path; other URLs unchanged."""
+    if location.startswith("file:"):
+        path = location[len("file:"):]
+        return "/" + path.lstrip("/") if path.startswith("/") else path
+    return location
+
+
+def _location_key(location: str) -> tuple[str, str, str]:
+    """(scheme, authority, path) to compare two spellings of one checkpoint location."""
+    loc = _local_or_url(location)
+    if "://" not in loc:
+        return ("file", "", os.path.realpath(os.path.abspath(loc)))
+    u = urlsplit(loc)
+    scheme = "s3" if u.scheme in ("s3", "s3a", "s3n") else u.scheme
+    return (scheme, u.netloc, u.path.rstrip("/") or "/")
 
 
 def _ms(t0: float) -> float:
@@ -289,6 +309,7 @@ class Coordinator:
         except Exception:  # pragma: no cover - Spark Connect or internals changed
             log.debug("could not inspect the streaming query %s", query_id, exc_info=True)
         if jq is not None:
+            self._check_checkpoint(jq)
             cls = jq.getClass().getSimpleName()
             if "AsyncProgress" in cls:
                 raise ConfigurationError(
@@ -297,6 +318,25 @@ class Coordinator:
             if "RealTime" in cls or "Continuous" in cls:
                 raise ConfigurationError(f"{cls} does not run foreachBatch micro-batches; use a "
                                          "micro-batch trigger")
+
+    def _check_checkpoint(self, jq) -> None:
+        """The query's own checkpoint: adopt it when none was given (so offsets are recorded),
+        refuse a ``checkpoint_location`` that names another one (offsets would silently be missing)."""
+        try:
+            root = str(jq.resolvedCheckpointRoot())
+        except Exception:  # noqa: BLE001 - internals changed: keep what the user gave
+            log.debug("could not read the query's checkpoint location", exc_info=True)
+            return
+        if self.checkpoint_location is None:
+            self.checkpoint_location = _local_or_url(root)
+            log.info("%s: the query's checkpoint is %s: source offsets are recorded from there",
+                     self.name, self.checkpoint_location)
+        elif _location_key(self.checkpoint_location) != _location_key(root):
+            raise ConfigurationError(
+                f"Coordinator(checkpoint_location={self.checkpoint_location!r}) is not the query's checkpoint "
+                f"({root}): the source offsets of each batch would not be recorded. Give the coordinator the "
+                "same location as .option('checkpointLocation', ...), or give it only log_location=... (it "
+                "then finds the query's checkpoint itself).")
 
     def _probe_executors(self, spark) -> None:
         """Before the first batch on a cluster: can the executors import what the sink needs?

@@ -64,6 +64,30 @@ def test_streaming_foreach_batch(spark, tmp_path):
     assert last.body["source"]["sources"] == [{"logOffset": 2}]  # Spark's offsets/2 for the file source
 
 
+def test_checkpoint_given_only_to_the_query_is_found_and_offsets_recorded(spark, tmp_path):
+    """Issue 19: the coordinator reads the running query's checkpoint; a different one is refused."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text("".join(json.dumps({"id": i}) + "\n" for i in range(5)))
+    out, cp, log = tmp_path / "out", str(tmp_path / "cp"), str(tmp_path / "log")
+    c = Coordinator(FileSink(str(out)), log_location=log, name="found")
+    q = (spark.readStream.schema("id LONG").json(str(src)).writeStream.foreachBatch(c)
+         .option("checkpointLocation", cp).trigger(availableNow=True).start())
+    q.awaitTermination()
+    assert sorted(output_ids(out)) == list(range(5))
+    assert c.checkpoint_location == os.path.realpath(cp) or c.checkpoint_location == cp
+    assert TransactionLog(log).last_committed().body["source"]["sources"] == [{"logOffset": 0}]
+
+    other = tmp_path / "other"
+    c2 = Coordinator(FileSink(str(tmp_path / "out2")), log_location=str(tmp_path / "log2"),
+                     checkpoint_location=str(other), name="wrong")
+    q = (spark.readStream.schema("id LONG").json(str(src)).writeStream.foreachBatch(c2)
+         .option("checkpointLocation", str(tmp_path / "cp2")).trigger(availableNow=True).start())
+    with pytest.raises(Exception, match="is not the query's checkpoint"):
+        q.awaitTermination()
+    assert not (tmp_path / "out2").exists() or output_ids(tmp_path / "out2") == []
+
+
 class FlakyCommit(FileSink):
     """Commit fails ``failures`` times (a transient outage after the decision was logged)."""
 
