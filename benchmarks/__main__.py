@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks.common import SECTIONS, Params, make_data, progress, session
 
 NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3", "minio"), "recovery": ("postgres",),
-         "coordinator": (), "scaling": ()}
+         "coordinator": (), "partitions": ("kafka", "postgres")}
 
 
 def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
@@ -40,7 +40,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     if a.quick:
         p = Params(rows=4000, row_size=100, partitions=2, trigger_interval=1.0, reps=1, warmup=0,
                    stream_batches=3, recovery_handles=(10, 100), pg_recovery_handles=(10,),
-                   scaling_partitions=(1, 2), quick=True)
+                   partition_counts=(50,), quick=True)
     for k in ("rows", "row_size", "partitions", "trigger_interval", "reps", "warmup", "out"):
         v = getattr(a, k)
         if v is not None:

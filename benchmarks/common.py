@@ -12,13 +12,14 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-SECTIONS = ("kafka", "postgres", "files", "coordinator", "recovery", "scaling")
+SECTIONS = ("kafka", "postgres", "files", "coordinator", "recovery", "partitions")
 
 
 @dataclass
@@ -34,7 +35,9 @@ class Params:
     stream_batches: int = 10
     recovery_handles: tuple[int, ...] = (10, 100, 1000)
     pg_recovery_handles: tuple[int, ...] = (10, 50)
-    scaling_partitions: tuple[int, ...] = (1, 2, 4, 8)
+    partition_counts: tuple[int, ...] = (2, 50, 200)
+    partition_targets: tuple[str, ...] = ("files", "kafka", "postgres")
+    kafka_topic_partitions: int = 4
     quick: bool = False
     out: Path = RESULTS
     profile: bool = False
@@ -158,12 +161,12 @@ def session(sections: list[str]):
     if str(REPO) not in pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), pp) if p)
     jars: list[str] = []
-    if "kafka" in sections:
+    if "kafka" in sections or "partitions" in sections:
         from tests.services.kafka import spark_kafka_jars
 
         progress("resolving Spark's Kafka writer jars")
         jars += [str(j) for j in spark_kafka_jars()]
-    if "postgres" in sections:
+    if "postgres" in sections or "partitions" in sections:
         from tests.services.maven import resolve
 
         progress("resolving the PostgreSQL JDBC driver")

@@ -75,14 +75,16 @@ def markdown(res: dict[str, Any]) -> str:
         if s.get("postgres_note"):
             lines += ["", s["postgres_note"]]
         lines.append("")
-    if "scaling" in sec:
-        s = sec["scaling"]
-        lines += ["## Scaling with partitions (local Parquet)", "",
-                  "| partitions | FileSink rows/s | Spark rows/s | ratio | commit p50 ms |", "|---:|---:|---:|---:|---:|"]
+    if "partitions" in sec:
+        s = sec["partitions"]
+        lines += ["## By input partitions", "",
+                  "| target | input partitions | exactly-once rows/s | Spark rows/s | ratio | transactions per batch |",
+                  "|---|---:|---:|---:|---:|---|"]
         for pt in s["points"]:
             v = list(pt["variants"].values())
-            lines.append(f"| {pt['partitions']} | {_fmt(v[0]['rows_per_s'])} | {_fmt(v[1]['rows_per_s'])} | "
-                         f"{pt['ratio']:.2f} | {pt['commit_ms_p50']:.1f} |")
+            lines.append(f"| {pt['target']} | {pt['partitions']} | {_fmt(v[0]['rows_per_s'])} | "
+                         f"{_fmt(v[1]['rows_per_s'])} | {pt['ratio']:.2f} | "
+                         f"{', '.join(str(h) for h in pt['transactions_per_batch'])} |")
         lines += ["", s["note"], ""]
     lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for g in res["goals"]:
@@ -103,7 +105,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     for key in ("kafka", "postgres", "files"):
         if key in sec:
             ratios += list(sec[key]["ratios"].items())
-    ncols = 1 + ("scaling" in sec) + ("recovery" in sec)
+    ncols = 1 + ("partitions" in sec) + ("recovery" in sec)
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 5), squeeze=False)
     ax = axes[0][0]
     if ratios:
@@ -115,17 +117,18 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("throughput ratio (exactly-once / baseline)")
     ax.set_title("Same data, same run")
     i = 1
-    if "scaling" in sec:
+    if "partitions" in sec:
         ax = axes[0][i]
         i += 1
-        pts = sec["scaling"]["points"]
-        xs = [p["partitions"] for p in pts]
-        for j, label in enumerate(("FileSink local", "Spark parquet local")):
-            ax.plot(xs, [list(p["variants"].values())[j]["rows_per_s"] for p in pts], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("partitions (2 cores)")
-        ax.set_ylabel("rows/s")
-        ax.set_title("Throughput vs partitions")
+        pts = sec["partitions"]["points"]
+        for target in sorted({p["target"] for p in pts}):
+            mine = [p for p in pts if p["target"] == target]
+            ax.plot([p["partitions"] for p in mine], [p["ratio"] for p in mine], marker="o", label=target)
+        ax.set_xscale("log")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("input partitions")
+        ax.set_ylabel("throughput ratio vs Spark's writer")
+        ax.set_title("By input partitions")
         ax.legend()
     if "recovery" in sec:
         ax = axes[0][i]

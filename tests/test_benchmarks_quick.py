@@ -20,7 +20,7 @@ import pytest
 pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.postgres, pytest.mark.hdfs, pytest.mark.s3]
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "scaling"}
+SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "partitions"}
 
 
 def _check_variants(variants: dict, rows: int) -> None:
@@ -91,10 +91,17 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert all(r["recover_s"] > 0 for r in rec["files"] + rec["postgres"])
     assert rec["postgres"], "PostgreSQL recovery was not measured"
 
-    sc = sec["scaling"]
-    assert [p["partitions"] for p in sc["points"]] == list(res["params"]["scaling_partitions"])
-    for p in sc["points"]:
+    # One many-partition case per sink, so a per-partition cost shows as a falling ratio.
+    pts = sec["partitions"]["points"]
+    assert {(p["target"], p["partitions"]) for p in pts} == {
+        (t, n) for t in res["params"]["partition_targets"] for n in res["params"]["partition_counts"]}
+    assert max(res["params"]["partition_counts"]) >= 50
+    for p in pts:
         _check_variants(p["variants"], rows)
+        cand, base = list(p["variants"])
+        assert p["ratio"] == pytest.approx(_ratio(p["variants"], cand, base), rel=1e-2, abs=1e-3)
+        # Transactions per batch follow the writer slots (local[2]), not the input partitions.
+        assert p["transactions_per_batch"] and max(p["transactions_per_batch"]) <= 2 < p["partitions"], p
 
     # Goals are reported, each against a value measured above.
     names = " ".join(g["goal"] for g in res["goals"])

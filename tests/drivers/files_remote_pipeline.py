@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", default=None, help="transaction log URL (default <checkpoint>/twophase)")
     ap.add_argument("--log-options", default=None, help="storage options of the log URL as JSON")
     ap.add_argument("--name", default="fileschaos")
-    ap.add_argument("--partitions", type=int, default=2)
+    # More input partitions than local[2]'s two writer slots: every batch (and every replay,
+    # whose rows land in other partitions) is coalesced to the transactions its INTENT planned.
+    ap.add_argument("--partitions", type=int, default=6)
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

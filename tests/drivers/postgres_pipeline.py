@@ -22,15 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schema", default=None)
     ap.add_argument("--mode", choices=("insert", "upsert"), default="insert")
     ap.add_argument("--name", default="pgchaos")
-    ap.add_argument("--partitions", type=int, default=2)
+    # More input partitions than local[2]'s two writer slots: every batch (and every replay,
+    # whose rows land in other partitions) is coalesced to the transactions its INTENT planned.
+    ap.add_argument("--partitions", type=int, default=6)
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from pyspark.sql import functions as F
+
     from twophase.coordinator import Coordinator
     from twophase.sinks.postgres import PostgresSink
-
     from twophase.spark import local_session
 
     # Short-lived JVMs under load: C1 only and the serial GC start faster and use less CPU.
