@@ -416,3 +416,12 @@ def test_sqlite_example_rows_survive_a_commit(tmp_path):
     assert rows[0]["payload"] == "row 1 · ünïcode"
     with sqlite3.connect(db) as con:
         assert con.execute('SELECT count(*) FROM "events__staging"').fetchone()[0] == 0
+
+
+def test_a_degenerate_run_fails_saying_so(fast_path):
+    """Issue 16: a mix that commits no rows of its own tests nothing, and the harness says so."""
+    db = str(fast_path / "db")
+    with pytest.raises(ConformanceError, match=r"the run was degenerate: only 0 of \d+ examples committed"):
+        run_sink_conformance(lambda: SQLiteSink(db), lambda: read_table(db), max_rows=0, max_examples=12)
+    stats = run_sink_conformance(lambda: SQLiteSink(db), lambda: read_table(db), max_examples=12)
+    assert stats["examples"] >= 10 and stats["examples_with_committed_rows"] >= 0.3 * stats["examples"], stats

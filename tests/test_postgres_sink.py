@@ -697,27 +697,3 @@ def test_marker_rows_pruned_beyond_retention(db, postgres_service):
                             (name,))] == [8, 9]
     assert [r[0] for r in q(db, "SELECT batch_id FROM twophase_commits WHERE query_name = %s",
                             (other,))] == [1]
-
-
-# ---------------------------------------------------------------------- conformance
-def test_conformance_harness(db, postgres_service, monkeypatch):
-    """The project's hypothesis harness (twophase.testing) against the real server."""
-    from twophase.testing import run_sink_conformance
-
-    t = table(db, "id bigint, payload text")
-    # Recovery rebuilds the sink from to_config(), which never holds the password: libpq's env does.
-    monkeypatch.setenv("PGPASSWORD", postgres_service["password"])
-
-    def read():
-        return [r[0] for r in q(db, f'SELECT id FROM "{t}"')]
-
-    def pending():
-        return prepared_gids(db, "tp:conformance")
-
-    def factory():
-        sink = PostgresSink(postgres_service["dsn"], table=t, lock_timeout="5s")
-        sink.open()
-        return sink
-
-    run_sink_conformance(factory, read, pending=pending, reset=lambda: q(db, f'TRUNCATE "{t}"'),
-                         max_examples=15, steps=25)
