@@ -59,6 +59,20 @@ class BatchProgress:
         return asdict(self)
 
 
+def _find_query(spark, query_id: str):
+    """The running streaming query ``query_id``.  Inside ``foreachBatch`` the batch's DataFrame
+    has a cloned session whose query manager does not list it; the session that started the
+    query (the active one in this thread) does."""
+    q = spark.streams.get(query_id)
+    if q is None:
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None and active is not spark:
+            q = active.streams.get(query_id)
+    return q
+
+
 def _local_or_url(location: str) -> str:
     """Hadoop's qualified ``file:/x`` as a plain local path; other URLs unchanged."""
     if location.startswith("file:"):
@@ -304,7 +318,7 @@ class Coordinator:
             return
         jq = None
         try:
-            q = spark.streams.get(query_id)
+            q = _find_query(spark, query_id)
             jq = q._jsq.streamingQuery() if q is not None else None
         except Exception:  # pragma: no cover - Spark Connect or internals changed
             log.debug("could not inspect the streaming query %s", query_id, exc_info=True)
@@ -565,7 +579,7 @@ class Coordinator:
             return
         if self._stateful is None:
             try:
-                q = df.sparkSession.streams.get(query_id)
+                q = _find_query(df.sparkSession, query_id)
                 plan = q._jsq.streamingQuery().lastExecution().executedPlan().toString()
                 self._stateful = any(m in plan for m in _STATEFUL_MARKERS)
             except Exception:  # cannot tell: recomputing is always safe
