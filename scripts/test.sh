@@ -13,4 +13,4 @@ t0=$(date +%s)
 python -m tests.services start all
 echo "[test] services up in $(( $(date +%s) - t0 ))s" >&2
 export TWOPHASE_KEEP_SERVICES=1   # this script stops them itself
-python -m pytest -p no:cacheprovider --timeout=1800 "$@"
+python -m pytest -p no:cacheprovider --timeout=1800 --durations=30 "$@"

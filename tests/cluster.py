@@ -49,7 +49,8 @@ DEFAULT_CONF: dict[str, str] = {
 }
 #: Environment variables of the driver that its executors get too (``spark.executorEnv.*``):
 #: executors are forked by the workers and inherit nothing from the driver.
-EXECUTOR_ENV_PASSTHROUGH = ("TWOPHASE_CRASH_AT",)
+#: (None today: the coordinator ships its crash plan with its tasks, twophase.crash.carried_env.)
+EXECUTOR_ENV_PASSTHROUGH: tuple[str, ...] = ()
 #: Extra confs for :func:`cluster_session`, set by :func:`start_driver` (JSON object).
 CONF_ENV = "TWOPHASE_CLUSTER_CONF"
 

@@ -142,3 +142,89 @@ def test_s3_exactly_once_under_crash_points_and_sigkills(tmp_path, s3_service):
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for o in page.get("Contents", []):
                 s3.delete_object(Bucket=bucket, Key=o["Key"])
+
+
+@pytest.mark.cluster
+@pytest.mark.hdfs
+@pytest.mark.spark
+def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_service, spark_cluster_service, spark):
+    """Issue 17: the same pipeline on the standalone cluster (two workers, one executor each).
+
+    Faults, few and placed: ``after_pre_commit`` fires inside an executor's Python worker (the
+    coordinator ships the crash plan with its tasks; the crash log proves where it fired), the
+    driver dies ``mid_commit``, one random SIGKILL of the driver while batches flow, and a
+    thread SIGKILLs executor JVMs (with their Python workers, as a lost container) while
+    batches are in flight.  Every id must then be in the output exactly once.
+    """
+    import random
+    import threading
+
+    from hdfs import InsecureClient
+
+    from tests import cluster
+
+    client = InsecureClient(hdfs_service["webhdfs_url"], user=hdfs_service["user"])
+    path = f"/twophase-cluster-chaos/{uuid.uuid4().hex[:8]}"
+    url = f"{hdfs_service['namenode']}{path}"
+    opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
+    expected = _write_input(tmp_path / "in")
+    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"])
+    log_dir = tmp_path / "log"
+    cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
+           "--sink-config", json.dumps(sink.to_config()), "--name", f"cc-{uuid.uuid4().hex[:6]}",
+           "--log", str(log_dir), "--cluster"]
+
+    def log_records() -> int:
+        return sum(len(files) for _, _, files in os.walk(log_dir))
+
+    stop, killed = threading.Event(), []
+    rng = random.Random(20261123)
+
+    def kill_executors():
+        seen = log_records()
+        while not stop.is_set() and len(killed) < 2:
+            if log_records() > seen and (ex := cluster.executors()):
+                stop.wait(rng.uniform(0.3, 1.5))
+                victim = rng.choice(ex)
+                try:
+                    cluster.kill_executor(victim)
+                    killed.append(victim)
+                except Exception:  # noqa: BLE001 - it died on its own meanwhile
+                    pass
+                stop.wait(20)
+                seen = log_records()
+            stop.wait(0.2)
+
+    killer = threading.Thread(target=kill_executors, daemon=True)
+    killer.start()
+    log_path = str(tmp_path / "driver.log")
+    try:
+        runs = chaos.run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:3"], random_kills=1,
+                                     kill_window=(0.5, 2.0), seed=17, log_path=log_path, timeout=400,
+                                     env={"PYTHONPATH": REPO, "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"},
+                                     progress_probe=log_records)
+    except BaseException:
+        with open(log_path, errors="replace") as f:
+            sys.stderr.write("".join(f.readlines()[-80:]))
+        raise
+    finally:
+        stop.set()
+        killer.join(30)
+    try:
+        by_fault = {r.fault: r for r in runs}
+        pre = by_fault["crash:after_pre_commit:1"]
+        assert pre.outcome == "crash point fired", runs
+        # It fired in executors' Python workers, not in the driver: retried attempts died too.
+        assert all(line.startswith("after_pre_commit 1 ") for line in pre.fired) and pre.exit_code != 137
+        assert by_fault["crash:mid_commit:3"].outcome == "crash point fired", runs
+        assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
+        assert killed, "no executor was killed while batches flowed"
+        rows = spark.read.parquet(f"{url}/out").select("id", "k").collect()
+        verdict = chaos.verify(expected, [r["id"] for r in rows])
+        assert verdict.exactly_once, verdict.to_dict()
+        assert verdict.records_out == len(expected)
+        staged = [f"{d}/{f}" for d, _, files in client.walk(f"{path}/out/_twophase") for f in files]
+        assert staged == []
+    finally:
+        client.delete(path, recursive=True)
+        cluster.wait_for_workers()

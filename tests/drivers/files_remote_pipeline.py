@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     # More input partitions than local[2]'s two writer slots: every batch (and every replay,
     # whose rows land in other partitions) is coalesced to the transactions its INTENT planned.
     ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--cluster", action="store_true",
+                    help="run on the test Spark cluster (tests/cluster.py) instead of local[2]")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -36,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     from twophase.coordinator import Coordinator
     from twophase.spark import local_session
 
-    spark = local_session("local[2]", app_name=f"twophase-{args.name}")
+    if args.cluster:
+        from tests.cluster import cluster_session
+
+        spark = cluster_session(f"twophase-{args.name}")
+    else:
+        spark = local_session("local[2]", app_name=f"twophase-{args.name}")
     sink = sink_from_config(json.loads(args.sink_config))
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, log_location=args.log,
                               storage_options=json.loads(args.log_options) if args.log_options else None,
