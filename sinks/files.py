@@ -46,6 +46,7 @@ from twophase.sinks._partitions import (  # noqa: F401 - the public names stay i
     partition_segment,
 )
 from twophase.storage import backend_for, scheme_of
+from twophase.storage._base import SECRET_OPTIONS as _SECRET_OPTIONS
 
 log = logging.getLogger("twophase.sinks.files")
 
@@ -55,19 +56,6 @@ STAGING_DIR = "_twophase"
 S3_MIN_PART = 5 * MIB
 S3_MAX_PART = 5 * 1024 * MIB
 DEFAULT_PART_SIZE = 8 * MIB
-#: Storage-option keys (at any depth) that carry credentials: only ``{"env": ...}`` references
-#: survive ``to_config`` (twophase.storage.s3.SECRET_OPTIONS, without importing botocore here).
-_SECRET_OPTIONS = {
-    "key",
-    "secret",
-    "token",
-    "username",
-    "password",
-    "aws_access_key_id",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "SSECustomerKey",
-}
 
 
 def _safe(s: str) -> str:

@@ -9,6 +9,20 @@ from typing import Any
 
 from twophase.errors import ConfigurationError
 
+#: Option keys (at any depth) that carry credentials: only ``{"env": ...}`` references may be saved
+#: (FileSink.to_config, the S3 log store).
+SECRET_OPTIONS = {
+    "key",
+    "secret",
+    "token",
+    "username",
+    "password",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "SSECustomerKey",
+}
+
 
 class LogStore(ABC):
     """Byte storage under one root with atomic exclusive create and atomic replace.

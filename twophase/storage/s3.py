@@ -84,18 +84,6 @@ REFUSED = {
     "aws_session_token": "s3fs calls it token (or put it in client_kwargs)",
     "region": "use region_name (or client_kwargs={'region_name': ...})",
 }
-#: Option keys (at any depth) that carry credentials: only ``{"env": ...}`` references may be saved.
-SECRET_OPTIONS = {
-    "key",
-    "secret",
-    "token",
-    "username",
-    "password",
-    "aws_access_key_id",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "SSECustomerKey",
-}
 #: Every S3 operation twophase calls; s3_additional_kwargs go to those whose input takes them.
 OPERATIONS = (
     "HeadBucket",
