@@ -91,6 +91,21 @@ def _location_key(location: str) -> tuple[str, str, str]:
     return (scheme, u.netloc, u.path.rstrip("/") or "/")
 
 
+def _same_location(given: str, resolved: str) -> bool:
+    """Does ``given`` (as a user wrote it) name Spark's qualified ``resolved`` checkpoint root?
+
+    A path without scheme or authority (``/chk``, ``hdfs:///chk``) is resolved by Spark against
+    the default filesystem (HDFS on most clusters): then only the paths are compared.
+    """
+    g, r = _location_key(given), _location_key(resolved)
+    if g == r:
+        return True
+    loc = _local_or_url(given)
+    if "://" not in loc or not urlsplit(loc).netloc:
+        return g[2] == r[2] or urlsplit(loc).path.rstrip("/") == r[2]
+    return False
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
@@ -345,7 +360,7 @@ class Coordinator:
             self.checkpoint_location = _local_or_url(root)
             log.info("%s: the query's checkpoint is %s: source offsets are recorded from there",
                      self.name, self.checkpoint_location)
-        elif _location_key(self.checkpoint_location) != _location_key(root):
+        elif not _same_location(self.checkpoint_location, root):
             raise ConfigurationError(
                 f"Coordinator(checkpoint_location={self.checkpoint_location!r}) is not the query's checkpoint "
                 f"({root}): the source offsets of each batch would not be recorded. Give the coordinator the "

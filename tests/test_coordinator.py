@@ -311,3 +311,18 @@ def test_replayed_decided_batch_of_a_stateful_query(spark, tmp_path):
     assert c.recent_progress[0]["action"] in ("recommitted", "skipped")
     rows = [r for p in sorted(out.glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
     assert sorted((r["k"], r["count"]) for r in rows) == [(0, 10), (1, 10), (2, 10)]
+
+
+def test_checkpoint_spellings_that_name_the_same_location():
+    from twophase.coordinator.coordinator import _same_location
+
+    assert _same_location("/chk/events", "file:/chk/events")
+    assert _same_location("/chk/events/", "file:/chk/events")
+    # Scheme-less or authority-less paths resolve against the default filesystem (HDFS on a cluster).
+    assert _same_location("/chk/events", "hdfs://nn:8020/chk/events")
+    assert _same_location("hdfs:///chk/events", "hdfs://nn:8020/chk/events")
+    assert _same_location("hdfs://nn:8020/chk/events", "hdfs://nn:8020/chk/events")
+    assert _same_location("s3://bucket/chk", "s3a://bucket/chk")
+    assert not _same_location("/chk/other", "file:/chk/events")
+    assert not _same_location("/chk/other", "hdfs://nn:8020/chk/events")
+    assert not _same_location("hdfs://other:8020/chk/events", "hdfs://nn:8020/chk/events")
