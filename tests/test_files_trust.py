@@ -17,13 +17,18 @@ import uuid
 
 import pytest
 
-from tests.test_files_remote import (
+from tests.test_files_remote import (  # noqa: F401 - hdfs, hroot, s3, s3env, sroot are fixtures
     _StripConditionsProxy,
     batch,
+    hdfs,
     hopts,
-    prepare,  # noqa: F401
+    hroot,
+    prepare,
     roundtrip,
+    s3,
+    s3env,
     sopen,
+    sroot,
     svisible,
 )
 from twophase import CommitOutcome, TransactionContext
