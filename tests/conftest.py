@@ -39,6 +39,17 @@ def postgres_service() -> dict:
     return _service("postgres")
 
 
+@pytest.fixture
+def db(postgres_service):
+    """An autocommit psycopg2 connection to the test database (PostgreSQL tests)."""
+    import psycopg2
+
+    c = psycopg2.connect(postgres_service["dsn"])
+    c.autocommit = True
+    yield c
+    c.close()
+
+
 @pytest.fixture(scope="session")
 def hdfs_service() -> dict:
     return _service("hdfs")

@@ -14,7 +14,6 @@ import pickle
 import uuid
 from urllib.parse import quote, quote_plus
 
-import psycopg2
 import pytest
 
 from tests.test_postgres_sink import _uid, ids_batch, prepare, prepared_gids, q, table
@@ -24,14 +23,6 @@ from twophase.sink import CommitOutcome
 from twophase.sinks.postgres import PostgresSink
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def db(postgres_service):
-    c = psycopg2.connect(postgres_service["dsn"])
-    c.autocommit = True
-    yield c
-    c.close()
 
 
 def _frag() -> str:

@@ -14,7 +14,6 @@ import sys
 import textwrap
 import uuid
 
-import psycopg2
 import pyarrow as pa
 import pytest
 
@@ -24,14 +23,6 @@ from twophase.sink import CommitOutcome
 from twophase.sinks.postgres import MAX_GID_BYTES, PostgresSink
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def db(postgres_service):
-    c = psycopg2.connect(postgres_service["dsn"])
-    c.autocommit = True
-    yield c
-    c.close()
 
 
 @pytest.fixture

@@ -41,16 +41,6 @@ def _uid() -> str:
     return uuid.uuid4().hex[:8]
 
 
-@pytest.fixture
-def db(postgres_service):
-    import psycopg2
-
-    c = psycopg2.connect(postgres_service["dsn"])
-    c.autocommit = True
-    yield c
-    c.close()
-
-
 def q(db, query, params=None):
     with db.cursor() as cur:
         cur.execute(query, params)
