@@ -220,6 +220,23 @@ def test_hdfs_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(
 
 
 @pytest.mark.hdfs
+def test_hdfs_writer_abandoned_right_after_opening_leaves_nothing_after_cleanup(hdfs_service, hdfs, hroot):
+    """A task killed (or, in the harness, abandoned) just after begin_transaction: its upload
+    thread must not create the staged file after the job's cleanup listed the staging folder.
+    The staged file exists when begin_transaction returns, so the cleanup sees and removes it."""
+    url, path = hroot
+    sink = FileSink(url, storage_options=hopts(hdfs_service))
+    for attempt in range(5):
+        ctx = TransactionContext("q", 4, 0, attempt, sink.plan_batch("q", 4, 1))
+        txn = sink.begin_transaction(ctx)
+        staged = txn.files[()].staging
+        assert hdfs.status(staged, strict=False) is not None, "begin_transaction returned before the file existed"
+        del txn  # no write, no abort: the executor is gone
+        assert sink.abort_lingering("q", 4, sink.plan_batch("q", 4, 1), []) == 1
+        assert hstaged(hdfs, path) == []
+
+
+@pytest.mark.hdfs
 def test_hdfs_bad_targets_are_refused_before_any_write(hdfs_service, hdfs, hroot):
     url, path = hroot
     hdfs.write(f"{path}/a-file", b"x")

@@ -129,10 +129,16 @@ class HdfsUpload(ChunkedWriter):
     A background thread runs the WebHDFS CREATE with a generator fed by a bounded
     queue of ~1 MiB chunks; :meth:`finish` returns when the DataNode has closed the
     file (HTTP 201), which is when HDFS makes it durable and visible to ``getFileStatus``.
+
+    The constructor returns only once the file exists on the NameNode. Otherwise a
+    writer that stops right after opening (its task killed or abandoned, its upload
+    thread still on its way to the DataNode) could create the file *after* the
+    coordinator's cleanup listed the staging folder, and it would be left behind.
     """
 
     chunk_size = MIB
     DEPTH = 8
+    CREATE_WAIT = 60.0  # seconds for the DataNode to create the file
 
     def __init__(self, client, path: str, reach: Any = None):
         super().__init__()
@@ -142,6 +148,28 @@ class HdfsUpload(ChunkedWriter):
         self._err: BaseException | None = None
         self._t = threading.Thread(target=self._run, name="twophase-webhdfs-write", daemon=True)
         self._t.start()
+        self._await_created()
+
+    def _await_created(self) -> None:
+        deadline = time.monotonic() + self.CREATE_WAIT
+        pause = 0.002
+        try:
+            while True:
+                if self._err is not None or not self._t.is_alive():
+                    raise TwoPhaseError(f"creating staged file {self.path} on HDFS failed: {self._err}")
+                with self._reach():
+                    if self.client.status(self.path, strict=False) is not None:
+                        return
+                if time.monotonic() >= deadline:
+                    raise TwoPhaseError(
+                        f"creating staged file {self.path} on HDFS: the file did not appear "
+                        f"within {self.CREATE_WAIT:.0f} s"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+        except BaseException:
+            self.cancel()
+            raise
 
     def _gen(self):
         while True:
