@@ -282,8 +282,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
     (key_columns) DO UPDATE``; the table needs a UNIQUE constraint or index on
     exactly ``key_columns``.  Within one transaction the last row of a key wins.
 
-    ``marker_table`` (in ``marker_schema``, default: the role's current schema)
-    holds one row per committed transaction, the proof that a gid was committed;
+    ``marker_table`` (in ``marker_schema``, default: the role's current schema when
+    :meth:`open` runs, never another schema of its search path) holds one row per
+    committed transaction, the proof that a gid was committed;
     rows of batches older than ``marker_retention_batches`` are deleted.
     ``lock_timeout`` bounds how long an executor waits for a row lock (e.g. held by
     a leftover prepared transaction) before failing the batch.
@@ -338,6 +339,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         self._password_inline = password if isinstance(password, str) else inline.get("password")
         self._sslpassword = inline.get("sslpassword")
         self._max_prepared: int | None = None
+        # The marker table's schema: marker_schema, else the role's current schema, fixed by open()
+        # (not left to the search_path, where another role's table in a later schema would win).
+        self._marker_home: str | None = marker_schema
         self._pool: list[Any] = []
         self._lock = threading.Lock()
 
@@ -381,7 +385,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
 
     @property
     def _marker(self) -> Any:
-        return self._ident(self.marker_schema, self.marker_table)
+        return self._ident(self._marker_home, self.marker_table)
 
     def _connect(self, autocommit: bool) -> Any:
         """A new connection (driver or executor); errors name the server, never the password."""
@@ -508,6 +512,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                         "Spark partitions per batch times the batches that may be pending (e.g. 2 x "
                         "partitions), and restart PostgreSQL.")
                 self._max_prepared = max_prepared
+                self._marker_home = self.marker_schema or current_schema
                 oid = self._table_oid(cur)
                 if oid is None:
                     raise ConfigurationError(

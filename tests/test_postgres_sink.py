@@ -347,6 +347,45 @@ def test_open_checks_table_privileges_and_keys(db, postgres_service):
         su.close()
 
 
+def test_two_roles_sharing_a_database_each_keep_their_marker_table_in_their_own_schema(db, postgres_service):
+    """Several pipelines, one database: a role with a schema of its own (first on its search
+    path) gets its marker table there, not the one another role made in public (which its
+    search path also reaches and which it may not read)."""
+    from tests.services.postgres import SERVICE
+
+    dsn = postgres_service["dsn"]
+    PostgresSink(dsn, table=table(db, "id bigint")).open()  # public.twophase_commits exists
+    role, pw = f"tp_own_{_uid()}", f"pw-{uuid.uuid4().hex}"
+    su = SERVICE._superuser_conn(timeout=10)
+    su.autocommit = True
+    own_dsn = dsn.replace("user=twophase", f"user={role}").replace("password=twophase", f"password={pw}")
+    import psycopg2
+
+    with su.cursor() as cur:
+        cur.execute(f'CREATE ROLE "{role}" LOGIN PASSWORD %s', (pw,))
+    q(db, f'GRANT CREATE ON DATABASE twophase TO "{role}"')
+    own = psycopg2.connect(own_dsn)
+    own.autocommit = True
+    try:
+        q(own, f'CREATE SCHEMA "{role}"')
+        q(own, f'CREATE TABLE "{role}".events (id bigint)')
+        sink = PostgresSink(own_dsn, table="events")
+        sink.open()
+        _, handles = prepare(sink, "own", 0, [[ids_batch([1, 2])], [ids_batch([3])]])
+        assert all(sink.commit(h).outcome is CommitOutcome.COMMITTED for h in handles)
+        assert all(sink.commit(h).outcome is CommitOutcome.ALREADY_COMMITTED for h in handles)
+        assert q(own, f'SELECT count(*) FROM "{role}".twophase_commits') == [(2,)]
+        assert q(own, f'SELECT sum(id) FROM "{role}".events') == [(6,)]
+        assert q(db, "SELECT count(*) FROM twophase_commits WHERE query_name LIKE 'own%%'") == [(0,)]
+    finally:
+        q(own, f'DROP SCHEMA "{role}" CASCADE')
+        own.close()
+        q(db, f'REVOKE CREATE ON DATABASE twophase FROM "{role}"')
+        with su.cursor() as cur:
+            cur.execute(f'DROP ROLE "{role}"')
+        su.close()
+
+
 def test_plan_batch_checks_gid_length_and_prepared_capacity(postgres_service, db):
     t = table(db, "id bigint")
     sink = PostgresSink(postgres_service["dsn"], table=t, gid_prefix="g" * 180)
