@@ -77,6 +77,26 @@ def test_sink_from_config_and_secret_references(tmp_path, monkeypatch):
         sink_from_config({"sink": "nosuch"})
 
 
+@pytest.mark.spark
+def test_a_secret_missing_on_an_executor_says_to_set_spark_executor_env(spark):
+    """In a Spark task, an unset ``{"env": NAME}`` names spark.executorEnv.NAME (executors on a
+    cluster do not inherit the driver's environment); on the driver it does not."""
+    def task(_):
+        from twophase.config import resolve_secret
+        from twophase.errors import ConfigurationError
+
+        try:
+            resolve_secret({"env": "TWOPHASE_NOT_SET_ON_EXECUTORS"}, "PostgresSink password")
+        except ConfigurationError as e:
+            yield str(e)
+
+    msgs = spark.sparkContext.parallelize([0], 1).mapPartitions(task).collect()
+    assert len(msgs) == 1 and "give it to them as spark.executorEnv.TWOPHASE_NOT_SET_ON_EXECUTORS" in msgs[0]
+    with pytest.raises(ConfigurationError) as e:
+        resolve_secret({"env": "TWOPHASE_NOT_SET_ON_EXECUTORS"})
+    assert "executorEnv" not in str(e.value)
+
+
 def test_missing_optional_dependency_names_the_pip_install():
     with pytest.raises(MissingDependencyError, match=r"pip install 'twophase\[kafka\]'"):
         require("confluent_kafka.this_module_does_not_exist", "KafkaSink")

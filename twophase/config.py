@@ -13,6 +13,7 @@ import importlib
 import inspect
 import json
 import os
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,12 @@ def is_secret_ref(value: Any) -> bool:
     return isinstance(value, dict) and len(value) == 1 and next(iter(value)) in ("env", "file")
 
 
+def _in_spark_task() -> bool:
+    """True inside a Spark task (pyspark loaded and a TaskContext current)."""
+    pyspark = sys.modules.get("pyspark")
+    return pyspark is not None and pyspark.TaskContext.get() is not None
+
+
 def resolve_secret(value: Any, what: str = "secret") -> Any:
     """Resolve ``{"env": NAME}`` / ``{"file": PATH}``; other values are returned as they are."""
     if not is_secret_ref(value):
@@ -123,7 +130,12 @@ def resolve_secret(value: Any, what: str = "secret") -> Any:
     if "env" in value:
         name = value["env"]
         if name not in os.environ:
-            raise ConfigurationError(f"{what} is configured as environment variable {name!r}, which is not set")
+            where = ""
+            if _in_spark_task():
+                where = (f" in this executor's environment (executors do not inherit the driver's: "
+                         f"give it to them as spark.executorEnv.{name})")
+            raise ConfigurationError(
+                f"{what} is configured as environment variable {name!r}, which is not set{where}")
         return os.environ[name]
     path = value["file"]
     try:
