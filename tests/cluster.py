@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import threading
 import time
 import tomllib
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,6 +208,77 @@ def restart_worker(which: int | str | Daemon, timeout: float = 60.0) -> dict[str
     wait_until(registered, timeout, f"{d.name} to register with the master",
                SERVICE.daemon_log_path(d), interval=0.1)
     return next(w for w in alive_workers() if w.get("port") == d.port)
+
+
+# --------------------------------------------------------------------------- faults while batches flow
+
+class Saboteur:
+    """A thread that injects cluster faults while a driver's batches flow.
+
+    Each fault in ``faults`` waits until ``progress()`` (e.g. the number of transaction-log
+    records) moved, then a random 0.3-1.5 s so it lands mid-batch, then strikes:
+
+    * ``"executor"``: SIGKILL one executor JVM with its Python workers (a lost container);
+      the worker forks a new executor for the application;
+    * ``"worker"``: SIGKILL one worker with its executors (a lost host), and start it again
+      ``down`` seconds later (the host comes back; the master gives the application a new
+      executor there).
+
+    Between faults it waits ``gap`` seconds.  ``done`` lists what struck, as
+    ``"executor 3 of app-..."`` / ``"worker-2 (restarted)"``.  Use as a context manager; on exit
+    every worker is back and registered.
+    """
+
+    def __init__(self, progress: Callable[[], int], faults: Sequence[str], *, seed: int,
+                 gap: float = 15.0, down: float = 4.0):
+        unknown = set(faults) - {"executor", "worker"}
+        if unknown:
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}: use 'executor' or 'worker'")
+        self.progress, self.faults, self.gap, self.down = progress, list(faults), gap, down
+        self.rng = random.Random(seed)
+        self.done: list[str] = []
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="saboteur", daemon=True)
+
+    def __enter__(self) -> Saboteur:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self._thread.join(60)
+        for d in WORKERS:
+            if worker_pid(d) is None:
+                restart_worker(d)
+        wait_for_workers()
+
+    def _run(self) -> None:
+        for fault in self.faults:
+            seen = self.progress()
+            while not self.stop.is_set() and (self.progress() <= seen or not executors()):
+                self.stop.wait(0.2)
+            if self.stop.wait(self.rng.uniform(0.3, 1.5)):
+                return
+            try:
+                if fault == "executor":
+                    victim = self.rng.choice(executors())
+                    kill_executor(victim)
+                    self.done.append(f"executor {victim.executor_id} of {victim.app_id}")
+                else:
+                    d = self.rng.choice(WORKERS)
+                    kill_worker(d)
+                    self.stop.wait(self.down)
+                    restart_worker(d)
+                    self.done.append(f"{d.name} (restarted)")
+            except Exception as e:  # noqa: BLE001 - it died on its own meanwhile; try the next
+                self.done.append(f"{fault}: missed ({type(e).__name__}: {e})")
+            if self.stop.wait(self.gap):
+                return
+
+    @property
+    def struck(self) -> list[str]:
+        """The faults that really struck (not missed)."""
+        return [d for d in self.done if ": missed" not in d]
 
 
 # --------------------------------------------------------------------------- drivers

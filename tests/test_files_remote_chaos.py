@@ -156,9 +156,6 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
     thread SIGKILLs executor JVMs (with their Python workers, as a lost container) while
     batches are in flight.  Every id must then be in the output exactly once.
     """
-    import random
-    import threading
-
     from hdfs import InsecureClient
 
     from tests import cluster
@@ -177,39 +174,18 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
     def log_records() -> int:
         return sum(len(files) for _, _, files in os.walk(log_dir))
 
-    stop, killed = threading.Event(), []
-    rng = random.Random(20261123)
-
-    def kill_executors():
-        seen = log_records()
-        while not stop.is_set() and len(killed) < 2:
-            if log_records() > seen and (ex := cluster.executors()):
-                stop.wait(rng.uniform(0.3, 1.5))
-                victim = rng.choice(ex)
-                try:
-                    cluster.kill_executor(victim)
-                    killed.append(victim)
-                except Exception:  # noqa: BLE001 - it died on its own meanwhile
-                    pass
-                stop.wait(20)
-                seen = log_records()
-            stop.wait(0.2)
-
-    killer = threading.Thread(target=kill_executors, daemon=True)
-    killer.start()
     log_path = str(tmp_path / "driver.log")
     try:
-        runs = chaos.run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:3"], random_kills=1,
-                                     kill_window=(0.5, 2.0), seed=17, log_path=log_path, timeout=400,
-                                     env={"PYTHONPATH": REPO, "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"},
-                                     progress_probe=log_records)
+        with cluster.Saboteur(log_records, ["executor", "executor"], seed=20261123) as saboteur:
+            runs = chaos.run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:3"],
+                                         random_kills=1, kill_window=(0.5, 2.0), seed=17, log_path=log_path,
+                                         timeout=400, env={"PYTHONPATH": REPO,
+                                                           "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"},
+                                         progress_probe=log_records)
     except BaseException:
         with open(log_path, errors="replace") as f:
             sys.stderr.write("".join(f.readlines()[-80:]))
         raise
-    finally:
-        stop.set()
-        killer.join(30)
     try:
         by_fault = {r.fault: r for r in runs}
         pre = by_fault["crash:after_pre_commit:1"]
@@ -218,7 +194,7 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
         assert all(line.startswith("after_pre_commit 1 ") for line in pre.fired) and pre.exit_code != 137
         assert by_fault["crash:mid_commit:3"].outcome == "crash point fired", runs
         assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
-        assert killed, "no executor was killed while batches flowed"
+        assert saboteur.struck, f"no executor was killed while batches flowed: {saboteur.done}"
         rows = spark.read.parquet(f"{url}/out").select("id", "k").collect()
         verdict = chaos.verify(expected, [r["id"] for r in rows])
         assert verdict.exactly_once, verdict.to_dict()
@@ -227,4 +203,3 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
         assert staged == []
     finally:
         client.delete(path, recursive=True)
-        cluster.wait_for_workers()

@@ -3,6 +3,7 @@ crash point and at random moments; a read_committed consumer then finds every in
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -48,3 +49,70 @@ def test_driver_killed_at_every_crash_point_and_randomly(kafka_service, tmp_path
     verdict = verify(ids, out)
     print(f"{len(runs)} runs in {time.time() - t0:.0f}s; verdict {verdict.to_dict()}")
     assert verdict.exactly_once, (verdict.to_dict(), log_path.read_text()[-5000:])
+
+
+@pytest.mark.kafka
+@pytest.mark.spark
+@pytest.mark.chaos
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+def test_exactly_once_on_a_cluster_whose_executors_and_workers_die(kafka_service, spark_cluster_service,
+                                                                    tmp_path):
+    """Issue 17, Kafka: the same pipeline on the standalone cluster (two workers, one executor
+    each; the Kafka source and its jars shipped by Spark).
+
+    Faults: ``after_pre_commit`` fires in executors' Python workers (transactions left open under
+    pooled ids that the next attempt fences), the driver dies ``mid_commit``, one SIGKILL of the
+    driver while batches flow; meanwhile an executor JVM is SIGKILLed with its Python workers, and
+    a worker with its executors (then started again).  A read_committed consumer then finds every
+    id exactly once, and no transaction of the pipeline's ids is left open.
+    """
+    from confluent_kafka import Producer
+
+    from tests import cluster
+    from twophase.sinks.kafka import KafkaSink
+
+    bs = kafka_service["bootstrap_servers"]
+    src, dst = _topic(bs, 2), _topic(bs, 2)
+    n = 900
+    ids = [f"id-{i:06d}" for i in range(n)]
+    p = Producer({"bootstrap.servers": bs, "linger.ms": 5})
+    for i, v in enumerate(ids):
+        p.produce(src, v.encode(), key=str(i).encode())
+    assert p.flush(30) == 0
+    prefix = f"cchaos-{uuid.uuid4().hex[:8]}"
+    checkpoint = tmp_path / "checkpoint"
+    cmd = [sys.executable, "-m", "tests.drivers.kafka_pipeline", bs, src, dst, str(checkpoint), prefix,
+           "100", "--cluster"]  # 9 batches
+
+    def log_records() -> int:
+        return sum(len(files) for _, _, files in os.walk(checkpoint / "twophase"))
+
+    log_path = tmp_path / "driver.log"
+    try:
+        with cluster.Saboteur(log_records, ["executor", "worker"], seed=20261125, gap=10) as saboteur:
+            runs = run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:2"], random_kills=1,
+                                   kill_window=(0.5, 2.0), seed=5, progress_probe=log_records,
+                                   env={"PYTHONPATH": str(REPO), "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"},
+                                   log_path=str(log_path), timeout=400)
+    except BaseException:
+        sys.stderr.write(log_path.read_text(errors="replace")[-6000:])
+        raise
+    print(f"faults: {saboteur.done}; runs: {[r.to_dict() for r in runs]}")
+    by_fault = {r.fault: r for r in runs}
+    pre = by_fault["crash:after_pre_commit:1"]
+    assert pre.outcome == "crash point fired" and pre.exit_code != crash.EXIT_CODE, runs
+    assert all(line.startswith("after_pre_commit 1 ") for line in pre.fired), pre.fired
+    assert by_fault["crash:mid_commit:2"].outcome == "crash point fired", runs
+    assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
+    assert saboteur.struck, f"no executor or worker died while batches flowed: {saboteur.done}"
+    out = [v.decode() for v in read_committed(bs, dst, timeout=60, idle=3)]
+    verdict = verify(ids, out)
+    assert verdict.exactly_once, (verdict.to_dict(), log_path.read_text()[-5000:])
+    sink = KafkaSink(bs, dst, prefix)
+    try:
+        states = sink._txn_client().describe_transactions([sink.transactional_id(i) for i in range(16)])
+    finally:
+        sink.close()
+    assert any(d.state == "CompleteCommit" for d in states.values()), states
+    assert [t for t, d in states.items() if d.state in ("Ongoing", "PrepareAbort", "PrepareCommit")] == []

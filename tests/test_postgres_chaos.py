@@ -37,6 +37,20 @@ def _conn(info):
         c.close()
 
 
+@contextlib.contextmanager
+def _superuser():
+    """A cursor of the server's superuser (to make and drop a role of the test's own)."""
+    from tests.services.postgres import SERVICE
+
+    c = SERVICE._superuser_conn(timeout=10)
+    c.autocommit = True
+    try:
+        with c.cursor() as cur:
+            yield cur
+    finally:
+        c.close()
+
+
 def _write_input(folder, files: int, rows: int, keys: int) -> tuple[list[int], dict[int, int]]:
     """Files part-000.json ... with unique ids; key k = id % keys, v = file number.
 
@@ -61,16 +75,23 @@ def _write_input(folder, files: int, rows: int, keys: int) -> tuple[list[int], d
     return ids, last
 
 
-def _run(tmp_path, info, table, mode, name, crash_points, random_kills, seed):
-    env = {"PGPASSWORD": info["password"], "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"}
-    dsn = f"host={info['host']} port={info['port']} dbname={info['dbname']} user={info['user']}"
+def _run(tmp_path, info, table, mode, name, crash_points, random_kills, seed, *, user=None, password=None,
+         cluster_conf=None, progress_probe=None, kill_window=(12.0, 40.0), timeout=300):
+    """Run the driver under faults.  ``cluster_conf``: on the test Spark cluster, with these confs
+    (as ``spark-submit --conf``); ``user``/``password``: another role than the service's."""
+    password = password or info["password"]
+    env = {"PGPASSWORD": password, "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"}
+    dsn = f"host={info['host']} port={info['port']} dbname={info['dbname']} user={user or info['user']}"
     cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
            "--dsn", dsn, "--table", table, "--mode", mode, "--name", name]
+    if cluster_conf is not None:
+        cmd.append("--cluster")
+        env.update({"PYTHONPATH": REPO, "TWOPHASE_CLUSTER_CONF": json.dumps(cluster_conf)})
     log_path = str(tmp_path / "driver.log")
     try:
         return chaos.run_with_faults(cmd, crash_points=crash_points, random_kills=random_kills,
-                                     kill_window=(12.0, 40.0), seed=seed, env=env, log_path=log_path,
-                                     timeout=300)
+                                     kill_window=kill_window, seed=seed, env=env, log_path=log_path,
+                                     timeout=timeout, progress_probe=progress_probe)
     except BaseException:
         with open(log_path, errors="replace") as f:
             sys.stderr.write("".join(f.readlines()[-60:]))
@@ -127,3 +148,84 @@ def test_upsert_final_table_under_replays(tmp_path, postgres_service):
         actual = dict(cur.fetchall())
     assert actual == expected
     assert _leftovers(info, name) == []
+
+
+@pytest.mark.cluster
+@pytest.mark.spark
+def test_insert_exactly_once_on_a_cluster_whose_executors_and_workers_die(tmp_path, postgres_service,
+                                                                          spark_cluster_service):
+    """Issue 17, PostgreSQL: the insert pipeline on the standalone cluster (two workers, one
+    executor each), as its own role whose password reaches the executors only as
+    ``spark.executorEnv.PGPASSWORD`` (executors do not inherit the driver's environment).
+
+    Faults: ``after_pre_commit`` fires in executors' Python workers (prepared transactions whose
+    handles never reach the driver), the driver dies ``mid_commit``, one SIGKILL of the driver
+    while batches flow; meanwhile an executor JVM is SIGKILLed with its Python workers, and a
+    worker with its executors (then started again).  Every id is then in the table exactly once,
+    nothing of the query is left prepared, and the password is in no driver or executor log.
+    """
+    from tests import cluster
+    from tests.services.spark_cluster import SERVICE, WORKERS
+
+    info = postgres_service
+    role = f"tp_cluster_{uuid.uuid4().hex[:8]}"
+    secret = uuid.uuid4().hex
+    table = "events"
+    name = f"pgcluster-{uuid.uuid4().hex[:6]}"
+    expected, _ = _write_input(tmp_path / "in", files=6, rows=200, keys=50)
+    as_role = dict(info, user=role, password=secret,
+                   dsn=f"host={info['host']} port={info['port']} dbname={info['dbname']} user={role} "
+                       f"password={secret}")
+    with _superuser() as cur:
+        cur.execute(f'CREATE ROLE "{role}" LOGIN PASSWORD %s', (secret,))
+    with _conn(info) as c, c.cursor() as cur:  # the database's owner
+        cur.execute(f'GRANT CREATE ON DATABASE "{info["dbname"]}" TO "{role}"')
+    with _conn(as_role) as c, c.cursor() as cur:
+        # Its own schema, which is also where its marker table goes ("$user" on the search path).
+        cur.execute(f'CREATE SCHEMA "{role}"')
+        cur.execute(f'CREATE TABLE "{role}"."{table}" (id bigint NOT NULL, k bigint, v bigint)')
+    log_dir = tmp_path / "ck" / "twophase"
+
+    def log_records() -> int:
+        return sum(len(files) for _, _, files in os.walk(log_dir))
+
+    started = time.time()
+    try:
+        with cluster.Saboteur(log_records, ["executor", "worker"], seed=20261124, gap=10) as saboteur:
+            runs = _run(tmp_path, info, table, "insert", name, ["after_pre_commit:1", "mid_commit:2"],
+                        random_kills=1, seed=11, user=role, password=secret,
+                        cluster_conf={"spark.executorEnv.PGPASSWORD": secret},
+                        progress_probe=log_records, kill_window=(0.5, 2.0), timeout=400)
+        print(f"faults: {saboteur.done}; runs: {[r.to_dict() for r in runs]}")
+        by_fault = {r.fault: r for r in runs}
+        pre = by_fault["crash:after_pre_commit:1"]
+        assert pre.outcome == "crash point fired" and pre.exit_code != crash.EXIT_CODE, runs
+        assert all(line.startswith("after_pre_commit 1 ") for line in pre.fired), pre.fired
+        assert by_fault["crash:mid_commit:2"].outcome == "crash point fired", runs
+        assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
+        assert saboteur.struck, f"no executor or worker died while batches flowed: {saboteur.done}"
+        with _conn(as_role) as c, c.cursor() as cur:
+            cur.execute(f'SELECT id FROM "{role}"."{table}"')
+            actual = [r[0] for r in cur.fetchall()]
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE owner = %s", (role,))
+            left = [r[0] for r in cur.fetchall()]
+        verdict = chaos.verify(expected, actual)
+        assert verdict.exactly_once, verdict.to_dict()
+        assert verdict.records_out == len(expected) == 1200
+        assert left == []
+        logs = [tmp_path / "driver.log"] + [
+            f for d in WORKERS for f in SERVICE.work_dir(d).rglob("std*")
+            if f.is_file() and f.stat().st_mtime >= started]
+        assert len(logs) > 2, logs  # the driver's and at least two executors'
+        leaked = [str(f) for f in logs if secret in f.read_text(errors="replace")]
+        assert leaked == [], f"the password is in {leaked}"
+    finally:
+        with _conn(as_role) as c, c.cursor() as cur:
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE owner = %s", (role,))
+            for (gid,) in cur.fetchall():
+                cur.execute("ROLLBACK PREPARED %s", (gid,))
+            cur.execute(f'DROP SCHEMA "{role}" CASCADE')
+        with _conn(info) as c, c.cursor() as cur:
+            cur.execute(f'REVOKE CREATE ON DATABASE "{info["dbname"]}" FROM "{role}"')
+        with _superuser() as cur:
+            cur.execute(f'DROP ROLE "{role}"')

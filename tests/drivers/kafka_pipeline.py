@@ -1,7 +1,8 @@
 """Kafka source -> Spark -> Coordinator(KafkaSink) -> Kafka: the driver the Kafka kill tests start and kill.
 
 Usage: python -m tests.drivers.kafka_pipeline BOOTSTRAP IN_TOPIC OUT_TOPIC CHECKPOINT_DIR TID_PREFIX
-[MAX_OFFSETS_PER_TRIGGER].  Runs a streaming query with ``trigger(availableNow=True)`` over
+[MAX_OFFSETS_PER_TRIGGER] [--cluster].  ``--cluster``: on the test Spark cluster (tests/cluster.py)
+instead of local[2].  Runs a streaming query with ``trigger(availableNow=True)`` over
 everything in IN_TOPIC and exits 0 once all of it is committed to OUT_TOPIC.
 """
 
@@ -13,6 +14,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    cluster = "--cluster" in argv
+    argv = [a for a in argv if a != "--cluster"]
     bootstrap, in_topic, out_topic, checkpoint, prefix = argv[:5]
     max_offsets = int(argv[5]) if len(argv) > 5 else 200
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -22,8 +25,13 @@ def main(argv: list[str]) -> int:
     from twophase.sinks.kafka import KafkaSink
     from twophase.spark import local_session
 
-    spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "kafka-pipeline",
-                          {"spark.jars": ",".join(spark_kafka_jars())})
+    jars = {"spark.jars": ",".join(spark_kafka_jars())}  # Spark ships them to the executors
+    if cluster:
+        from tests.cluster import cluster_session
+
+        spark = cluster_session("twophase-kafka-pipeline", jars)
+    else:
+        spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "kafka-pipeline", jars)
     src = (spark.readStream.format("kafka")
            .option("kafka.bootstrap.servers", bootstrap)
            .option("subscribe", in_topic)

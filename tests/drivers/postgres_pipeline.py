@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     # More input partitions than local[2]'s two writer slots: every batch (and every replay,
     # whose rows land in other partitions) is coalesced to the transactions its INTENT planned.
     ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--cluster", action="store_true",
+                    help="run on the test Spark cluster (tests/cluster.py) instead of local[2]; the "
+                         "executors need PGPASSWORD as spark.executorEnv.PGPASSWORD")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -35,9 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     from twophase.sinks.postgres import PostgresSink
     from twophase.spark import local_session
 
-    # Short-lived JVMs under load: C1 only and the serial GC start faster and use less CPU.
-    spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf={
-        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+    if args.cluster:
+        from tests.cluster import cluster_session
+
+        spark = cluster_session(f"twophase-{args.name}")
+    else:
+        # Short-lived JVMs under load: C1 only and the serial GC start faster and use less CPU.
+        spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf={
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
     sink = PostgresSink(args.dsn, table=args.table, schema=args.schema, mode=args.mode,
                         key_columns=["k"] if args.mode == "upsert" else None,
                         password={"env": "PGPASSWORD"}, lock_timeout="20s")
