@@ -404,7 +404,8 @@ class Coordinator:
             raise ConfigurationError(
                 f"the executors cannot import what {type(self.sink).__name__} needs: {what}. Ship them with "
                 "the job: spark-submit --py-files twophase.zip (or spark.submit.pyFiles / "
-                "SparkContext.addPyFile) for twophase itself, and a packed environment "
+                "SparkContext.addPyFile) for twophase itself (its wheel copied to a .zip name: Spark "
+                "puts no .whl on the executors' path), and a packed environment "
                 "(--archives env.tar.gz#env with spark.pyspark.python=./env/bin/python, see venv-pack) or "
                 "an install on every host for packages with native code (pyarrow, confluent_kafka, "
                 "psycopg2). Nothing was written.")

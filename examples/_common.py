@@ -33,7 +33,15 @@ def kafka_jars(explicit: str | None) -> list[str]:
 
 
 def session(app: str, *, kafka: bool = False, jars: str | None = None, master: str | None = None):
-    """A small local Spark session (local[2] unless ``TWOPHASE_EXAMPLE_MASTER`` or ``master``)."""
+    """A small local Spark session (local[2] unless ``TWOPHASE_EXAMPLE_MASTER`` or ``master``).
+
+    Under ``spark-submit`` the session is spark-submit's: its ``--master``, ``--py-files`` and
+    ``--conf`` settings stand, nothing is overridden (``--jars`` for Kafka are the caller's too).
+    """
+    if "PYSPARK_GATEWAY_PORT" in os.environ:  # launched by spark-submit (which started the JVM)
+        from pyspark.sql import SparkSession
+
+        return SparkSession.builder.appName(app).getOrCreate()
     from twophase.spark import local_session
 
     conf: dict[str, Any] = {}

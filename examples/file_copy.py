@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     lines = (spark.readStream.option("maxFilesPerTrigger", args.files_per_batch).text(args.input)
              .select(F.input_file_name().alias("file"), F.col("value").alias("line")))
     sink = FileSink(args.output, format="jsonl", prefix="copy")
-    coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name)
+    coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name,
+                              shared_storage=args.shared_storage)
     q = (lines.repartition(args.partitions).writeStream.foreachBatch(coordinator)
          .option("checkpointLocation", args.checkpoint).trigger(availableNow=True).start())
     q.awaitTermination()
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--name", default="file-copy")
     r.add_argument("--files-per-batch", type=int, default=1)
     r.add_argument("--partitions", type=int, default=2)
+    r.add_argument("--shared-storage", action="store_true",
+                   help="on a cluster: every host mounts --output at the same path (NFS, ...)")
     v = sub.add_parser("verify", help="every input line exactly once in the output")
     v.add_argument("--input", required=True)
     v.add_argument("--output", required=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,49 @@ def test_coordinator_checks_executors_before_the_first_batch_on_a_cluster(cluste
     assert res["progress"]["rows"] == 100 and res["progress"]["action"] == "committed"
     visible = sorted(p.name for p in root.iterdir() if not p.name.startswith(("_", ".")))
     assert len(visible) == res["progress"]["handles"] >= 1
+
+
+def test_the_readme_spark_submit_command_runs_on_the_cluster(spark_cluster_service, tmp_path):
+    """README "On a cluster": spark-submit with twophase's wheel as --py-files, executors whose
+    Python lacks twophase, the file-copy example on a path both workers mount; every input line
+    is then in the output exactly once."""
+    import os
+    import shutil
+    import subprocess
+
+    from tests.services.spark_cluster import MASTER_URL, master_status
+
+    repo = Path(cluster.REPO)
+    # A wheel is a zip with the packages at its root, but Spark puts only .zip/.egg/.jar
+    # py-files on the executors' sys.path: the README copies it to a .zip.
+    wheel = cluster.build_wheel(tmp_path / "dist")
+    shipped = tmp_path / "twophase.zip"
+    shutil.copy(wheel, shipped)
+    bare = cluster.python_without_twophase(tmp_path / "bare-venv")
+    data = tmp_path / "shared"
+    ex = [sys.executable, "-m", "examples.file_copy"]
+    subprocess.run([*ex, "generate", "--input", str(data / "in"), "--files", "3", "--lines", "200"],
+                   cwd=repo, check=True, timeout=120)
+    cmd = [str(Path(sys.executable).parent / "spark-submit"), "--master", MASTER_URL,
+           "--py-files", str(shipped),
+           "--conf", f"spark.pyspark.python={bare}", "--conf", "spark.speculation=false",
+           "--conf", "spark.executor.cores=1", "--conf", "spark.executor.memory=512m",
+           "--conf", "spark.cores.max=2", "--conf", "spark.driver.host=127.0.0.1",
+           "examples/file_copy.py", "run", "--input", str(data / "in"), "--output", str(data / "out"),
+           "--checkpoint", str(data / "ck"), "--shared-storage"]
+    env = dict(os.environ, PYTHONPATH=str(repo), PYSPARK_DRIVER_PYTHON=sys.executable,
+               SPARK_LOCAL_IP="127.0.0.1")
+    env.pop("PYSPARK_PYTHON", None)
+    started_ms = time.time() * 1000
+    r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    # It ran as an application of the cluster (not in local mode), which has finished.
+    apps = [a for a in master_status()["completedapps"]
+            if a["name"] == "file-copy" and a["starttime"] >= started_ms]
+    assert len(apps) == 1 and apps[0]["state"] == "FINISHED", master_status()["completedapps"][:3]
+    v = subprocess.run([*ex, "verify", "--input", str(data / "in"), "--output", str(data / "out")],
+                       cwd=repo, capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0 and "600" in v.stdout, (v.stdout, v.stderr)
 
 
 def test_the_zip_holds_the_modules_the_wheel_installs(tmp_path):
