@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from twophase import crash
@@ -197,10 +197,10 @@ class Coordinator:
         self.takeover = takeover
         self.shared_storage = shared_storage
         self._probed = False           # executors checked (cluster masters, first batch)
-        self._log_args = dict(storage_options=storage_options, retain_batches=retain_batches,
-                              lease_timeout=lease_timeout)
+        self._log_args: dict[str, Any] = dict(storage_options=storage_options,
+                                              retain_batches=retain_batches, lease_timeout=lease_timeout)
         self.log: TransactionLog | None = None
-        self._checkpoint_store: LogStore | bool | None = None  # False: its scheme has no store
+        self._checkpoint_store: LogStore | Literal[False] | None = None  # False: its scheme has no store
         self._query_id: str | None = None
         self._stateful: bool | None = None
         self._scoped_name = name       # the name sinks see: name + the log's identity (set at start)

@@ -836,6 +836,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         if self.fs == "s3":
             b = self._backend
+            assert isinstance(b, _S3Files)
             return {
                 "fs": "s3",
                 "bucket": b.bucket,
