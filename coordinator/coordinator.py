@@ -213,14 +213,22 @@ class Coordinator:
 
     @staticmethod
     def _clear_interrupted_start(checkpoint_location: str, storage_options: dict[str, Any] | None) -> None:
-        """A driver killed while Spark wrote ``offsets/0`` must not leave a query Spark refuses to start."""
+        """A driver killed while Spark wrote ``offsets/0`` must not leave a query Spark refuses to start.
+
+        Here, not at the first batch: Spark checks the checkpoint in ``start()``'s query thread
+        before any batch runs, so a query it refuses never calls the coordinator.
+        """
         from twophase.spark import clear_interrupted_start
 
         try:
             clear_interrupted_start(checkpoint_location, storage_options)
         except Exception as e:  # noqa: BLE001 - Spark's own start-up check then reports the state
-            log.warning("could not check %s for temp files of an interrupted first batch: %s",
-                        checkpoint_location, e)
+            log.warning("could not check %s for temp files of an interrupted first start: %s. If the "
+                        "query then fails with STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY and no batch "
+                        "was ever planned, remove the .0.<uuid>.tmp files (and their .crc) from its "
+                        "offsets/ and commits/, or call twophase.spark.clear_interrupted_start(%r), "
+                        "and start again; a new checkpoint location would start a different query.",
+                        checkpoint_location, e, checkpoint_location)
 
     # ------------------------------------------------------------- entry points
     def __call__(self, df, batch_id: int) -> None:
