@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from twophase import crash
@@ -197,10 +197,10 @@ class Coordinator:
         self.takeover = takeover
         self.shared_storage = shared_storage
         self._probed = False           # executors checked (cluster masters, first batch)
-        self._log_args = dict(storage_options=storage_options, retain_batches=retain_batches,
-                              lease_timeout=lease_timeout)
+        self._log_args: dict[str, Any] = dict(storage_options=storage_options,
+                                              retain_batches=retain_batches, lease_timeout=lease_timeout)
         self.log: TransactionLog | None = None
-        self._checkpoint_store: LogStore | bool | None = None  # False: its scheme has no store
+        self._checkpoint_store: LogStore | Literal[False] | None = None  # False: its scheme has no store
         self._query_id: str | None = None
         self._stateful: bool | None = None
         self._scoped_name = name       # the name sinks see: name + the log's identity (set at start)
@@ -213,14 +213,22 @@ class Coordinator:
 
     @staticmethod
     def _clear_interrupted_start(checkpoint_location: str, storage_options: dict[str, Any] | None) -> None:
-        """A driver killed while Spark wrote ``offsets/0`` must not leave a query Spark refuses to start."""
+        """A driver killed while Spark wrote ``offsets/0`` must not leave a query Spark refuses to start.
+
+        Here, not at the first batch: Spark checks the checkpoint in ``start()``'s query thread
+        before any batch runs, so a query it refuses never calls the coordinator.
+        """
         from twophase.spark import clear_interrupted_start
 
         try:
             clear_interrupted_start(checkpoint_location, storage_options)
         except Exception as e:  # noqa: BLE001 - Spark's own start-up check then reports the state
-            log.warning("could not check %s for temp files of an interrupted first batch: %s",
-                        checkpoint_location, e)
+            log.warning("could not check %s for temp files of an interrupted first start: %s. If the "
+                        "query then fails with STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY and no batch "
+                        "was ever planned, remove the .0.<uuid>.tmp files (and their .crc) from its "
+                        "offsets/ and commits/, or call twophase.spark.clear_interrupted_start(%r), "
+                        "and start again; a new checkpoint location would start a different query.",
+                        checkpoint_location, e, checkpoint_location)
 
     # ------------------------------------------------------------- entry points
     def __call__(self, df, batch_id: int) -> None:

@@ -7,6 +7,8 @@ cd "$REPO"
 source scripts/setup.sh test,bench
 echo "[test] ruff check" >&2
 ruff check .   # lint first: seconds, and a failure here needs no servers
+echo "[test] mypy" >&2
+mypy           # type check (config in pyproject.toml): seconds too
 python -m tests.services stop >/dev/null 2>&1 || true
 trap 'python -m tests.services stop || true' EXIT
 t0=$(date +%s)

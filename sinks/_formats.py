@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import io
 import json
 import math
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -61,12 +63,13 @@ class FormatWriter:
     ROW_GROUP_BYTES = 64 * MIB
     ROW_GROUP_ROWS = 1 << 20
 
-    def __init__(self, fmt: str, f: Any, compression: str | None):
-        self.fmt, self.compression = fmt, compression
+    def __init__(self, fmt: str, f: Any, compression: str | None, header: bool = False):
+        self.fmt, self.compression, self.header = fmt, compression, header
         self._writer: Any = None
         self._compressed: Any = None
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = self._pending_bytes = 0
+        self._header_written = False
         if fmt != "parquet" and compression:
             codec = {"gz": "gzip"}.get(compression, compression)
             self._compressed = pa.CompressedOutputStream(
@@ -92,11 +95,8 @@ class FormatWriter:
             ):
                 self.flush_row_group()
         elif self.fmt == "csv":
-            import pyarrow.csv as pacsv
-
-            if self._writer is None:
-                self._writer = pacsv.CSVWriter(self.f, batch.schema)
-            self._writer.write_batch(batch)
+            self.f.write(csv_lines(batch, header=self.header and not self._header_written).encode())
+            self._header_written = True
         else:
             self.f.write(json_lines(batch).encode())
 
@@ -234,4 +234,125 @@ def json_lines(batch: pa.RecordBatch) -> str:
     out = []
     for i in range(batch.num_rows):
         out.append(_object((k, enc, col[i]) for (k, enc), col in zip(fields, cols)))
+    return "\n".join(out) + "\n" if out else ""
+
+
+# ---------------------------------------------------------------- CSV, as Spark writes it
+# Spark's CSV writer (univocity, default options): no header; separator ","; null as nothing and
+# the empty string as ""; leading and trailing whitespace (chars <= ' ') of a value dropped; a value
+# quoted with " when what remains after its leading whitespace holds , " \n or \r (or, in the first
+# column, when it starts with the comment char #), inside quotes " and \ escaped with \; lines end
+# in \n.  Values: booleans true/false, floats as Java's Double/Float.toString (1.0E20, NaN,
+# Infinity), decimals as Java's BigDecimal.toString, binary as [AB CD] (hex bytes), dates
+# yyyy-MM-dd, timestamps yyyy-MM-dd'T'HH:mm:ss.SSSXXX in the session time zone, timestamps without
+# zone yyyy-MM-dd'T'HH:mm:ss.SSS.  Like Spark, arrays, structs, maps and nulls-only columns are
+# refused.  tests/test_files_local.py compares with Spark's output.
+_CSV_BLANK = "".join(chr(i) for i in range(33))
+_CSV_QUOTE_IF = frozenset(',"\n\r')
+
+
+def csv_field(v: str, first: bool = False) -> str:
+    """One string value as a field of Spark's CSV writer (``first``: in the first column)."""
+    lead = v.lstrip(_CSV_BLANK)
+    text = lead.rstrip(_CSV_BLANK)
+    if not text:
+        return '""'
+    if (first and v[0] == "#") or not _CSV_QUOTE_IF.isdisjoint(lead):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
+def _java_number(v: float, shortest: str) -> str:
+    """``v`` as Java's Double/Float.toString, from the shortest decimal that reads back as ``v``."""
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "Infinity" if v > 0 else "-Infinity"
+    if v == 0:
+        return "-0.0" if math.copysign(1.0, v) < 0 else "0.0"
+    mantissa, _, exp = shortest.lower().partition("e")
+    sign = "-" if mantissa.startswith("-") else ""
+    whole, _, frac = mantissa.lstrip("-").partition(".")
+    digits = (whole + frac).lstrip("0")
+    point = len(whole.lstrip("0")) if whole.strip("0") else -(len(frac) - len(frac.lstrip("0")))
+    point += int(exp or 0)  # value = 0.DIGITS * 10**point
+    digits = digits.rstrip("0")
+    if 1e-3 <= abs(v) < 1e7:
+        if point <= 0:
+            return f"{sign}0.{'0' * -point}{digits}"
+        digits = digits.ljust(point, "0")
+        return f"{sign}{digits[:point]}.{digits[point:] or '0'}"
+    return f"{sign}{digits[0]}.{digits[1:] or '0'}E{point - 1}"
+
+
+def _java_float32(v: float) -> str:
+    if math.isnan(v) or math.isinf(v) or v == 0:
+        return _java_number(v, "")
+    for precision in range(9):  # 9 significant digits always read back as the same 32-bit float
+        text = f"{v:.{precision}e}"
+        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == v:
+            break
+    return _java_number(v, text)
+
+
+def _iso_timestamp(tz: str | None) -> Encoder:
+    def enc(v: dt.datetime) -> str:
+        text = (f"{v.year:04d}-{v.month:02d}-{v.day:02d}T{v.hour:02d}:{v.minute:02d}:"
+                f"{v.second:02d}.{_millis(v)}")
+        if tz is None:
+            return text
+        secs = int((v.utcoffset() or dt.timedelta(0)).total_seconds())
+        if secs == 0:
+            return text + "Z"
+        sign, secs = ("-" if secs < 0 else "+"), abs(secs)
+        zone = f"{sign}{secs // 3600:02d}:{secs // 60 % 60:02d}"
+        return text + zone + (f":{secs % 60:02d}" if secs % 60 else "")
+
+    return enc
+
+
+def csv_encoder(t: pa.DataType) -> Encoder:
+    """The CSV text of one non-null value of Arrow type ``t`` (from ``to_pylist``), as Spark writes it
+    (strings before :func:`csv_field`)."""
+    if pa.types.is_boolean(t):
+        return lambda v: "true" if v else "false"
+    if pa.types.is_integer(t) or pa.types.is_decimal(t):
+        return str  # Python's Decimal prints as Java's BigDecimal.toString does
+    if pa.types.is_float32(t) or pa.types.is_float16(t):
+        return _java_float32
+    if pa.types.is_floating(t):
+        return lambda v: _java_number(v, repr(v))
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return str
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return lambda v: "[" + " ".join(f"{b:02X}" for b in v) + "]"
+    if pa.types.is_date(t):
+        return lambda v: f"{v.year:04d}-{v.month:02d}-{v.day:02d}"
+    if pa.types.is_timestamp(t):
+        return _iso_timestamp(t.tz)
+    raise TypeError(f"cannot write Arrow type {t} as CSV (Spark's CSV writer refuses it too)")
+
+
+def _csv_columns(schema: pa.Schema) -> list[Encoder]:
+    encoders: list[Encoder] = []
+    for i, f in enumerate(schema):
+        try:
+            enc = csv_encoder(f.type)
+        except TypeError as e:
+            raise TypeError(f"column {f.name!r}: {e}; cast it (e.g. to string) before writing csv") from None
+        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
+            encoders.append(functools.partial(csv_field, first=i == 0))
+        else:
+            encoders.append(enc)
+    return encoders
+
+
+def csv_lines(batch: pa.RecordBatch, header: bool = False) -> str:
+    """The rows of ``batch`` as CSV lines, as Spark's CSV writer writes them with its defaults (and
+    ``header``: the column names first, as Spark's ``header=true`` writes them)."""
+    encoders = _csv_columns(batch.schema)
+    out = [",".join(csv_field(n, i == 0) for i, n in enumerate(batch.schema.names))] if header else []
+    cols = [c.to_pylist() for c in batch.columns]
+    for i in range(batch.num_rows):
+        out.append(",".join("" if col[i] is None else enc(col[i]) for enc, col in zip(encoders, cols)))
     return "\n".join(out) + "\n" if out else ""

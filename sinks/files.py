@@ -648,7 +648,9 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     ``client_kwargs``, ``config_kwargs``, ``s3_additional_kwargs`` such as
     ``{"ServerSideEncryption": "aws:kms"}``).  An option a backend does not take is refused.
 
-    ``format``: ``parquet`` (default), ``jsonl`` or ``csv``.  ``compression``: the
+    ``format``: ``parquet`` (default), ``jsonl`` or ``csv`` (both as Spark's JSON and CSV
+    writers write them with their defaults; ``header=True`` starts each csv file with the column
+    names, as Spark's ``header`` option does).  ``compression``: the
     Parquet codec (``snappy`` default, ``zstd``, ``gzip``, ``lz4``, ``brotli``, ``none``)
     or, for jsonl/csv, a whole-file codec (``gzip``, ``bz2``, ``zstd``) that adds
     ``.gz``/``.bz2``/``.zst``.  ``prefix`` starts every part name:
@@ -689,6 +691,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         part_size: int = DEFAULT_PART_SIZE,
         s3_etags: str = "md5",
         s3_if_none_match: str = "require",
+        header: bool = False,
     ):
         if format not in FORMATS:
             raise ConfigurationError(f"unknown format {format!r}; use one of parquet, jsonl, csv")
@@ -706,6 +709,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                     f"compression {compression!r} is not available for {fmt}; use one of "
                     f"{', '.join(sorted(allowed))}"
                 )
+        if header and fmt != "csv":
+            raise ConfigurationError(f"header=True is a csv option; format is {fmt}")
         if partition_values not in ("escape", "reject"):
             raise ConfigurationError(
                 "partition_values must be 'escape' (Hive-style %XX) or 'reject'"
@@ -768,6 +773,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         self.part_size = part_size
         self.s3_etags = s3_etags
         self.s3_if_none_match = s3_if_none_match
+        self.header = bool(header)
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"FileSink({self.url!r}, format={self.format!r})"
@@ -801,6 +807,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             cfg["s3_etags"] = self.s3_etags
         if self.s3_if_none_match != "require":
             cfg["s3_if_none_match"] = self.s3_if_none_match
+        if self.header:
+            cfg["header"] = True
         if self.storage_options:
             cfg["storage_options"] = _config_options(self.storage_options)
         return cfg
@@ -836,6 +844,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         if self.fs == "s3":
             b = self._backend
+            assert isinstance(b, _S3Files)
             return {
                 "fs": "s3",
                 "bucket": b.bucket,
@@ -857,7 +866,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         else:
             final = b.join(b.root, name)
         staging, stream = b.open_file(ctx, final, len(txn.files))
-        f = _OpenFile(final, staging, stream, _FormatWriter(self.format, stream, self.compression))
+        writer = _FormatWriter(self.format, stream, self.compression, self.header)
+        f = _OpenFile(final, staging, stream, writer)
         txn.files[key] = f
         return f
 

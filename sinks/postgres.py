@@ -477,7 +477,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                                "connect_timeout": self.connect_timeout,
                                "marker_retention_batches": self.marker_retention_batches,
                                "application_name": self.application_name}
-        if self._password_ref is not None:
+        if isinstance(self._password_ref, dict):  # a secret reference, never the password itself
             cfg["password"] = dict(self._password_ref)
         return cfg
 

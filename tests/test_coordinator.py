@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -326,3 +327,53 @@ def test_checkpoint_spellings_that_name_the_same_location():
     assert not _same_location("/chk/other", "file:/chk/events")
     assert not _same_location("/chk/other", "hdfs://nn:8020/chk/events")
     assert not _same_location("hdfs://other:8020/chk/events", "hdfs://nn:8020/chk/events")
+
+
+def test_creating_a_coordinator_logs_each_temp_file_it_removes_with_the_reason(tmp_path, caplog):
+    """Issue 19: the clean-up stays before start() (Spark refuses the query before any batch
+    runs), but it is not silent: one INFO line per removed file, saying why."""
+    cp = tmp_path / "cp"
+    leftovers = _interrupted_first_batch(cp)
+    with caplog.at_level(logging.INFO, logger="twophase"):
+        Coordinator(FileSink(str(tmp_path / "out")), checkpoint_location=str(cp), name="k")
+    assert not any(p.exists() for p in leftovers)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "removed" in r.getMessage()]
+    assert len(infos) == 2, infos
+    for p, msg in zip(sorted(leftovers), sorted(infos)):
+        assert str(p) in msg and "interrupted before its first batch was planned" in msg
+        assert "refuses to start a query at batch 0" in msg
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_file_that_will_stop_spark_from_starting_is_kept_and_explained(tmp_path, caplog):
+    cp = tmp_path / "cp"
+    _interrupted_first_batch(cp)
+    stray = cp / "offsets" / "notes.txt"
+    stray.write_text("x")
+    with caplog.at_level(logging.INFO, logger="twophase"):
+        Coordinator(FileSink(str(tmp_path / "out")), checkpoint_location=str(cp), name="k")
+    assert stray.exists()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY" in warning and "notes.txt" in warning
+    assert "move them out of that directory and start the query again" in warning
+    # Once batch 0 is planned, nothing is said: Spark restarts from it.
+    (cp / "offsets" / "0").write_text("v1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="twophase"):
+        Coordinator(FileSink(str(tmp_path / "out")), checkpoint_location=str(cp), name="k")
+    assert not [r for r in caplog.records if "STATE_STORE" in r.getMessage() or "removed" in r.getMessage()]
+
+
+def test_a_checkpoint_that_cannot_be_checked_is_explained_not_fatal(tmp_path, caplog, monkeypatch):
+    import twophase.log
+
+    def unreachable(*a, **k):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(twophase.log, "open_store", unreachable)
+    cp = str(tmp_path / "cp")
+    with caplog.at_level(logging.WARNING, logger="twophase"):
+        Coordinator(FileSink(str(tmp_path / "out")), checkpoint_location=cp, name="k")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "connection refused" in warning and "STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY" in warning
+    assert f"clear_interrupted_start({cp!r})" in warning

@@ -158,8 +158,8 @@ def run_with_faults(cmd: Sequence[str], *, crash_points: Sequence[str] = (), ran
     say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
     plan: list[tuple[str, str | None, float | None]] = [(f"crash:{p}", p, None) for p in crash_points]
     for _ in range(random_kills):
-        delay = rng.uniform(*kill_window)
-        plan.append((f"sigkill@{delay:.1f}s", None, delay))
+        after = rng.uniform(*kill_window)
+        plan.append((f"sigkill@{after:.1f}s", None, after))
     runs: list[Run] = []
     total = len(plan) + 1
     log_file = open(log_path, "ab") if log_path else None

@@ -16,9 +16,12 @@ import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twophase.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from twophase.sink import TwoPhaseCommitSink
 
 BUILTIN_SINKS = {
     "files": "twophase.sinks.files:FileSink",
@@ -27,7 +30,7 @@ BUILTIN_SINKS = {
 }
 
 
-def sink_class(kind: str) -> type:
+def sink_class(kind: str) -> type[TwoPhaseCommitSink[Any, Any]]:
     target = BUILTIN_SINKS.get(kind)
     if target is None:
         for ep in entry_points(group="twophase.sinks"):
@@ -71,7 +74,9 @@ _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str:
                list: "a list", tuple: "a list", dict: "an object"}
 
 
-def check_params(cls: type, kind: str, params: dict[str, Any]) -> None:
+def check_params(
+    cls: type[TwoPhaseCommitSink[Any, Any]], kind: str, params: dict[str, Any]
+) -> None:
     """Refuse unknown, missing and mistyped parameters of a sink config with one line naming the field.
 
     Types are checked against the constructor's defaults (a parameter defaulting to ``5``

@@ -66,7 +66,8 @@ def read_output_ids(out: Path, fmt: str) -> list[str]:
         if fmt == "parquet":
             ids.extend(pq.read_table(path, columns=["id"]).column("id").to_pylist())
         elif fmt == "csv":
-            ids.extend(pacsv.read_csv(path).column("id").to_pylist())
+            no_header = pacsv.ReadOptions(autogenerate_column_names=True)  # as Spark writes csv
+            ids.extend(pacsv.read_csv(path, read_options=no_header).column(0).to_pylist())
         else:
             ids.extend(json.loads(line)["id"] for line in path.read_text().splitlines() if line)
     return ids

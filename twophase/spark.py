@@ -54,8 +54,12 @@ def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str,
     batch file: no batch was planned, so nothing of Spark's state is lost.  Anything else in
     the directory is left alone (and Spark's check then still stops the query, as it should).
 
-    Run it before ``start()``, while no driver runs the query.  :class:`~twophase.coordinator.Coordinator`
-    calls it when given ``checkpoint_location``.  Works on every location the transaction log
+    It has to run before ``start()``: Spark checks the directories when the query starts, before
+    any batch, so a query with the temp file never reaches a first batch where a coordinator
+    could clean up.  :class:`~twophase.coordinator.Coordinator` calls it when it is created
+    with ``checkpoint_location`` (run it while no driver runs the query).  Each removed file is
+    logged at INFO with the reason; other files that will make Spark refuse the start are
+    logged at WARNING, with what to do.  Works on every location the transaction log
     supports (local disk, HDFS over WebHDFS, S3); ``storage_options`` as for the log.
     """
     from twophase.log import open_store
@@ -66,12 +70,22 @@ def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str,
         names = store.list(sub, hidden=True)
         if any(_SPARK_BATCH.match(n) for n in names):
             continue  # a planned batch: Spark restarts from it and never looks at temp files
+        others = []
         for n in names:
             if _SPARK_TEMP.match(n):
                 store.delete(f"{sub}/{n}")
-                removed.append(store.location(f"{sub}/{n}"))
-    if removed:
-        log.warning("removed %d temp file(s) of an interrupted first batch from %s so that Spark can start "
-                    "the query at batch 0: %s", len(removed), checkpoint_location,
-                    ", ".join(r.rsplit("/", 2)[-2] + "/" + r.rsplit("/", 1)[-1] for r in removed))
+                where = store.location(f"{sub}/{n}")
+                removed.append(where)
+                log.info("removed %s: Spark's temp file of a %s/ entry, left by a start of this query "
+                         "that was interrupted before its first batch was planned; Spark refuses to "
+                         "start a query at batch 0 while %s/ holds it, and no batch was planned, so "
+                         "nothing of the query's state is lost", where, sub, sub)
+            else:
+                others.append(n)
+        if others:
+            log.warning("Spark will refuse to start this query at batch 0 "
+                        "(STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY): %s holds %s, which twophase "
+                        "leaves alone (not Spark's temp files). No batch was planned in %s, so move "
+                        "them out of that directory and start the query again.",
+                        store.location(sub), ", ".join(sorted(others)), checkpoint_location)
     return removed

@@ -138,6 +138,7 @@ def open_store(
     if plugin is not None:
         return plugin(url, storage_options, exclusive)
     if not exclusive:  # reading Spark's checkpoint elsewhere: any fsspec filesystem will do
+        assert _FSSPEC.log_store is not None
         return _FSSPEC.load(_FSSPEC.log_store).from_url(url, storage_options, exclusive)
     if scheme in NO_EXCLUSIVE_CREATE:
         raise ConfigurationError(

@@ -425,9 +425,10 @@ class S3Storage:
 
     def _extra(self, op: str) -> dict[str, Any]:
         """The ``s3_additional_kwargs`` (and ``RequestPayer``) that ``op`` takes (s3fs's filter)."""
-        cache = getattr(self, "_c_extra", None)
+        cache: dict[str, dict[str, Any]] | None = getattr(self, "_c_extra", None)
         if cache is None:
-            cache = self._c_extra = {}
+            cache = {}
+            self._c_extra = cache
         if op not in cache:
             extra = _resolved(
                 dict(self.storage_options.get("s3_additional_kwargs") or {}),

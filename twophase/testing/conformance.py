@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twophase._deps import require
 from twophase.context import TransactionContext
@@ -32,10 +32,16 @@ from twophase.errors import CommitError, DataLossError, HandleError
 from twophase.recovery import Committer, PendingBatch, recover_pending
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 
-hypothesis = require("hypothesis", "twophase.testing")
-st = require("hypothesis.strategies", "twophase.testing")
-stateful = require("hypothesis.stateful", "twophase.testing")
-pa = require("pyarrow", "twophase.testing")
+if TYPE_CHECKING:
+    import hypothesis
+    import pyarrow as pa
+    from hypothesis import stateful
+    from hypothesis import strategies as st
+else:  # the install hint when the "testing" extra is missing
+    hypothesis = require("hypothesis", "twophase.testing")
+    st = require("hypothesis.strategies", "twophase.testing")
+    stateful = require("hypothesis.stateful", "twophase.testing")
+    pa = require("pyarrow", "twophase.testing")
 
 #: The running example's notes, kept so that a failure hypothesis cannot replay (a race) still
 #: comes with its story.
@@ -245,7 +251,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sink: TwoPhaseCommitSink | None = None
+        self._sink: TwoPhaseCommitSink | None = None
         self.shipped: bytes = b""
         self.batches: dict[int, BatchModel] = {}
         self.current: BatchModel | None = None
@@ -279,8 +285,19 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         note(f"query {self.query_name}: sink {self._sink_name()} opened; row ids from {self.id_base}; "
              f"up to {self.crashes_left} driver crash(es)")
 
+    @property
+    def sink(self) -> TwoPhaseCommitSink:
+        """The driver's sink object: made by the first rule, dropped when the example ends."""
+        if self._sink is None:
+            raise RuntimeError("the conformance machine has no sink outside an example")
+        return self._sink
+
+    @sink.setter
+    def sink(self, sink: TwoPhaseCommitSink) -> None:
+        self._sink = sink
+
     def _new_sink(self, how: str) -> TwoPhaseCommitSink:
-        if how == "config" and self.sink is not None:
+        if how == "config" and self._sink is not None:
             cls = type(self.sink)
             config = json.loads(json.dumps(self.sink.to_config()))
             return cls.from_config(config)
@@ -391,6 +408,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
                                                       ends[p])
                 attempts[p] += 1
                 if outcome == PRE_COMMIT:
+                    assert envelope is not None  # a pre-committed attempt returns its handle
                     results[p] = envelope
                     todo.remove(p)
                     if die_after_tasks is not None and len(results) >= die_after_tasks:
@@ -576,7 +594,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         committer.track_all([(b, self._decided_handles(b)) for b in decided])
         pending = [PendingBatch(generation=1, batch_id=b.batch_id, name=self.query_name,
                                 intent=json.loads(b.intent_json), sink_kind=self.sink.kind,
-                                handles=json.loads(b.prepared_json) if b.decided else None)
+                                handles=None if b.prepared_json is None else json.loads(b.prepared_json))
                    for b in unfinished]
 
         def mark(pb: PendingBatch) -> None:
@@ -614,7 +632,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             failure = sys.exc_info()[1]
             if isinstance(failure, ConformanceError):
                 self._record_failure(failure)
-            if self.sink is None:
+            if self._sink is None:
                 return
             if failure is not None:
                 # The example failed, or hypothesis stopped it half-way: nothing to check, but
@@ -641,8 +659,8 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             self._record_failure(e)
             raise
         finally:
-            _close(self.sink)
-            self.sink = None
+            _close(self._sink)
+            self._sink = None
 
     # ================================================================ helpers
     def _quiesce(self) -> None:
@@ -657,7 +675,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             sink.open()
             pending = [PendingBatch(generation=1, batch_id=b.batch_id, name=self.query_name,
                                     intent=json.loads(b.intent_json), sink_kind=sink.kind,
-                                    handles=json.loads(b.prepared_json) if b.decided else None)
+                                    handles=None if b.prepared_json is None else json.loads(b.prepared_json))
                        for b in unfinished]
             committer = Committer(sink, parallelism=1, retries=self.commit_retries, backoff=0.01,
                                   max_backoff=0.5, name=self.query_name, where="the harness' model of the log")
@@ -675,6 +693,8 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
 
     def _decided_handles(self, b: BatchModel) -> list[Any]:
         """The decision's handles as a driver reads them back from the log (fresh objects from JSON)."""
+        if b.prepared_json is None:
+            raise ConformanceError(f"batch {b.batch_id} has no decision yet")  # the harness' own bug
         return [self.sink.decode_handle(env) for env in json.loads(b.prepared_json)]
 
     def _round_trip(self, executor: TwoPhaseCommitSink, handle: Any, label: str) -> str:
@@ -714,7 +734,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
     def _check_aborted(self, before: set[str] | None, rec: Attempt, b: BatchModel) -> None:
         if before is None:
             return
-        left = self._pending() - before
+        now = self._pending()
+        assert now is not None  # ``before`` came from the same pending()
+        left = now - before
         if left:
             raise ConformanceError(
                 f"{rec.label(b.batch_id)} was aborted, but it left {len(left)} transaction(s) open: "
@@ -755,9 +777,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         for i in sorted(dup)[:5]:
             problems.append(f"row {i} appears {dup[i]} times ({self._provenance(i)})")
         for i in unexpected[:5]:
-            b = self._batch_of(i)
-            why = ("its batch was never decided" if b and not b.decided else
-                   "no committed handle carries it yet" if b else "no batch of this example wrote it")
+            owner = self._batch_of(i)
+            why = ("its batch was never decided" if owner and not owner.decided else
+                   "no committed handle carries it yet" if owner else "no batch of this example wrote it")
             problems.append(f"row {i} is visible but {why} ({self._provenance(i)})")
         for i in missing[:5]:
             problems.append(f"row {i} is missing although its batch was decided ({self._provenance(i)})")
@@ -771,7 +793,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             note(msg)
             raise ConformanceError(msg)
         if exact and self.pending is not None:
-            left = self._pending() - self.pending_baseline
+            now, baseline = self._pending(), self.pending_baseline
+            assert now is not None and baseline is not None  # both from pending(), which is set
+            left = now - baseline
             if left:
                 msg = (f"{where}: {len(left)} transaction(s) are still open although every batch is committed "
                        f"or aborted: {sorted(left)[:5]}. abort_lingering must abort what failed attempts and "
