@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import SECTIONS, Params, make_data, progress, session
+from benchmarks.common import SECTIONS, SHAPES, Params, make_data, progress, session
 
 NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3", "minio"), "recovery": ("postgres",),
          "coordinator": (), "partitions": ("kafka", "postgres")}
@@ -33,6 +33,14 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     ap.add_argument("--reps", type=int, help="timed repetitions per variant (interleaved)")
     ap.add_argument("--warmup", type=int, help="untimed runs per variant first")
     ap.add_argument("--out", type=Path, help="results directory (default benchmarks/results)")
+    ap.add_argument("--partition-counts", help="comma list of input partition counts for the "
+                    "partitions section (default 2,50,200)")
+    ap.add_argument("--targets", help="comma list of files, kafka, postgres for the partitions section")
+    ap.add_argument("--cluster", type=int, metavar="N", choices=(1, 2),
+                    help="run on the test Spark standalone cluster (python -m tests.services start "
+                         "spark_cluster) with N one-core executors, one per worker, instead of local[2]")
+    ap.add_argument("--data-shape", choices=SHAPES, help="rows of the partitions section: hex "
+                    "(default), random (incompressible) or events (timestamps, numbers, categories)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile each sink's executor+commit path in-process with pyinstrument")
     a = ap.parse_args(argv)
@@ -46,6 +54,18 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
         if v is not None:
             setattr(p, k, v)
     p.profile = a.profile
+    if a.partition_counts:
+        p.partition_counts = tuple(int(x) for x in a.partition_counts.split(","))
+    if a.targets:
+        p.partition_targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
+        bad_t = [t for t in p.partition_targets if t not in ("files", "kafka", "postgres")]
+        if bad_t:
+            ap.error(f"unknown target(s) {bad_t}; choose from files, kafka, postgres")
+    p.cluster = a.cluster or 0
+    if a.data_shape:
+        if {x.strip() for x in a.only.split(",") if x.strip()} != {"partitions"} and a.data_shape != "hex":
+            ap.error("--data-shape other than hex applies to --only partitions")
+        p.data_shape = a.data_shape
     only = [s.strip() for s in a.only.split(",") if s.strip()]
     bad = [s for s in only if s not in SECTIONS]
     if bad:
@@ -62,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = round(os.getloadavg()[0], 2)  # other work on the machine skews every number: record it
     from tests import services as svc
 
-    names = sorted({n for s in only for n in NEEDS[s]})
+    names = sorted({n for s in only for n in NEEDS[s]} | ({"spark_cluster"} if params.cluster else set()))
     progress(f"services: {', '.join(names) or 'none'}")
     services: dict[str, Any] = svc.ensure(*names) if names else {}
     if "TWOPHASE_SPARK_DRIVER_MEMORY" not in os.environ:
@@ -70,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         # (2M rows x 100 B needs more than the 1g default).
         need_gb = params.rows * (params.row_size + 40) * 8 / 1e9
         os.environ["TWOPHASE_SPARK_DRIVER_MEMORY"] = f"{min(8, max(1, int(need_gb) + 1))}g"
-    spark = session(only)
+    spark = session(only, params.cluster)
     progress(f"data: {params.rows} rows x {params.row_size} B in {params.partitions} partitions")
-    df = make_data(spark, params.rows, params.row_size, params.partitions)
+    df = make_data(spark, params.rows, params.row_size, params.partitions, params.data_shape)
     res: dict[str, Any] = {"started_at": started, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                           f"Python {platform.python_version()}, Spark {spark.version}",
+                           f"Python {platform.python_version()}, Spark {spark.version}, master {spark.sparkContext.master}"
+                           + (f" ({params.cluster} one-core executor(s), one per worker)" if params.cluster else ""),
                            "params": params.to_dict(), "sections": {}, "goals": []}
     for name in only:
         progress(f"=== {name} ===")

@@ -38,6 +38,8 @@ class Params:
     partition_counts: tuple[int, ...] = (2, 50, 200)
     partition_targets: tuple[str, ...] = ("files", "kafka", "postgres")
     kafka_topic_partitions: int = 4
+    cluster: int = 0  # > 0: on the test standalone cluster with this many one-core executors
+    data_shape: str = "hex"  # see make_data
     quick: bool = False
     out: Path = RESULTS
     profile: bool = False
@@ -154,8 +156,10 @@ def goal(name: str, value: float, target: float, op: str) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- Spark
-def session(sections: list[str]):
-    """The one Spark session of this process, with the jars the chosen sections need."""
+def session(sections: list[str], cluster: int = 0):
+    """The one Spark session of this process, with the jars the chosen sections need: local[2],
+    or with ``cluster`` > 0 an application of the test standalone cluster
+    (tests/services/spark_cluster.py) with that many one-core executors (one per worker)."""
     # Spark's Python workers must import benchmarks.* (the null sink) and twophase.
     pp = os.environ.get("PYTHONPATH", "")
     if str(REPO) not in pp.split(os.pathsep):
@@ -184,20 +188,67 @@ def session(sections: list[str]):
         conf[f"spark.hadoop.{key}"] = HDFS_CONF[key]
     if jars:
         conf["spark.jars"] = ",".join(jars)
+    if cluster:
+        from tests.cluster import DEFAULT_CONF
+        from tests.services.spark_cluster import MASTER_URL
+
+        conf = {**DEFAULT_CONF, **conf, "spark.cores.max": str(cluster),
+                "spark.default.parallelism": str(cluster),
+                "spark.executor.memory": "1g",
+                "spark.executorEnv.PYTHONPATH": os.environ["PYTHONPATH"]}
+        progress(f"starting Spark on {MASTER_URL} with {cluster} executor(s)")
+        return local_session(MASTER_URL, "twophase-benchmarks", conf=conf)
     progress("starting Spark local[2]")
     return local_session("local[2]", "twophase-benchmarks", conf=conf)
 
 
-def make_data(spark, rows: int, row_size: int, partitions: int):
-    """A cached DataFrame ``id BIGINT, payload STRING`` of ``rows`` rows in ``partitions`` partitions.
+#: Data shapes for ``--data-shape`` (the partitions section; the others use ``hex``).
+SHAPES = ("hex", "random", "events")
+#: Approximate bytes per row of the ``events`` shape (the figure its MB/s are computed from):
+#: id, ts, user_id, amount (8 each), a ~7-character country and a ~8-character event type.
+EVENT_ROW_BYTES = 47
+#: PostgreSQL columns of each shape (what the sink's and JDBC's tables are created with).
+PG_COLUMNS = {"hex": "id BIGINT, payload TEXT", "random": "id BIGINT, payload TEXT",
+              "events": "id BIGINT, ts TIMESTAMPTZ, user_id BIGINT, amount DOUBLE PRECISION, "
+                        "country TEXT, event_type TEXT"}
 
-    ``payload`` is ``row_size`` characters of hex digits from sha2(id): not
-    trivially compressible, so Parquet and Kafka move realistic bytes.
+
+def make_data(spark, rows: int, row_size: int, partitions: int, shape: str = "hex"):
+    """A cached DataFrame of ``rows`` rows in ``partitions`` partitions.
+
+    ``hex`` (default): ``id BIGINT, payload STRING``, ``payload`` being ``row_size`` hex digits
+    from sha2(id) (4 bits of entropy per byte: dictionary-free but compressible 2:1).
+    ``random``: the same columns, ``payload`` being base64 of SHA-512 digests (6 bits per
+    byte; what neither Parquet nor Kafka's compression can shrink much).
+    ``events``: a typical event row: ``id``, ``ts`` (a timestamp a millisecond apart),
+    ``user_id`` (10,000 users), ``amount`` (a double), ``country`` (20 values) and
+    ``event_type`` (8 values): numbers, timestamps and repeated categorical strings, which
+    Parquet dictionary-encodes.
     """
-    reps = row_size // 64 + 1
-    df = (spark.range(0, rows, 1, partitions)
-          .selectExpr("id", f"substring(repeat(sha2(cast(id as string), 256), {reps}), 1, {row_size}) AS payload")
-          .cache())
+    if shape not in SHAPES:
+        raise ValueError(f"unknown data shape {shape!r}; choose from {', '.join(SHAPES)}")
+    base = spark.range(0, rows, 1, partitions)
+    if shape == "hex":
+        reps = row_size // 64 + 1
+        df = base.selectExpr(
+            "id", f"substring(repeat(sha2(cast(id as string), 256), {reps}), 1, {row_size}) AS payload")
+    elif shape == "random":
+        digests = row_size * 3 // 4 // 64 + 1  # 64 raw bytes per SHA-512 digest, 4/3 in base64
+        raw = ", ".join(f"unhex(sha2(concat(cast(id as string), '/{i}'), 512))" for i in range(digests))
+        df = base.selectExpr("id", f"substring(base64(concat({raw})), 1, {row_size}) AS payload")
+    else:
+        countries = ", ".join(f"'{c}'" for c in (
+            "DE", "FR", "US", "GB", "NL", "SE", "PL", "ES", "IT", "BR",
+            "IN", "JP", "KR", "CA", "AU", "MX", "NG", "ZA", "AR", "TR"))
+        kinds = "'view', 'click', 'add_to_cart', 'purchase', 'refund', 'login', 'logout', 'search'"
+        df = base.selectExpr(
+            "id",
+            "timestamp_millis(1767225600000 + id) AS ts",
+            "(id * 7919) % 10000 AS user_id",
+            "round(((id * 104729) % 100000) / 100.0, 2) AS amount",
+            f"element_at(array({countries}), cast(id % 20 AS INT) + 1) AS country",
+            f"element_at(array({kinds}), cast((id / 3) % 8 AS INT) + 1) AS event_type")
+    df = df.cache()
     n = df.count()
     assert n == rows, (n, rows)
     _warm_workers(df)
@@ -218,6 +269,7 @@ def _warm_workers(df) -> None:
     df.mapInArrow(f, df.schema).collect()
 
 
-def data_bytes(rows: int, row_size: int) -> int:
-    """Bytes of payload plus an 8-byte id per row: the figure MB/s are computed from."""
-    return rows * (row_size + 8)
+def data_bytes(rows: int, row_size: int, shape: str = "hex") -> int:
+    """Bytes of payload plus an 8-byte id per row (``events``: :data:`EVENT_ROW_BYTES`): the
+    figure MB/s are computed from."""
+    return rows * (EVENT_ROW_BYTES if shape == "events" else row_size + 8)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.common import (
+    PG_COLUMNS,
     Params,
     Variant,
     data_bytes,
@@ -37,8 +38,9 @@ def _files(spark, dp, params: Params, p: int, services: dict[str, Any]) -> list[
     from twophase.coordinator import Coordinator
     from twophase.sinks.files import FileSink
 
+    # On the test cluster every executor runs on this host: the local path is shared.
     coord = Coordinator(FileSink(tmpdir(f"parts{p}"), format="parquet"), log_location=tmpdir("parts-log"),
-                        name=f"bench-parts-files-{p}")
+                        name=f"bench-parts-files-{p}", shared_storage=params.cluster > 0)
     batch = iter(range(10**9))
     spark_dir = tmpdir(f"parts{p}-spark")
 
@@ -59,7 +61,8 @@ def _kafka(spark, dp, params: Params, p: int, services: dict[str, Any]) -> list[
     bootstrap = services["kafka"]["bootstrap_servers"]
     topic = f"bench-parts-{p}-{uid()}"
     _create_topic(bootstrap, topic, params.kafka_topic_partitions)
-    kv = dp.selectExpr("CAST(id AS STRING) AS key", "payload AS value")
+    value = "payload" if "payload" in dp.columns else "to_json(struct(*))"  # events: one JSON object
+    kv = dp.selectExpr("CAST(id AS STRING) AS key", f"{value} AS value")
     sink = KafkaSink(bootstrap, topic=topic, transactional_id_prefix=f"bench-parts-{uid()}")
     coord = Coordinator(sink, log_location=tmpdir("parts-kafka-log"), name=f"bench-parts-kafka-{p}")
     batch = iter(range(10**9))
@@ -88,7 +91,7 @@ def _postgres(spark, dp, params: Params, p: int, services: dict[str, Any]) -> li
     conn.autocommit = True
     with conn.cursor() as cur:
         for t in (ours_t, jdbc_t):
-            cur.execute(f'CREATE TABLE "{t}" (id BIGINT, payload TEXT)')
+            cur.execute(f'CREATE TABLE "{t}" ({PG_COLUMNS[params.data_shape]})')
 
     def truncate(t: str):
         def f():
@@ -116,7 +119,7 @@ TARGETS = {"files": _files, "kafka": _kafka, "postgres": _postgres}
 
 
 def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
-    nbytes = data_bytes(params.rows, params.row_size)
+    nbytes = data_bytes(params.rows, params.row_size, params.data_shape)
     points: list[dict[str, Any]] = []
     goals = []
     for p in params.partition_counts:

@@ -108,3 +108,30 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     for word in ("Kafka", "JDBC", "COPY", "file sink", "overhead"):
         assert word in names
     assert all(isinstance(g["met"], bool) for g in res["goals"])
+
+
+def test_data_shapes_are_what_their_names_say(spark):
+    """``--data-shape``: ``random`` payloads compress far worse than ``hex`` ones; ``events`` rows
+    carry timestamps, numbers and a few repeated categories."""
+    import zlib
+
+    from benchmarks.common import make_data
+
+    def payload_ratio(shape: str) -> float:
+        df = make_data(spark, 2000, 100, 2, shape)
+        text = "".join(r["payload"] for r in df.orderBy("id").collect()).encode()
+        df.unpersist()
+        assert len(text) == 2000 * 100
+        return len(zlib.compress(text, 6)) / len(text)
+
+    hexr, randr = payload_ratio("hex"), payload_ratio("random")
+    assert randr > 0.7 and hexr < 0.6 and randr > hexr + 0.15, (hexr, randr)
+    ev = make_data(spark, 3000, 100, 2, "events")
+    assert [f.name for f in ev.schema] == ["id", "ts", "user_id", "amount", "country", "event_type"]
+    assert dict(ev.dtypes)["ts"] == "timestamp"
+    assert ev.select("country").distinct().count() == 20
+    assert ev.select("event_type").distinct().count() == 8
+    assert ev.select("user_id").distinct().count() == 3000  # 3000 of 10,000 users, all different
+    ev.unpersist()
+    with pytest.raises(ValueError, match="unknown data shape"):
+        make_data(spark, 10, 10, 1, "nope")
