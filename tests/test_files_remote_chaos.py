@@ -203,3 +203,91 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
         assert staged == []
     finally:
         client.delete(path, recursive=True)
+
+
+@pytest.mark.cluster
+@pytest.mark.spark
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_files_exactly_once_on_a_cluster_whose_executors_die(tmp_path, where, spark_cluster_service):
+    """Issue 17, the other FileSink backends on the standalone cluster: a local path both
+    workers mount (``shared_storage=True``) and S3, whose keys reach the executors only as
+    ``spark.executorEnv.*``.  Fewer faults than the HDFS twin (which covers the driver's
+    crash points on the cluster): ``after_pre_commit`` firing in executors, one SIGKILL of the
+    driver while batches flow, one executor JVM SIGKILLed with its Python workers."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    from tests import cluster
+
+    expected = _write_input(tmp_path / "in")
+    env = {"PYTHONPATH": REPO, "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"}
+    extra: list[str] = []
+    if where == "local":
+        out = tmp_path / "out"
+        sink = FileSink(str(out), partition_by=["k"])
+        extra = ["--shared-storage"]
+
+        def committed_ids() -> list[int]:
+            files = [f for f in glob.glob(str(out / "**" / "*.parquet"), recursive=True)
+                     if "/_twophase/" not in f]
+            return [i for f in files for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
+
+        def leftovers() -> list[str]:
+            return [f for f in glob.glob(str(out / "_twophase" / "**" / "*"), recursive=True)
+                    if os.path.isfile(f)]
+    else:
+        from tests.conftest import _service
+        from tests.services.s3 import client
+
+        s3_service = _service("minio")  # the endpoint that checks SigV4 signatures
+        s3, bucket = client(s3_service), s3_service["bucket"]
+        prefix = f"twophase-cluster-chaos/{uuid.uuid4().hex[:8]}"
+        secrets = {"TP_CHAOS_S3_KEY": s3_service["key"], "TP_CHAOS_S3_SECRET": s3_service["secret"]}
+        env.update(secrets)
+        env["TWOPHASE_CLUSTER_CONF"] = json.dumps({f"spark.executorEnv.{k}": v for k, v in secrets.items()})
+        opts = {"key": {"env": "TP_CHAOS_S3_KEY"}, "secret": {"env": "TP_CHAOS_S3_SECRET"},
+                "endpoint_url": s3_service["endpoint_url"], "region_name": s3_service["region"]}
+        sink = FileSink(f"s3://{bucket}/{prefix}", storage_options=opts, partition_by=["k"])
+
+        def committed_ids() -> list[int]:
+            ids = []
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+                for o in page.get("Contents", []):
+                    data = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+                    ids += pq.read_table(io.BytesIO(data), columns=["id"]).column("id").to_pylist()
+            return ids
+
+        def leftovers() -> list[str]:
+            return [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+                    if u["Key"].startswith(prefix + "/")]
+    log_dir = tmp_path / "log"
+    cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
+           "--sink-config", json.dumps(sink.to_config()), "--name", f"cf-{uuid.uuid4().hex[:6]}",
+           "--log", str(log_dir), "--cluster", *extra]
+
+    def log_records() -> int:
+        return sum(len(files) for _, _, files in os.walk(log_dir))
+
+    log_path = str(tmp_path / "driver.log")
+    try:
+        with cluster.Saboteur(log_records, ["executor"], seed=20261126) as saboteur:
+            runs = chaos.run_with_faults(cmd, crash_points=["after_pre_commit:1"], random_kills=1,
+                                         kill_window=(0.5, 2.0), seed=23, log_path=log_path, timeout=400,
+                                         env=env, progress_probe=log_records)
+    except BaseException:
+        with open(log_path, errors="replace") as f:
+            sys.stderr.write("".join(f.readlines()[-80:]))
+        raise
+    print(f"faults: {saboteur.done}; runs: {[r.to_dict() for r in runs]}")
+    pre = runs[0]
+    assert pre.outcome == "crash point fired" and pre.exit_code != crash.EXIT_CODE, runs
+    assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
+    assert saboteur.struck, f"no executor was killed while batches flowed: {saboteur.done}"
+    verdict = chaos.verify(expected, committed_ids())
+    assert verdict.exactly_once, verdict.to_dict()
+    assert verdict.records_out == len(expected)
+    assert leftovers() == []
+    if where == "s3":
+        secret = env["TP_CHAOS_S3_SECRET"]
+        assert secret not in open(log_path, errors="replace").read()

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=6)
     ap.add_argument("--cluster", action="store_true",
                     help="run on the test Spark cluster (tests/cluster.py) instead of local[2]")
+    ap.add_argument("--shared-storage", action="store_true",
+                    help="a local-path sink that every host of the cluster mounts")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = sink_from_config(json.loads(args.sink_config))
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, log_location=args.log,
                               storage_options=json.loads(args.log_options) if args.log_options else None,
-                              name=args.name, retry_backoff=0.1)
+                              name=args.name, retry_backoff=0.1, shared_storage=args.shared_storage)
     df = (spark.readStream.schema("id LONG, k STRING, v LONG").option("maxFilesPerTrigger", 1)
           .json(args.input)).repartition(args.partitions)
     query = (df.writeStream.foreachBatch(coordinator).option("checkpointLocation", args.checkpoint)
