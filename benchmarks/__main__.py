@@ -48,7 +48,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     if a.quick:
         p = Params(rows=4000, row_size=100, partitions=2, trigger_interval=1.0, reps=1, warmup=0,
                    stream_batches=3, recovery_handles=(10, 100), pg_recovery_handles=(10,),
-                   partition_counts=(50,), quick=True)
+                   partition_counts=(50,), stream_partitions=0, quick=True)
     for k in ("rows", "row_size", "partitions", "trigger_interval", "reps", "warmup", "out"):
         v = getattr(a, k)
         if v is not None:

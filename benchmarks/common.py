@@ -40,6 +40,7 @@ class Params:
     kafka_topic_partitions: int = 4
     cluster: int = 0  # > 0: on the test standalone cluster with this many one-core executors
     data_shape: str = "hex"  # see make_data
+    stream_partitions: int = 50  # the partitions section's streaming run (0: none)
     quick: bool = False
     out: Path = RESULTS
     profile: bool = False

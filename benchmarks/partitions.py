@@ -21,6 +21,7 @@ from benchmarks.common import (
     data_bytes,
     goal,
     interleave,
+    percentile,
     progress,
     ratio,
     summarize,
@@ -118,6 +119,101 @@ def _postgres(spark, dp, params: Params, p: int, services: dict[str, Any]) -> li
 TARGETS = {"files": _files, "kafka": _kafka, "postgres": _postgres}
 
 
+def _add_batch_ms(progress_list: list[dict[str, Any]], batches: int) -> list[float]:
+    """Spark's own ``durationMs.addBatch`` of the first ``batches`` micro-batches with rows: the
+    time the sink took, measured the same way for ``foreachBatch`` and for Spark's sinks."""
+    out = [float(p["durationMs"]["addBatch"]) for p in progress_list
+           if p.get("numInputRows", 0) > 0 and "addBatch" in p.get("durationMs", {})]
+    return out[:batches]
+
+
+def streaming(spark, params: Params, services: dict[str, Any]) -> dict[str, Any]:
+    """Issue 15, streaming: a query over a ``stream_partitions``-partition source (Spark's rate
+    source) written by each sink through ``foreachBatch(Coordinator(...))`` and by Spark's own
+    streaming sink for the same target, one query after the other, ``stream_batches``
+    micro-batches each after ``warmup`` more; compared by Spark's own ``addBatch`` time per
+    micro-batch (medians)."""
+    import time
+
+    from twophase.coordinator import Coordinator
+    from twophase.sinks.files import FileSink
+    from twophase.sinks.kafka import KafkaSink
+
+    parts = params.stream_partitions
+    per_batch = max(parts, params.rows // 10)
+    rate = max(1, int(per_batch / params.trigger_interval))
+    payload = (f"substring(repeat(sha2(cast(value as string), 256), {params.row_size // 64 + 1}), 1, "
+               f"{params.row_size})")
+    want = params.stream_batches + params.warmup
+    points, goals = [], []
+
+    def run(name: str, start) -> list[float]:
+        sdf = (spark.readStream.format("rate").option("rowsPerSecond", rate)
+               .option("numPartitions", parts).load()
+               .selectExpr("value AS id", f"{payload} AS payload"))
+        q = start(sdf, tmpdir("stream-parts-ckpt"))
+        deadline = time.monotonic() + 120 + want * (params.trigger_interval + 15)
+        try:
+            while len(_add_batch_ms(q.recentProgress, want)) < want:
+                if q.exception() is not None:
+                    raise RuntimeError(f"streaming {name}: the query failed: {q.exception()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"streaming {name}: fewer than {want} batches in time")
+                time.sleep(0.5)
+        finally:
+            q.stop()
+        ms = _add_batch_ms(q.recentProgress, want)[params.warmup:]
+        progress(f"partitions/streaming: {name}: addBatch ms {[round(x) for x in ms]}")
+        return ms
+
+    def trig(w):
+        return w.trigger(processingTime=f"{params.trigger_interval} seconds")
+
+    def files_ours(sdf, ck):
+        coord = Coordinator(FileSink(tmpdir("stream-parts-out"), format="parquet"), checkpoint_location=ck,
+                            name=f"bench-stream-parts-files-{uid()}", shared_storage=params.cluster > 0)
+        return trig(sdf.writeStream.foreachBatch(coord).option("checkpointLocation", ck)).start()
+
+    def files_theirs(sdf, ck):
+        return trig(sdf.writeStream.format("parquet").option("path", tmpdir("stream-parts-spark"))
+                    .option("checkpointLocation", ck)).start()
+
+    cases: list[tuple[str, Any, Any]] = [("files", files_ours, files_theirs)]
+    if "kafka" in services:
+        from benchmarks.kafka import _create_topic
+
+        bootstrap = services["kafka"]["bootstrap_servers"]
+        topic = f"bench-stream-parts-{uid()}"
+        _create_topic(bootstrap, topic, params.kafka_topic_partitions)
+
+        def kafka_ours(sdf, ck):
+            sink = KafkaSink(bootstrap, topic=topic, transactional_id_prefix=f"bench-sp-{uid()}")
+            coord = Coordinator(sink, checkpoint_location=ck, name=f"bench-stream-parts-kafka-{uid()}")
+            kv = sdf.selectExpr("CAST(id AS STRING) AS key", "payload AS value")
+            return trig(kv.writeStream.foreachBatch(coord).option("checkpointLocation", ck)).start()
+
+        def kafka_theirs(sdf, ck):
+            kv = sdf.selectExpr("CAST(id AS STRING) AS key", "payload AS value")
+            return trig(kv.writeStream.format("kafka").option("kafka.bootstrap.servers", bootstrap)
+                        .option("topic", topic).option("checkpointLocation", ck)).start()
+
+        cases.append(("kafka", kafka_ours, kafka_theirs))
+    for target, ours, theirs in cases:
+        mine = run(f"{target} {TITLES[target][0]}", ours)
+        spark_ms = run(f"{target} {TITLES[target][1]}", theirs)
+        r = percentile(spark_ms, 50) / percentile(mine, 50)
+        points.append({"target": target, "partitions": parts, "rows_per_batch": per_batch,
+                       "ours_add_batch_ms": mine, "spark_add_batch_ms": spark_ms, "ratio": r})
+        goals.append(goal(f"streaming, {parts}-partition source: {TITLES[target][0]} >= {GOALS[target]}x "
+                          f"{TITLES[target][1]} per micro-batch (addBatch median)", r, GOALS[target], ">="))
+        progress(f"partitions/streaming: {target}: {r:.2f}x")
+    return {"points": points, "goals": goals,
+            "note": (f"Streaming: Spark's rate source with {parts} partitions, about {per_batch} rows per "
+                     f"{params.trigger_interval:g} s micro-batch; each sink's query and Spark's own streaming "
+                     f"sink run one after the other, {params.stream_batches} batches each after "
+                     f"{params.warmup} warm-up; ratio = median addBatch of Spark's sink / ours.")}
+
+
 def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
     nbytes = data_bytes(params.rows, params.row_size, params.data_shape)
     points: list[dict[str, Any]] = []
@@ -139,7 +235,11 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
                               r, GOALS[target], ">="))
             progress(f"partitions: {target} P={p}: {r:.2f}x ({handles} transactions per batch)")
         dp.unpersist()
-    return {"title": "By input partitions", "points": points, "goals": goals,
+    stream = None
+    if params.stream_partitions and params.data_shape == "hex":
+        stream = streaming(spark, params, services)
+        goals += stream["goals"]
+    return {"title": "By input partitions", "points": points, "goals": goals, "streaming": stream,
             "note": (f"Input partitions P are what the DataFrame has; the coordinator writes each batch with "
                      f"at most Spark's defaultParallelism writer tasks (one transaction each), coalescing "
                      f"without a shuffle. Spark's writers run one task per input partition. Kafka topic: "

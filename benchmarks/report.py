@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,15 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{_fmt(v[1]['rows_per_s'])} | {pt['ratio']:.2f} | "
                          f"{', '.join(str(h) for h in pt['transactions_per_batch'])} |")
         lines += ["", s["note"], ""]
+        if s.get("streaming"):
+            st = s["streaming"]
+            lines += ["| target (streaming) | source partitions | ours addBatch ms (median) | "
+                      "Spark addBatch ms (median) | ratio |", "|---|---:|---:|---:|---:|"]
+            for pt in st["points"]:
+                lines.append(f"| {pt['target']} | {pt['partitions']} | "
+                             f"{statistics.median(pt['ours_add_batch_ms']):.0f} | "
+                             f"{statistics.median(pt['spark_add_batch_ms']):.0f} | {pt['ratio']:.2f} |")
+            lines += ["", st["note"], ""]
     lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for g in res["goals"]:
         lines.append(f"| {g['goal']} | {g['value']:.3g} | {g['op']} {g['target']:g} | "

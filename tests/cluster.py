@@ -281,6 +281,26 @@ class Saboteur:
         return [d for d in self.done if ": missed" not in d]
 
 
+def check_fault_runs(runs: list[Any], saboteur: Saboteur) -> None:
+    """What every cluster kill test asserts of its runs (``twophase.chaos.Run``): each
+    ``crash:POINT:N`` run really died there (``after_pre_commit`` inside executors: its crash
+    log lists only that point and the driver itself did not exit 137), no run failed for
+    another reason, the last one completed, and the saboteur's faults struck."""
+    from twophase import crash
+
+    print(f"faults: {saboteur.done}; runs: {[r.to_dict() for r in runs]}")
+    for r in runs:
+        if not r.fault.startswith("crash:"):
+            continue
+        assert r.outcome == "crash point fired", runs
+        point, batch = r.fault.split(":")[1:3]
+        if point == "after_pre_commit":
+            assert r.exit_code != crash.EXIT_CODE, runs
+            assert all(line.startswith(f"after_pre_commit {batch} ") for line in r.fired), r.fired
+    assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
+    assert saboteur.struck, f"no executor or worker died while batches flowed: {saboteur.done}"
+
+
 # --------------------------------------------------------------------------- drivers
 
 def cluster_session(app_name: str, conf: dict[str, Any] | None = None):

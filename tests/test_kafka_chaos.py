@@ -98,14 +98,7 @@ def test_exactly_once_on_a_cluster_whose_executors_and_workers_die(kafka_service
     except BaseException:
         sys.stderr.write(log_path.read_text(errors="replace")[-6000:])
         raise
-    print(f"faults: {saboteur.done}; runs: {[r.to_dict() for r in runs]}")
-    by_fault = {r.fault: r for r in runs}
-    pre = by_fault["crash:after_pre_commit:1"]
-    assert pre.outcome == "crash point fired" and pre.exit_code != crash.EXIT_CODE, runs
-    assert all(line.startswith("after_pre_commit 1 ") for line in pre.fired), pre.fired
-    assert by_fault["crash:mid_commit:2"].outcome == "crash point fired", runs
-    assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
-    assert saboteur.struck, f"no executor or worker died while batches flowed: {saboteur.done}"
+    cluster.check_fault_runs(runs, saboteur)
     out = [v.decode() for v in read_committed(bs, dst, timeout=60, idle=3)]
     verdict = verify(ids, out)
     assert verdict.exactly_once, (verdict.to_dict(), log_path.read_text()[-5000:])

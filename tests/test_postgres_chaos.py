@@ -196,14 +196,7 @@ def test_insert_exactly_once_on_a_cluster_whose_executors_and_workers_die(tmp_pa
                         random_kills=1, seed=11, user=role, password=secret,
                         cluster_conf={"spark.executorEnv.PGPASSWORD": secret},
                         progress_probe=log_records, kill_window=(0.5, 2.0), timeout=400)
-        print(f"faults: {saboteur.done}; runs: {[r.to_dict() for r in runs]}")
-        by_fault = {r.fault: r for r in runs}
-        pre = by_fault["crash:after_pre_commit:1"]
-        assert pre.outcome == "crash point fired" and pre.exit_code != crash.EXIT_CODE, runs
-        assert all(line.startswith("after_pre_commit 1 ") for line in pre.fired), pre.fired
-        assert by_fault["crash:mid_commit:2"].outcome == "crash point fired", runs
-        assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
-        assert saboteur.struck, f"no executor or worker died while batches flowed: {saboteur.done}"
+        cluster.check_fault_runs(runs, saboteur)
         with _conn(as_role) as c, c.cursor() as cur:
             cur.execute(f'SELECT id FROM "{role}"."{table}"')
             actual = [r[0] for r in cur.fetchall()]

@@ -12,7 +12,7 @@ import importlib
 from pathlib import Path
 
 SERVICES = {
-    "kafka": ("PORT", "CONTROLLER_PORT"),
+    "kafka": ("PORT", "CONTROLLER_PORT", "SASL_PORT", "SSL_PORT"),
     "postgres": ("PORT",),
     "hdfs": ("NN_PORT", "NN_HTTP_PORT"),
     "s3": ("PORT",),

@@ -25,8 +25,12 @@ SCALA = "2.13"
 LOG4J_VERSION = "2.25.3"  # the log4j-core version kafka 4.1.2 itself depends on
 PORT = 19092
 CONTROLLER_PORT = 19093
+SASL_PORT = 19094  # SASL_PLAINTEXT: SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER (unsecured JWTs)
+SSL_PORT = 19095   # SSL with client certificates required (mutual TLS)
 BOOTSTRAP = f"127.0.0.1:{PORT}"
 NODE_ID = 1
+#: A SCRAM user of the test broker (both mechanisms); a test server's credential, on loopback only.
+SCRAM_USER, SCRAM_PASSWORD = "twophase-scram", "twophase-scram-secret"
 
 COORDS = [
     f"org.apache.kafka:kafka_{SCALA}:{KAFKA_VERSION}",
@@ -90,19 +94,45 @@ class KafkaService(Service):
     def log4j_path(self) -> Path:
         return self.dir / "log4j2.xml"
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.dir / "tls"
+
     def jars(self) -> list[Path]:
         return resolve(COORDS, f"kafka-{KAFKA_VERSION}")
+
+    @staticmethod
+    def _listeners() -> str:
+        return (f"PLAINTEXT://127.0.0.1:{PORT},CONTROLLER://127.0.0.1:{CONTROLLER_PORT},"
+                f"SASL_PLAINTEXT://127.0.0.1:{SASL_PORT},SSL://127.0.0.1:{SSL_PORT}")
 
     def server_properties(self) -> str:
         props = {
             "process.roles": "broker,controller",
             "node.id": NODE_ID,
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{CONTROLLER_PORT}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{PORT},CONTROLLER://127.0.0.1:{CONTROLLER_PORT}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{PORT},CONTROLLER://127.0.0.1:{CONTROLLER_PORT}",
+            "listeners": self._listeners(),
+            "advertised.listeners": self._listeners(),
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "listener.security.protocol.map": ("CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,"
+                                               "SASL_PLAINTEXT:SASL_PLAINTEXT,SSL:SSL"),
+            # Clients' security setups (issue 19): SCRAM and OAUTHBEARER on one SASL listener
+            # (OAUTHBEARER with Kafka's default validator of unsecured JWTs, no identity
+            # provider needed), mutual TLS on the SSL listener.
+            "sasl.enabled.mechanisms": "SCRAM-SHA-256,SCRAM-SHA-512,OAUTHBEARER",
+            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.sasl_plaintext.oauthbearer.sasl.jaas.config":
+                "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required "
+                'unsecuredLoginStringClaim_sub="broker";',
+            "listener.name.ssl.ssl.keystore.type": "PEM",
+            "listener.name.ssl.ssl.keystore.location": str(self.tls_dir / "broker.pem"),
+            "listener.name.ssl.ssl.truststore.type": "PEM",
+            "listener.name.ssl.ssl.truststore.location": str(self.tls_dir / "ca.pem"),
+            "listener.name.ssl.ssl.client.auth": "required",
             "log.dirs": str(self.data_dir),
             "num.partitions": 1,
             "default.replication.factor": 1,
@@ -148,12 +178,14 @@ class KafkaService(Service):
     def launch(self, log) -> subprocess.Popen | None:
         if self._our_pid_running():
             return None  # already starting (not ready yet): wait for it, never start a second broker
-        if port_open(PORT) or port_open(CONTROLLER_PORT):
+        if any(port_open(p) for p in (PORT, CONTROLLER_PORT, SASL_PORT, SSL_PORT)):
             raise ServiceError(
-                f"ports {PORT}/{CONTROLLER_PORT} are taken by a process this module did not start "
+                f"ports {PORT}/{CONTROLLER_PORT}/{SASL_PORT}/{SSL_PORT} are taken by a process this "
+                "module did not start "
                 f"(no live pid in {self.pid_path}); stop it first"
             )
         jars = self.jars()
+        make_tls(self.tls_dir)
         self.log4j_path.write_text(LOG4J2_XML)
         self.config_path.write_text(self.server_properties())
         if not (self.data_dir / "meta.properties").exists():
@@ -183,11 +215,84 @@ class KafkaService(Service):
         except Exception:
             return False
 
+    def after_ready(self) -> None:
+        """The SCRAM user, for both mechanisms (idempotent: an upsert of its credentials)."""
+        from confluent_kafka.admin import (
+            AdminClient,
+            ScramCredentialInfo,
+            ScramMechanism,
+            UserScramCredentialUpsertion,
+        )
+
+        admin = AdminClient({"bootstrap.servers": BOOTSTRAP, "log_level": 0})
+        for m in (ScramMechanism.SCRAM_SHA_256, ScramMechanism.SCRAM_SHA_512):  # one per request
+            up = UserScramCredentialUpsertion(SCRAM_USER, ScramCredentialInfo(m, 4096), SCRAM_PASSWORD.encode())
+            for fut in admin.alter_user_scram_credentials([up]).values():
+                fut.result(30)
+
     def info(self) -> dict[str, Any]:
-        return {"bootstrap_servers": BOOTSTRAP}
+        return {"bootstrap_servers": BOOTSTRAP,
+                "sasl_bootstrap_servers": f"127.0.0.1:{SASL_PORT}",
+                "ssl_bootstrap_servers": f"127.0.0.1:{SSL_PORT}",
+                "scram_user": SCRAM_USER, "scram_password": SCRAM_PASSWORD,
+                "tls": {"ca": str(self.tls_dir / "ca.pem"), "cert": str(self.tls_dir / "client.pem"),
+                        "key": str(self.tls_dir / "client.key")}}
 
 
 SERVICE = KafkaService()
+
+
+def make_tls(folder: Path) -> None:
+    """A test CA, the broker's PEM keystore (key + certificate for 127.0.0.1/localhost) and a
+    client certificate and key, all signed by that CA; made once per service directory."""
+    if (folder / "client.key").exists():
+        return
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, usage=None) -> x509.Certificate:
+        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=3650))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    def pem_key(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def pem_cert(c: x509.Certificate) -> bytes:
+        return c.public_bytes(serialization.Encoding.PEM)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("twophase test CA", ca_key, "twophase test CA", ca_key, ca=True)
+    broker_key = ec.generate_private_key(ec.SECP256R1())
+    broker = cert("127.0.0.1", broker_key, "twophase test CA", ca_key, ca=False,
+                  usage=ExtendedKeyUsageOID.SERVER_AUTH)
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = cert("twophase-client", client_key, "twophase test CA", ca_key, ca=False,
+                  usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    (folder / "ca.pem").write_bytes(pem_cert(ca))
+    (folder / "broker.pem").write_bytes(pem_key(broker_key) + pem_cert(broker) + pem_cert(ca))
+    (folder / "client.pem").write_bytes(pem_cert(client))
+    (folder / "client.key").write_bytes(pem_key(client_key))
+    for f in ("broker.pem", "client.key"):
+        (folder / f).chmod(0o600)
 
 
 # -- Spark's Kafka source --------------------------------------------------------------
