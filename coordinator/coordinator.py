@@ -73,6 +73,13 @@ def _find_query(spark, query_id: str):
     return q
 
 
+def is_connect(spark) -> bool:
+    """Is ``spark`` a Spark Connect session (``SparkSession.builder.remote(...)``, or the session a
+    Connect server gives a ``foreachBatch`` function)?  Those have no SparkContext, no RDDs and no
+    local properties; the coordinator then uses the protocol-level equivalents."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
 def _local_or_url(location: str) -> str:
     """Hadoop's qualified ``file:/x`` as a plain local path; other URLs unchanged."""
     if location.startswith("file:"):
@@ -197,6 +204,8 @@ class Coordinator:
         self.takeover = takeover
         self.shared_storage = shared_storage
         self._probed = False           # executors checked (cluster masters, first batch)
+        self._connect_said = False     # what Spark Connect cannot offer was logged
+        self._parallelism_seen: int | None = None  # Spark Connect: the default parallelism, measured
         self._log_args: dict[str, Any] = dict(storage_options=storage_options,
                                               retain_batches=retain_batches, lease_timeout=lease_timeout)
         self.log: TransactionLog | None = None
@@ -234,7 +243,10 @@ class Coordinator:
     def __call__(self, df, batch_id: int) -> None:
         """The ``foreachBatch`` function: make batch ``batch_id`` of ``df`` visible exactly once."""
         spark = df.sparkSession
-        query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+        if is_connect(spark):
+            query_id = self._connect_query_id()
+        else:
+            query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
         if not query_id:
             raise ConfigurationError(
                 "Coordinator was called outside a streaming foreachBatch (no sql.streaming.queryId); "
@@ -319,9 +331,43 @@ class Coordinator:
                          ignore_lost=self.ignore_failures_after_transaction_timeout,
                          where=self.log_location, name=self.name)
 
+    @staticmethod
+    def _conf(spark, key: str, default: str) -> str:
+        """A Spark setting, static ones included, in a classic or a Spark Connect session."""
+        if is_connect(spark):
+            value = spark.conf.get(key, None)
+        else:
+            value = spark.sparkContext.getConf().get(key, None)
+        return default if value is None else str(value)
+
+    def _connect_query_id(self) -> str:
+        """Spark Connect gives ``foreachBatch`` no local properties, so no ``sql.streaming.queryId``:
+        read the query's id where Spark keeps it for restarts, the checkpoint's ``metadata`` file
+        (written when the query starts, before its first batch)."""
+        if self.checkpoint_location is None:
+            raise ConfigurationError(
+                "over Spark Connect the coordinator cannot ask Spark which streaming query calls it (a "
+                "Connect session has no SparkContext or local properties): pass "
+                "Coordinator(checkpoint_location=...) with the query's own .option('checkpointLocation', "
+                "...); the coordinator reads the query's id (and each batch's source offsets) from there. "
+                "Nothing was written.")
+        store = open_store(self.checkpoint_location, self.storage_options, exclusive=False)
+        raw = store.read("metadata")
+        try:
+            query_id = json.loads(raw.decode("utf-8"))["id"] if raw is not None else None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            query_id = None
+        if not query_id:
+            raise ConfigurationError(
+                f"{store.location('metadata')} does not hold a streaming query id: is "
+                f"checkpoint_location={self.checkpoint_location!r} the query's .option('checkpointLocation', "
+                "...)? Over Spark Connect the coordinator learns the query's id from there. Nothing was "
+                "written.")
+        return str(query_id)
+
     def _check_spark(self, spark, query_id: str, streaming: bool) -> None:
-        conf = spark.sparkContext.getConf()
-        master = conf.get("spark.master", "local")
+        connect = is_connect(spark)
+        master = self._conf(spark, "spark.master", "local")
         if not master.startswith("local"):
             paths = self.sink.local_paths()
             if paths and not self.shared_storage:
@@ -333,11 +379,21 @@ class Coordinator:
             if not self._probed:
                 self._probe_executors(spark)
                 self._probed = True
-        if conf.get("spark.speculation", "false").lower() == "true" and not self.sink.supports_speculation:
+        if self._conf(spark, "spark.speculation", "false").lower() == "true" and not self.sink.supports_speculation:
             raise ConfigurationError(
                 f"spark.speculation=true would let two attempts of one task pre-commit, and "
                 f"{type(self.sink).__name__} cannot isolate attempts. Set spark.speculation=false.")
         if not streaming:
+            return
+        if connect:
+            if not self._connect_said:
+                log.warning("%s: over Spark Connect the coordinator cannot inspect the streaming query (no JVM "
+                         "access): it does not check that asyncProgressTrackingEnabled is off or that "
+                         "checkpoint_location is the query's own (both must hold), waits for no task of "
+                         "a failed batch (the replay aborts their leftovers first), and recomputes a "
+                         "replayed decided batch with the noop writer in case the query is stateful",
+                         self.name)
+                self._connect_said = True
             return
         jq = None
         try:
@@ -383,25 +439,32 @@ class Coordinator:
         """
         import twophase
 
-        sc = spark.sparkContext
         modules = ["twophase", *self.sink.executor_modules()]
-        n = max(1, int(sc.defaultParallelism))
+        n = self._default_parallelism(spark)
 
-        def probe(_):
+        def probe(batches):
             import importlib
             import socket
 
-            out = []
+            import pyarrow as pa
+
+            for _ in batches:
+                pass
+            out: dict[str, list[str]] = {"host": [], "module": [], "version": [], "error": []}
             for m in modules:
                 try:
                     mod = importlib.import_module(m)
-                    out.append((socket.gethostname(), m, str(getattr(mod, "__version__", "")), ""))
+                    row = (socket.gethostname(), m, str(getattr(mod, "__version__", "")), "")
                 except Exception as e:  # noqa: BLE001 - reported to the driver
-                    out.append((socket.gethostname(), m, "", f"{type(e).__name__}: {e}"))
-            return out
+                    row = (socket.gethostname(), m, "", f"{type(e).__name__}: {e}")
+                for k, v in zip(out, row, strict=True):
+                    out[k].append(v)
+            yield pa.RecordBatch.from_pydict(out)
 
         try:
-            found = sc.parallelize(range(n), n).mapPartitions(probe).collect()
+            # mapInArrow rather than an RDD job: the same probe runs over Spark Connect.
+            found = [tuple(r) for r in spark.range(0, n, 1, n).mapInArrow(
+                probe, "host STRING, module STRING, version STRING, error STRING").collect()]
         except Exception as e:  # noqa: BLE001 - the job itself failed (e.g. no Python on the executors)
             raise ConfigurationError(
                 f"could not run Python on the executors to check they can import {', '.join(modules)}: "
@@ -469,8 +532,9 @@ class Coordinator:
             intent = state.body.get("intent", {})
             qname = str(state.body.get("name") or self._scoped_name)
             planned = state.body.get("num_partitions")
-            if planned and df.rdd.getNumPartitions() > planned:
+            if planned and (is_connect(df.sparkSession) or df.rdd.getNumPartitions() > planned):
                 # The INTENT names the transactions of partitions 0..planned-1 only; stay inside it.
+                # (coalesce never adds partitions; Spark Connect cannot count them without a job.)
                 df = df.coalesce(planned)
             prog.aborted_lingering = self.sink.abort_lingering(qname, batch_id, intent, [])
             if prog.aborted_lingering:
@@ -478,9 +542,11 @@ class Coordinator:
                          self.name, batch_id, prog.aborted_lingering)
         else:
             qname = self._scoped_name
-            num_partitions = df.rdd.getNumPartitions()
             slots = self._slots(df.sparkSession)
-            if num_partitions > slots:
+            # Spark Connect has no RDDs to count partitions with: plan ``slots`` transactions (a
+            # partition with no rows opens none; coalesce never adds partitions).
+            num_partitions = slots if is_connect(df.sparkSession) else df.rdd.getNumPartitions()
+            if num_partitions > slots or is_connect(df.sparkSession):
                 # Transactions per batch = writer slots, whatever the input partitioning (no shuffle).
                 df = df.coalesce(slots)
                 num_partitions = slots
@@ -577,10 +643,7 @@ class Coordinator:
         capped by what the sink's target allows."""
         slots = self.parallelism
         if slots is None:
-            try:
-                slots = int(spark.sparkContext.defaultParallelism)
-            except Exception:  # noqa: BLE001 - no SparkContext (Spark Connect): a fixed default
-                slots = 8
+            slots = self._default_parallelism(spark)
         cap = self.sink.max_parallelism()
         if cap is not None and slots > cap:
             if not self._slots_capped:
@@ -589,6 +652,21 @@ class Coordinator:
                 self._slots_capped = True
             slots = cap
         return max(1, slots)
+
+    def _default_parallelism(self, spark) -> int:
+        """Spark's ``defaultParallelism`` (the cores the application has).  Spark Connect offers no
+        SparkContext: there it is measured once, as the partitions of ``spark.range`` without a
+        partition count (which Spark sizes by the default parallelism)."""
+        if not is_connect(spark):
+            return max(1, int(spark.sparkContext.defaultParallelism))
+        if self._parallelism_seen is None:
+            from pyspark.sql import functions as F
+
+            n = spark.range(0, 1 << 16).select(F.spark_partition_id().alias("p")).distinct().count()
+            self._parallelism_seen = max(1, int(n))
+            log.info("%s: Spark Connect: the application's default parallelism is %d", self.name,
+                     self._parallelism_seen)
+        return self._parallelism_seen
 
     def _commit_state(self, df, query_id: str, streaming: bool) -> None:
         """Run a replayed batch's plan without output when the query is stateful.
@@ -601,6 +679,8 @@ class Coordinator:
         """
         if not streaming:
             return
+        if self._stateful is None and is_connect(df.sparkSession):
+            self._stateful = True  # Connect shows no physical plan: recomputing is always safe
         if self._stateful is None:
             try:
                 q = _find_query(df.sparkSession, query_id)
@@ -660,6 +740,12 @@ class Coordinator:
                 {"partition": [ctx.partition_id], "attempt": [ctx.attempt], "rows": [rows],
                  "handle": [envelope]}, schema=out_schema)
 
+        if is_connect(df.sparkSession):
+            # Spark Connect has no status tracker to wait for a failed job's last tasks with: a task
+            # that pre-commits after the abort below leaves a transaction that the batch's replay
+            # aborts (by its INTENT) before it opens any of its own.
+            rows = df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
+            return self._results(batch_id, rows)
         sc = df.sparkSession.sparkContext
         # Our job must be findable after a failure (see _wait_for_tasks). A streaming query's jobs
         # already carry its run id as job group (query.stop() cancels by it): keep that one.
@@ -678,6 +764,11 @@ class Coordinator:
         finally:
             if own_group is not None:
                 sc.setLocalProperty("spark.jobGroup.id", None)
+        return self._results(batch_id, rows)
+
+    @staticmethod
+    def _results(batch_id: int, rows) -> list[dict[str, Any]]:
+        """The tasks' result rows as handles by partition; two handles for one partition refused."""
         seen: dict[int, int] = {}
         results = []
         for r in rows:

@@ -76,7 +76,7 @@ def _write_input(folder, files: int, rows: int, keys: int) -> tuple[list[int], d
 
 
 def _run(tmp_path, info, table, mode, name, crash_points, random_kills, seed, *, user=None, password=None,
-         cluster_conf=None, progress_probe=None, kill_window=(12.0, 40.0), timeout=300):
+         cluster_conf=None, progress_probe=None, kill_window=(12.0, 40.0), timeout=300, connect=False):
     """Run the driver under faults.  ``cluster_conf``: on the test Spark cluster, with these confs
     (as ``spark-submit --conf``); ``user``/``password``: another role than the service's."""
     password = password or info["password"]
@@ -84,6 +84,8 @@ def _run(tmp_path, info, table, mode, name, crash_points, random_kills, seed, *,
     dsn = f"host={info['host']} port={info['port']} dbname={info['dbname']} user={user or info['user']}"
     cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
            "--dsn", dsn, "--table", table, "--mode", mode, "--name", name]
+    if connect:
+        cmd.append("--connect")
     if cluster_conf is not None:
         cmd.append("--cluster")
         env.update({"PYTHONPATH": REPO, "TWOPHASE_CLUSTER_CONF": json.dumps(cluster_conf)})

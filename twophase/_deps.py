@@ -21,6 +21,7 @@ _EXTRA = {
     "hdfs": "hdfs",
     "requests": "hdfs",
     "pyspark": "spark",
+    "grpc": "connect",
     "hypothesis": "testing",
 }
 

@@ -34,9 +34,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", type=int, default=500, help="records per input file (default 500)")
     p.add_argument("--kills", type=int, default=3, help="random SIGKILLs of the driver (default 3)")
     p.add_argument("--no-crash-points", action="store_true", help="only random SIGKILLs")
+    p.add_argument("--points", default=None, metavar="P1,P2,...",
+                   help="the crash points to fire, one batch each in this order (default: all of "
+                        "them); names: " + ", ".join(_points()))
     p.add_argument("--seed", type=int, default=None, help="random seed for kill moments (default: random)")
     p.add_argument("--format", default="parquet", choices=["parquet", "jsonl", "csv"])
+    p.add_argument("--connect", action="store_true",
+                   help="run the driver as a Spark Connect client (SparkSession.builder.remote('local[2]'): "
+                        "the coordinator runs in the Connect server's foreachBatch worker); needs "
+                        "pip install 'twophase[connect]'")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
+
+
+def _points() -> tuple[str, ...]:
+    from twophase import crash
+
+    return crash.POINTS
 
 
 def write_input(folder: Path, files: int, records: int) -> list[str]:
@@ -78,7 +91,7 @@ def staging_left(out: Path) -> int:
     return sum(1 for p in st.rglob("*") if p.is_file()) if st.exists() else 0
 
 
-def run_driver(workdir: Path, fmt: str) -> int:
+def run_driver(workdir: Path, fmt: str, connect: bool = False) -> int:
     """The driver process: run the streaming query until all available input is committed."""
     import logging
 
@@ -89,7 +102,7 @@ def run_driver(workdir: Path, fmt: str) -> int:
     from twophase.sinks.files import FileSink
     from twophase.spark import local_session
 
-    spark = local_session("local[2]", app_name="twophase-demo")
+    spark = local_session("local[2]", app_name="twophase-demo", connect=connect)
     cp = str(workdir / "checkpoint")
     coordinator = Coordinator(FileSink(str(workdir / "output"), format=fmt), checkpoint_location=cp,
                               name="demo")
@@ -105,8 +118,18 @@ def run_driver(workdir: Path, fmt: str) -> int:
 def main_from_args(args) -> int:
     from twophase import chaos, crash
 
-    if args.files < len(crash.POINTS) + 1 and not args.no_crash_points:
-        print(f"twophase demo: --files must be at least {len(crash.POINTS) + 1} so that every crash "
+    chosen = list(crash.POINTS)
+    if args.points:
+        chosen = [p.strip() for p in args.points.split(",") if p.strip()]
+        unknown = [p for p in chosen if p not in crash.POINTS]
+        if unknown:
+            print(f"twophase demo: unknown crash point(s) {', '.join(unknown)}; known: "
+                  f"{', '.join(crash.POINTS)}", file=sys.stderr)
+            return 2
+    if args.no_crash_points:
+        chosen = []
+    if args.files < len(chosen) + 1:
+        print(f"twophase demo: --files must be at least {len(chosen) + 1} so that every crash "
               "point hits its own batch", file=sys.stderr)
         return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="twophase-demo-")).resolve()
@@ -124,11 +147,18 @@ def main_from_args(args) -> int:
     expected = write_input(workdir / "input", args.files, args.records)
     say(f"input: {args.files} files x {args.records} records = {len(expected)} records with unique ids")
     # Crash point i at batch i: each restart gets a little further, every point is hit once.
-    points = [] if args.no_crash_points else [f"{p}:{i}" for i, p in enumerate(crash.POINTS)]
+    points = [f"{p}:{i}" for i, p in enumerate(chosen)]
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     say(f"faults: {len(points)} crash points, {args.kills} random SIGKILLs (seed {seed}); "
         f"driver log: {workdir / 'driver.log'}")
     cmd = [sys.executable, "-m", "twophase.demo", "driver", "--workdir", str(workdir), "--format", args.format]
+    if getattr(args, "connect", False):
+        from twophase._deps import require
+
+        require("grpc", "twophase demo --connect", extra="connect")
+        cmd.append("--connect")
+        say("driver: a Spark Connect client; its server (and the coordinator, in the server's "
+            "foreachBatch worker) die with it")
     t0 = time.monotonic()
     log_dir = workdir / "checkpoint" / "twophase"
 
@@ -173,8 +203,9 @@ def _driver_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m twophase.demo driver")
     p.add_argument("--workdir", required=True)
     p.add_argument("--format", default="parquet")
+    p.add_argument("--connect", action="store_true")
     a = p.parse_args(argv)
-    return run_driver(Path(a.workdir), a.format)
+    return run_driver(Path(a.workdir), a.format, a.connect)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,31 @@ _SPARK_TEMP = re.compile(r"^\.\.?\d+\.[0-9a-fA-F-]{36}\.tmp(\.crc)?$")
 _SPARK_BATCH = re.compile(r"^\d+$")
 
 
-def local_session(master: str = "local[2]", app_name: str = "twophase", conf: dict[str, Any] | None = None):
-    """A Spark session sized for a small machine (2 cores), with Arrow enabled and the UI off."""
+def local_session(master: str = "local[2]", app_name: str = "twophase", conf: dict[str, Any] | None = None,
+                  *, connect: bool = False):
+    """A Spark session sized for a small machine (2 cores), with Arrow enabled and the UI off.
+
+    ``connect=True``: a Spark Connect session instead (``SparkSession.builder.remote(master)``),
+    whose server pyspark starts in a JVM of this process's own (its ``foreachBatch`` functions run
+    in a Python worker of that server); ``master`` is then ``local[...]``.  Needs ``pyspark[connect]``.
+    """
     require("pyspark", "running Spark")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # local mode stays on loopback
     from pyspark.sql import SparkSession
 
-    builder = (SparkSession.builder.master(master).appName(app_name)
+    if connect:
+        require("grpc", "Spark Connect sessions", extra="connect")
+        import warnings
+
+        # pyspark starts the local server with every setting below, then warns that the client
+        # cannot set the static ones again: they are in force, nothing is lost.
+        warnings.filterwarnings("ignore", message=r"Failed to set .*CANNOT_MODIFY_CONFIG", category=UserWarning)
+        builder = SparkSession.builder.remote(master).appName(app_name)
+    else:
+        builder = SparkSession.builder.master(master).appName(app_name)
+    builder = (builder
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "2")
@@ -38,9 +54,8 @@ def local_session(master: str = "local[2]", app_name: str = "twophase", conf: di
                .config("spark.driver.host", "127.0.0.1"))
     for k, v in (conf or {}).items():
         builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel(os.environ.get("TWOPHASE_SPARK_LOG_LEVEL", "ERROR"))
-    return spark
+    builder = builder.config("spark.log.level", os.environ.get("TWOPHASE_SPARK_LOG_LEVEL", "ERROR"))
+    return builder.getOrCreate()
 
 
 def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str, Any] | None = None) -> list[str]:

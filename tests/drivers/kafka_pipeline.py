@@ -1,8 +1,9 @@
 """Kafka source -> Spark -> Coordinator(KafkaSink) -> Kafka: the driver the Kafka kill tests start and kill.
 
 Usage: python -m tests.drivers.kafka_pipeline BOOTSTRAP IN_TOPIC OUT_TOPIC CHECKPOINT_DIR TID_PREFIX
-[MAX_OFFSETS_PER_TRIGGER] [--cluster].  ``--cluster``: on the test Spark cluster (tests/cluster.py)
-instead of local[2].  Runs a streaming query with ``trigger(availableNow=True)`` over
+[MAX_OFFSETS_PER_TRIGGER] [--cluster | --connect].  ``--cluster``: on the test Spark cluster
+(tests/cluster.py) instead of local[2]; ``--connect``: as a Spark Connect client of a local[2]
+server that pyspark starts (the coordinator then runs in the server's foreachBatch worker).  Runs a streaming query with ``trigger(availableNow=True)`` over
 everything in IN_TOPIC and exits 0 once all of it is committed to OUT_TOPIC.
 """
 
@@ -14,8 +15,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    cluster = "--cluster" in argv
-    argv = [a for a in argv if a != "--cluster"]
+    cluster, connect = "--cluster" in argv, "--connect" in argv
+    argv = [a for a in argv if a not in ("--cluster", "--connect")]
     bootstrap, in_topic, out_topic, checkpoint, prefix = argv[:5]
     max_offsets = int(argv[5]) if len(argv) > 5 else 200
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -31,7 +32,8 @@ def main(argv: list[str]) -> int:
 
         spark = cluster_session("twophase-kafka-pipeline", jars)
     else:
-        spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "kafka-pipeline", jars)
+        spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "kafka-pipeline", jars,
+                              connect=connect)
     src = (spark.readStream.format("kafka")
            .option("kafka.bootstrap.servers", bootstrap)
            .option("subscribe", in_topic)

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", action="store_true",
                     help="run on the test Spark cluster (tests/cluster.py) instead of local[2]; the "
                          "executors need PGPASSWORD as spark.executorEnv.PGPASSWORD")
+    ap.add_argument("--connect", action="store_true",
+                    help="run as a Spark Connect client of a local[2] server that pyspark starts")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # Short-lived JVMs under load: C1 only and the serial GC start faster and use less CPU.
         spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf={
-            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"},
+            connect=args.connect)
     sink = PostgresSink(args.dsn, table=args.table, schema=args.schema, mode=args.mode,
                         key_columns=["k"] if args.mode == "upsert" else None,
                         password={"env": "PGPASSWORD"}, lock_timeout="20s")

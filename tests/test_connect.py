@@ -1,0 +1,154 @@
+"""Exactly-once over Spark Connect: the same pipelines as the kill tests, driven by a Spark Connect
+client (``SparkSession.builder.remote("local[2]")``).  pyspark starts the Connect server in a JVM of
+the client's own; the coordinator, pickled by the client, runs in the server's ``foreachBatch``
+worker, a Python process of that JVM.  A crash point there kills that worker (the query then fails
+and the client exits 1); a SIGKILL of the client's process group kills client, server and worker.
+
+Each test arms few, well-placed faults (CI time): an executor's worker after its pre-commit, the
+decision logged but nothing committed, a commit half done, and one SIGKILL while batches flow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from twophase import chaos
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.connect, pytest.mark.spark, pytest.mark.chaos]
+
+
+def _fired(runs) -> list[str]:
+    return [r.fault for r in runs if r.outcome == "crash point fired"]
+
+
+def test_files_exactly_once_over_spark_connect_with_client_server_and_worker_killed(tmp_path):
+    workdir = tmp_path / "demo"
+    points = ["after_pre_commit", "after_prepared_logged", "mid_commit"]
+    r = subprocess.run(
+        [sys.executable, "-m", "twophase.cli", "demo", "--connect", "--workdir", str(workdir),
+         "--files", "5", "--records", "200", "--points", ",".join(points), "--kills", "1",
+         "--seed", "20261124", "--json"],
+        capture_output=True, text=True, timeout=1200)
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    verdict = json.loads(r.stdout)
+    runs = verdict["runs"]
+    # Each armed point fired in its own run (the crash log names it), on its own batch.
+    for i, point in enumerate(points):
+        assert runs[i]["fault"] == f"crash:{point}:{i}"
+        assert runs[i]["outcome"] == "crash point fired", runs[i]
+        assert runs[i]["fired"][0].split()[:2] == [point, str(i)]
+    assert runs[len(points)]["fault"].startswith("sigkill")
+    assert runs[-1]["completed"]
+    assert verdict["records_in"] == 5 * 200
+    assert verdict["lost"] == 0, verdict["lost_sample"]
+    assert verdict["duplicated"] == 0, verdict["duplicated_sample"]
+    assert verdict["unexpected"] == 0
+    assert verdict["staging_files_left"] == 0
+    assert r.returncode == 0
+    # The coordinator really ran in the Connect server's foreachBatch worker, and said what
+    # Connect cannot offer.
+    driver_log = (workdir / "driver.log").read_text(errors="replace")
+    assert "Streaming ForeachBatch worker Started batch" in driver_log
+    assert "over Spark Connect the coordinator cannot inspect the streaming query" in driver_log
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(1200)
+def test_kafka_exactly_once_over_spark_connect_with_client_server_and_worker_killed(kafka_service, tmp_path):
+    from confluent_kafka import Producer
+
+    from tests.test_kafka_sink import _topic, read_committed
+
+    bs = kafka_service["bootstrap_servers"]
+    src, dst = _topic(bs, 2), _topic(bs, 2)
+    ids = [f"id-{i:06d}" for i in range(900)]
+    p = Producer({"bootstrap.servers": bs, "linger.ms": 5})
+    for i, v in enumerate(ids):
+        p.produce(src, v.encode(), key=str(i).encode())
+    assert p.flush(30) == 0
+    cmd = [sys.executable, "-m", "tests.drivers.kafka_pipeline", bs, src, dst,
+           str(tmp_path / "checkpoint"), f"connect-{uuid.uuid4().hex[:8]}", "150", "--connect"]  # 6 batches
+    points = ["after_pre_commit:1", "after_prepared_logged:2", "mid_commit:3"]
+    log_dir = tmp_path / "checkpoint" / "twophase"
+    runs = chaos.run_with_faults(
+        cmd, crash_points=points, random_kills=1, kill_window=(0.5, 4.0), seed=11,
+        env={"PYTHONPATH": str(REPO)}, log_path=str(tmp_path / "driver.log"), timeout=600,
+        progress_probe=lambda: sum(len(f) for _, _, f in os.walk(log_dir)))
+    assert _fired(runs) == [f"crash:{p}" for p in points], [r.to_dict() for r in runs]
+    assert runs[-1].completed
+    verdict = chaos.verify(ids, [v.decode() for v in read_committed(bs, dst, timeout=60, idle=3)])
+    assert verdict.exactly_once, (verdict.to_dict(), (tmp_path / "driver.log").read_text()[-5000:])
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(1200)
+def test_postgres_exactly_once_over_spark_connect_with_client_server_and_worker_killed(tmp_path,
+                                                                                        postgres_service):
+    from tests.test_postgres_chaos import _conn, _leftovers, _run, _write_input
+
+    info = postgres_service
+    table = f"connect_{uuid.uuid4().hex[:8]}"
+    name = f"pgconnect-{uuid.uuid4().hex[:6]}"
+    expected, _ = _write_input(tmp_path / "in", files=5, rows=200, keys=50)
+    with _conn(info) as c, c.cursor() as cur:
+        cur.execute(f'CREATE TABLE "{table}" (id bigint NOT NULL, k bigint, v bigint)')
+    points = ["after_pre_commit:1", "before_prepared_logged:2", "after_commit:3"]
+    log_dir = tmp_path / "ck" / "twophase"
+    runs = _run(tmp_path, info, table, "insert", name, points, random_kills=1, seed=5, connect=True,
+                kill_window=(0.5, 4.0), timeout=600,
+                progress_probe=lambda: sum(len(f) for _, _, f in os.walk(log_dir)))
+    assert _fired(runs) == [f"crash:{p}" for p in points], [r.to_dict() for r in runs]
+    assert runs[-1].completed
+    with _conn(info) as c, c.cursor() as cur:
+        cur.execute(f'SELECT id FROM "{table}"')
+        actual = [r[0] for r in cur.fetchall()]
+    verdict = chaos.verify(expected, actual)
+    assert verdict.exactly_once, verdict.to_dict()
+    assert verdict.records_out == len(expected) == 1000
+    assert _leftovers(info, name) == []
+
+
+_NO_CHECKPOINT = """
+import sys
+from twophase.coordinator import Coordinator
+from twophase.sinks.files import FileSink
+from twophase.spark import local_session
+
+out, log, ck = sys.argv[1:4]
+spark = local_session("local[2]", "connect-no-checkpoint", connect=True)
+c = Coordinator(FileSink(out, format="jsonl"), log_location=log, name="nock")
+q = (spark.readStream.format("rate").option("rowsPerSecond", 50).load().writeStream.foreachBatch(c)
+     .option("checkpointLocation", ck).start())
+try:
+    q.awaitTermination(120)
+except Exception as e:
+    print("QUERY FAILED:", str(e).splitlines()[0][:2000])
+    sys.exit(3)
+sys.exit(0)
+"""
+
+
+def test_over_spark_connect_a_coordinator_without_the_checkpoint_location_refuses_at_the_first_batch(tmp_path):
+    """Connect offers foreachBatch no query id: the coordinator needs the checkpoint to read it
+    from, and says so before anything is written."""
+    out, log = tmp_path / "out", tmp_path / "log"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _NO_CHECKPOINT, str(out), str(log), str(tmp_path / "ck")],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 3, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "QUERY FAILED" in r.stdout
+    assert "pass Coordinator(checkpoint_location=...)" in r.stdout + r.stderr
+    # Nothing written: no output file, no log record (the log was never taken).
+    assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]
+    assert not log.exists()
+    print(f"refused in {time.monotonic() - t0:.0f}s")
