@@ -59,6 +59,32 @@ class BatchProgress:
         return asdict(self)
 
 
+def _job_failure(e: BaseException) -> str:
+    """The cause of a failed Spark job in one line: py4j's first line only names the call
+    (``An error occurred while calling ...collectAndServe``); the task's failure is below."""
+    text = str(e)
+    m = re.search(r"Cannot run program \"[^\"]*\"[^\n)]*", text)
+    if m:
+        return m.group(0).strip()
+    for line in text.splitlines():
+        line = line.strip().lstrip(": ")
+        if "Exception:" in line and "An error occurred while calling" not in line:
+            return line[:300]
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _executor_python_hint(python: str | None, archives: str | None) -> str:
+    """What to check when the executors could not start their Python ``python``."""
+    if python and not os.path.isabs(python) and os.sep in python:
+        shipped = f"spark.archives is {archives!r}" if archives else "spark.archives is not set"
+        return (f"The executors' Python, spark.pyspark.python={python}, is a path in each executor's "
+                f"working directory, where Spark unpacks spark.archives ({shipped}): ship the packed "
+                "environment it names with the job (--archives env.tar.gz#env, a virtualenv packed by "
+                "venv-pack or conda-pack).")
+    return (f"The executors' Python is {python or 'python3'}: install it on every host, or ship a packed "
+            "environment (--archives env.tar.gz#env with spark.pyspark.python=./env/bin/python).")
+
+
 def _find_query(spark, query_id: str):
     """The running streaming query ``query_id``.  Inside ``foreachBatch`` the batch's DataFrame
     has a cloned session whose query manager does not list it; the session that started the
@@ -466,9 +492,11 @@ class Coordinator:
             found = [tuple(r) for r in spark.range(0, n, 1, n).mapInArrow(
                 probe, "host STRING, module STRING, version STRING, error STRING").collect()]
         except Exception as e:  # noqa: BLE001 - the job itself failed (e.g. no Python on the executors)
+            python = sc.getConf().get("spark.pyspark.python") or getattr(sc, "pythonExec", None)
             raise ConfigurationError(
                 f"could not run Python on the executors to check they can import {', '.join(modules)}: "
-                f"{str(e).splitlines()[0][:300]}") from e
+                f"{_job_failure(e)}. {_executor_python_hint(python, sc.getConf().get('spark.archives'))} "
+                "Nothing was written.") from e
         missing = sorted({(m, host, err) for host, m, _, err in found if err})
         if missing:
             what = "; ".join(f"{m} on {host} ({err[:160]})" for m, host, err in missing[:5])
