@@ -492,10 +492,12 @@ class Coordinator:
             found = [tuple(r) for r in spark.range(0, n, 1, n).mapInArrow(
                 probe, "host STRING, module STRING, version STRING, error STRING").collect()]
         except Exception as e:  # noqa: BLE001 - the job itself failed (e.g. no Python on the executors)
-            python = sc.getConf().get("spark.pyspark.python") or getattr(sc, "pythonExec", None)
+            python = self._conf(spark, "spark.pyspark.python", "") or (
+                None if is_connect(spark) else getattr(spark.sparkContext, "pythonExec", None))
+            archives = self._conf(spark, "spark.archives", "") or None
             raise ConfigurationError(
                 f"could not run Python on the executors to check they can import {', '.join(modules)}: "
-                f"{_job_failure(e)}. {_executor_python_hint(python, sc.getConf().get('spark.archives'))} "
+                f"{_job_failure(e)}. {_executor_python_hint(python, archives)} "
                 "Nothing was written.") from e
         missing = sorted({(m, host, err) for host, m, _, err in found if err})
         if missing:

@@ -152,3 +152,22 @@ def test_over_spark_connect_a_coordinator_without_the_checkpoint_location_refuse
     assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]
     assert not log.exists()
     print(f"refused in {time.monotonic() - t0:.0f}s")
+
+
+def test_the_spark_connect_example_writes_every_id_once(tmp_path):
+    """examples/spark_connect.py, as the README's "Spark Connect" section runs it."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for f in range(3):
+        (inp / f"f{f}.json").write_text("".join(json.dumps({"id": f"c{f}-{i:04d}", "n": i}) + "\n"
+                                                for i in range(100)))
+    common = ["--input", str(inp), "--output", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "ck")]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "examples.spark_connect", *common], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "examples.spark_connect", *common, "--verify"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    verdict = json.loads(r.stdout)
+    assert verdict["records_in"] == verdict["records_out"] == 300, verdict
+    assert verdict["exactly_once"] and r.returncode == 0
