@@ -67,6 +67,12 @@ def spark_cluster_service() -> dict:
     return _service("spark_cluster")
 
 
+@pytest.fixture(scope="session")
+def spark_connect_service() -> dict:
+    """A Spark Connect server of its own (tests/services/spark_connect.py), local[2], port 7190."""
+    return _service("spark_connect")
+
+
 @pytest.fixture
 def cluster_driver(spark_cluster_service, tmp_path):
     """Start driver subprocesses on the cluster: ``cluster_driver(module, *args, **kw)`` is

@@ -171,3 +171,94 @@ def test_the_spark_connect_example_writes_every_id_once(tmp_path):
     verdict = json.loads(r.stdout)
     assert verdict["records_in"] == verdict["records_out"] == 300, verdict
     assert verdict["exactly_once"] and r.returncode == 0
+
+
+def _start_client(cmd: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(900)
+def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_killed_apart(tmp_path,
+                                                                                             spark_connect_service):
+    """A Connect server that outlives its clients: the client is SIGKILLed while the server keeps
+    running its query (an orphan run, whose coordinator goes on committing); a new client starts
+    the query again (Spark stops the orphan run); then the server itself is SIGKILLed mid-batch
+    and started again, and that client is killed if it still waits; a last client finishes.  Every id is committed once, nothing is left staged."""
+    import signal
+
+    from tests.services import get
+
+    server = get("spark_connect")
+    inp, out, ck = tmp_path / "in", tmp_path / "out", tmp_path / "ck"
+    inp.mkdir()
+    expected = []
+    for f in range(14):
+        ids = [f"s{f}-{i:04d}" for i in range(150)]
+        expected += ids
+        (inp / f"f{f}.json").write_text("".join(json.dumps({"id": i, "n": n}) + "\n" for n, i in enumerate(ids)))
+    cmd = [sys.executable, "-m", "examples.spark_connect", "--input", str(inp), "--output", str(out),
+           "--checkpoint", str(ck), "--remote", spark_connect_service["url"]]
+    log_dir = ck / "twophase"
+
+    def records() -> int:
+        return sum(len(f) for _, _, f in os.walk(log_dir))
+
+    def committed_batches() -> int:
+        return sum(1 for _, _, fs in os.walk(log_dir) for f in fs if "committed" in f.lower())
+
+    with open(tmp_path / "clients.log", "ab") as log:
+        # 1. The client dies; the server runs on (its session, its query, its coordinator).
+        c1 = _start_client(cmd, log)
+        _wait_for(lambda: committed_batches() >= 1 or c1.poll() is not None, 240, "a first committed batch")
+        assert c1.poll() is None, "the first client ended before it could be killed"
+        os.killpg(c1.pid, signal.SIGKILL)
+        c1.wait()
+        at_kill = committed_batches()
+        # 2. A new client starts the same query while the orphan run may still be writing.
+        before = records()
+        c2 = _start_client(cmd, log)
+        def epoch() -> int:
+            return max(int(p.name.split(".")[0]) for p in (log_dir / "epochs").iterdir())
+
+        first = epoch()
+        _wait_for(lambda: epoch() > first or c2.poll() is not None, 240,
+                  "the second client's coordinator to take the log")
+        orphan = committed_batches() - at_kill
+        print(f"client 1 killed after {at_kill} committed batches; the orphan run committed {orphan} more "
+              f"before the second client's coordinator took the log (epoch {epoch()})")
+        assert orphan >= 1, "the server did not run the query on after its client died"
+        _wait_for(lambda: records() > before + 1 or c2.poll() is not None, 240, "the log to move again")
+        # 3. The server dies mid-work (its driver, its foreachBatch worker, its tasks) and comes back.
+        # The client's gRPC retries outlast the restart; its session is gone with the old server,
+        # so it fails then, or an operator kills it (as here after 90 s).
+        server.kill()
+        server.start()
+        try:
+            c2.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(c2.pid, signal.SIGKILL)
+            c2.wait()
+        assert c2.returncode != 0 or committed_batches() >= 14
+        # 4. Clients until the query has consumed everything.
+        for _ in range(3):
+            c3 = _start_client(cmd, log)
+            if c3.wait(timeout=400) == 0:
+                break
+        assert c3.returncode == 0, (tmp_path / "clients.log").read_text(errors="replace")[-4000:]
+    import pyarrow.parquet as pq
+
+    parts = [p for p in out.iterdir() if p.is_file() and not p.name.startswith(("_", "."))]
+    actual = [i for p in parts for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()]
+    verdict = chaos.verify(expected, actual)
+    assert verdict.exactly_once, verdict.to_dict()
+    staged = [p for p in (out / "_twophase").rglob("*") if p.is_file()] if (out / "_twophase").exists() else []
+    assert staged == []
