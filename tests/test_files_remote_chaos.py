@@ -48,23 +48,24 @@ def _write_input(folder) -> list[int]:
 
 
 def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
-         log_options: dict | None = None, seed: int = 0):
+         log_options: dict | None = None, seed: int = 0, points: tuple[str, ...] = crash.POINTS,
+         random_kills: int = 2):
     cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
            "--sink-config", json.dumps(sink.to_config()), "--name", f"fc-{uuid.uuid4().hex[:6]}"]
     if log:
         cmd += ["--log", log, "--log-options", json.dumps(log_options or {})]
-    points = [f"{p}:{i}" for i, p in enumerate(crash.POINTS)]
+    armed = [f"{p}:{i}" for i, p in enumerate(points)]
     log_path = str(tmp_path / "driver.log")
     env = dict(env, TWOPHASE_SPARK_DRIVER_MEMORY="512m")
     try:
-        runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=2, kill_window=(12.0, 30.0),
+        runs = chaos.run_with_faults(cmd, crash_points=armed, random_kills=random_kills, kill_window=(12.0, 30.0),
                                      seed=seed, env=env, log_path=log_path, timeout=300)
     except BaseException:
         with open(log_path, errors="replace") as f:
             sys.stderr.write("".join(f.readlines()[-80:]))
         raise
     faults = [r for r in runs if r.fault != "none"]
-    assert len(faults) == len(crash.POINTS) + 2
+    assert len(faults) == len(points) + random_kills
     # Every crash-point run really died at its point; none finished early.
     assert all(r.exit_code == crash.EXIT_CODE for r in faults if r.fault.startswith("crash:")
                and "after_pre_commit" not in r.fault), runs
@@ -121,8 +122,12 @@ def test_s3_exactly_once_under_crash_points_and_sigkills(tmp_path, s3_service):
         return [u for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
                 if u["Key"].startswith(prefix + "/")]
 
+    # MinIO gets every crash point and random kills; moto, the emulator, the points where S3's
+    # multipart uploads are held open, completed from the log, and half completed (CI time).
+    minio = s3_service.get("server") == "minio"
+    points = crash.POINTS if minio else ("after_pre_commit", "after_prepared_logged", "mid_commit")
     try:
-        _run(tmp_path, sink, env=env, seed=20251124)
+        _run(tmp_path, sink, env=env, seed=20251124, points=points, random_kills=2 if minio else 0)
         ids, keys = [], []
         paginator = s3.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=bucket, Prefix=prefix + "/"):
