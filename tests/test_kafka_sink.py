@@ -193,7 +193,8 @@ def test_commit_after_sigkill_from_fresh_process(kafka_service):
     bs = kafka_service["bootstrap_servers"]
     topic, prefix = _topic(bs), f"kill-{uuid.uuid4().hex[:8]}"
     handle = _child_transaction(bs, topic, prefix, n=100)
-    assert set(handle) >= {"transactional_id", "producer_id", "producer_epoch", "partitions"}
+    assert set(handle) >= {"transactional_id", "producer_id", "producer_epoch", "topics"}
+    assert handle["topics"] == [topic]
     assert handle["transactional_id"] == f"{prefix}-0" and handle["rows"] == 100
     assert read_committed(bs, topic, idle=1.0) == []          # pre-committed: invisible
     sink = KafkaSink(bs, topic, prefix)                        # a fresh driver, from the handle only
