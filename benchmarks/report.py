@@ -124,7 +124,8 @@ def markdown(res: dict[str, Any]) -> str:
                 lines.append(f"| {pt['target']} | {r['query Connect / classic']:.2f} | "
                              f"{r['addBatch Connect / classic']:.2f} |")
             lines += ["", st["note"], ""]
-    lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
+    if res["goals"]:
+        lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for g in res["goals"]:
         lines.append(f"| {g['goal']} | {g['value']:.3g} | {g['op']} {g['target']:g} | "
                      f"{'yes' if g['met'] else '**NO**'} |")
@@ -143,6 +144,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
     for key in ("kafka", "postgres", "files"):
         if key in sec:
             ratios += list(sec[key]["ratios"].items())
+    for pt in sec.get("connect", {}).get("points", []):
+        ratios += [(f"{pt['target']}: {k}", pt["ratios"][k])
+                   for k in ("ours Connect / classic", "Spark Connect / classic")]
     ncols = 1 + ("partitions" in sec) + ("recovery" in sec)
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 5), squeeze=False)
     ax = axes[0][0]
