@@ -18,14 +18,19 @@ from typing import Any
 
 from benchmarks.common import SECTIONS, SHAPES, Params, make_data, progress, session
 
+#: Sections --quick leaves out unless named in --only: connect costs about a minute even at
+#: --quick sizes (first use of a Connect client, then its streaming queries).
+NOT_QUICK = ("connect",)
 NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3", "minio"), "recovery": ("postgres",),
-         "coordinator": (), "partitions": ("kafka", "postgres")}
+         "coordinator": (), "partitions": ("kafka", "postgres"),
+         "connect": ("kafka", "postgres")}
 
 
 def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small and fast (what CI runs)")
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--only", help=f"comma list of {', '.join(SECTIONS)} (default: all; with --quick all "
+                    f"but {', '.join(NOT_QUICK)})")
     ap.add_argument("--rows", type=int)
     ap.add_argument("--row-size", type=int, help="payload bytes per row")
     ap.add_argument("--partitions", type=int)
@@ -63,10 +68,11 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
             ap.error(f"unknown target(s) {bad_t}; choose from files, kafka, postgres")
     p.cluster = a.cluster or 0
     if a.data_shape:
-        if {x.strip() for x in a.only.split(",") if x.strip()} != {"partitions"} and a.data_shape != "hex":
+        if {x.strip() for x in (a.only or "").split(",") if x.strip()} != {"partitions"} and a.data_shape != "hex":
             ap.error("--data-shape other than hex applies to --only partitions")
         p.data_shape = a.data_shape
-    only = [s.strip() for s in a.only.split(",") if s.strip()]
+    only = [s.strip() for s in a.only.split(",") if s.strip()] if a.only else [
+        s for s in SECTIONS if not (a.quick and s in NOT_QUICK)]
     bad = [s for s in only if s not in SECTIONS]
     if bad:
         ap.error(f"unknown section(s) {bad}; choose from {', '.join(SECTIONS)}")

@@ -19,7 +19,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-SECTIONS = ("kafka", "postgres", "files", "coordinator", "recovery", "partitions")
+SECTIONS = ("kafka", "postgres", "files", "coordinator", "recovery", "partitions", "connect")
 
 
 @dataclass
@@ -157,6 +157,14 @@ def goal(name: str, value: float, target: float, op: str) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- Spark
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def session(sections: list[str], cluster: int = 0):
     """The one Spark session of this process, with the jars the chosen sections need: local[2],
     or with ``cluster`` > 0 an application of the test standalone cluster
@@ -166,12 +174,12 @@ def session(sections: list[str], cluster: int = 0):
     if str(REPO) not in pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), pp) if p)
     jars: list[str] = []
-    if "kafka" in sections or "partitions" in sections:
+    if {"kafka", "partitions", "connect"} & set(sections):
         from tests.services.kafka import spark_kafka_jars
 
         progress("resolving Spark's Kafka writer jars")
         jars += [str(j) for j in spark_kafka_jars()]
-    if "postgres" in sections or "partitions" in sections:
+    if {"postgres", "partitions", "connect"} & set(sections):
         from tests.services.maven import resolve
 
         progress("resolving the PostgreSQL JDBC driver")
@@ -189,6 +197,13 @@ def session(sections: list[str], cluster: int = 0):
         conf[f"spark.hadoop.{key}"] = HDFS_CONF[key]
     if jars:
         conf["spark.jars"] = ",".join(jars)
+    if "connect" in sections:
+        # The connect section: this JVM also serves Spark Connect clients (benchmarks/connect.py),
+        # on a free loopback port.
+        from benchmarks.connect import PLUGIN
+
+        conf.update({"spark.plugins": PLUGIN, "spark.connect.grpc.binding.address": "127.0.0.1",
+                     "spark.connect.grpc.binding.port": str(free_port())})
     if cluster:
         from tests.cluster import DEFAULT_CONF
         from tests.services.spark_cluster import MASTER_URL

@@ -123,8 +123,15 @@ def _add_batch_ms(progress_list: list[dict[str, Any]], batches: int) -> list[flo
     """Spark's own ``durationMs.addBatch`` of the first ``batches`` micro-batches with rows: the
     time the sink took, measured the same way for ``foreachBatch`` and for Spark's sinks."""
     out = [float(p["durationMs"]["addBatch"]) for p in progress_list
-           if p.get("numInputRows", 0) > 0 and "addBatch" in p.get("durationMs", {})]
+           if input_rows(p) > 0 and "addBatch" in p.get("durationMs", {})]
     return out[:batches]
+
+
+def input_rows(p) -> int:
+    """Input rows of one progress entry.  Over Spark Connect the progress JSON has no top-level
+    ``numInputRows`` (pyspark then gives None): sum the sources' instead."""
+    n = p.get("numInputRows")
+    return int(n) if n is not None else sum(int(s.numInputRows) for s in p.sources)
 
 
 def streaming(spark, params: Params, services: dict[str, Any]) -> dict[str, Any]:

@@ -96,7 +96,36 @@ def markdown(res: dict[str, Any]) -> str:
                              f"{statistics.median(pt['ours_add_batch_ms']):.0f} | "
                              f"{statistics.median(pt['spark_add_batch_ms']):.0f} | {pt['ratio']:.2f} |")
             lines += ["", st["note"], ""]
-    lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
+    if "connect" in sec:
+        s = sec["connect"]
+        lines += ["## Spark Connect vs classic", "",
+                  "| target | variant | median s | rows/s | MB/s |", "|---|---|---:|---:|---:|"]
+        for pt in s["points"]:
+            for name, v in pt["variants"].items():
+                lines.append(f"| {pt['target']} | {name} | {v['median_s']:.3f} | {_fmt(v['rows_per_s'])} | "
+                             f"{v['mb_per_s']:.2f} |")
+        names = list(s["points"][0]["ratios"]) if s["points"] else []
+        lines += ["", "| target | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for pt in s["points"]:
+            lines.append(f"| {pt['target']} | " + " | ".join(f"{pt['ratios'][n]:.2f}" for n in names) + " |")
+        lines += ["", s["note"], ""]
+        if s.get("streaming"):
+            st = s["streaming"]
+            lines += ["| target (streaming) | session | query s (median) | addBatch ms (median) |",
+                      "|---|---|---:|---:|"]
+            for pt in st["points"]:
+                for name, v in pt["variants"].items():
+                    lines.append(f"| {pt['target']} | {name} | {v['query_median_s']:.2f} | "
+                                 f"{v['add_batch_median_ms']:.0f} |")
+            lines += ["", "| target (streaming) | query Connect / classic | addBatch Connect / classic |",
+                      "|---|---:|---:|"]
+            for pt in st["points"]:
+                r = pt["ratios"]
+                lines.append(f"| {pt['target']} | {r['query Connect / classic']:.2f} | "
+                             f"{r['addBatch Connect / classic']:.2f} |")
+            lines += ["", st["note"], ""]
+    if res["goals"]:
+        lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for g in res["goals"]:
         lines.append(f"| {g['goal']} | {g['value']:.3g} | {g['op']} {g['target']:g} | "
                      f"{'yes' if g['met'] else '**NO**'} |")
@@ -115,6 +144,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
     for key in ("kafka", "postgres", "files"):
         if key in sec:
             ratios += list(sec[key]["ratios"].items())
+    for pt in sec.get("connect", {}).get("points", []):
+        ratios += [(f"{pt['target']}: {k}", pt["ratios"][k])
+                   for k in ("ours Connect / classic", "Spark Connect / classic")]
     ncols = 1 + ("partitions" in sec) + ("recovery" in sec)
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 5), squeeze=False)
     ax = axes[0][0]

@@ -690,9 +690,9 @@ class Coordinator:
         if not is_connect(spark):
             return max(1, int(spark.sparkContext.defaultParallelism))
         if self._parallelism_seen is None:
-            from pyspark.sql import functions as F
-
-            n = spark.range(0, 1 << 16).select(F.spark_partition_id().alias("p")).distinct().count()
+            # A SQL string, not pyspark.sql.functions: those build classic Columns whenever this
+            # process does not run in Connect mode (e.g. a Connect client next to a classic session).
+            n = spark.range(0, 1 << 16).selectExpr("spark_partition_id() AS p").distinct().count()
             self._parallelism_seen = max(1, int(n))
             log.info("%s: Spark Connect: the application's default parallelism is %d", self.name,
                      self._parallelism_seen)
