@@ -119,13 +119,19 @@ def test_postgres_exactly_once_over_spark_connect_with_client_server_and_worker_
 
 
 _NO_CHECKPOINT = """
-import sys
+import json, sys
 from twophase.coordinator import Coordinator
 from twophase.sinks.files import FileSink
 from twophase.spark import local_session
 
-out, log, ck = sys.argv[1:4]
+out, log, ck, batch_out, batch_log = sys.argv[1:6]
 spark = local_session("local[2]", "connect-no-checkpoint", connect=True)
+# A batch DataFrame over Connect: the coordinator runs in this client; batch 0 twice = once.
+c = Coordinator(FileSink(batch_out, format="jsonl"), log_location=batch_log, name="connect-batch")
+df = spark.range(0, 100, 1, 3).selectExpr("CAST(id AS STRING) AS id")
+first, again = c.write(df, batch_id=0), c.write(df, batch_id=0)
+print("BATCH", json.dumps({"first": first["action"], "rows": first["rows"], "again": again["action"]}))
+c.close()
 c = Coordinator(FileSink(out, format="jsonl"), log_location=log, name="nock")
 q = (spark.readStream.format("rate").option("rowsPerSecond", 50).load().writeStream.foreachBatch(c)
      .option("checkpointLocation", ck).start())
@@ -138,20 +144,25 @@ sys.exit(0)
 """
 
 
-def test_over_spark_connect_a_coordinator_without_the_checkpoint_location_refuses_at_the_first_batch(tmp_path):
-    """Connect offers foreachBatch no query id: the coordinator needs the checkpoint to read it
-    from, and says so before anything is written."""
-    out, log = tmp_path / "out", tmp_path / "log"
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", _NO_CHECKPOINT, str(out), str(log), str(tmp_path / "ck")],
+def test_over_spark_connect_batch_writes_work_and_a_query_without_the_checkpoint_location_is_refused(tmp_path):
+    """A batch DataFrame: ``Coordinator.write`` from a Connect client writes once per batch id.
+    A streaming query: Connect offers foreachBatch no query id, so the coordinator needs the
+    checkpoint to read it from, and says so at the first batch before anything is written."""
+    out, log, batch_out = tmp_path / "out", tmp_path / "log", tmp_path / "batch-out"
+    r = subprocess.run([sys.executable, "-c", _NO_CHECKPOINT, str(out), str(log), str(tmp_path / "ck"),
+                        str(batch_out), str(tmp_path / "batch-log")],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 3, (r.stdout[-2000:], r.stderr[-3000:])
+    batch = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("BATCH "))[6:])
+    assert batch == {"first": "committed", "rows": 100, "again": "skipped"}
+    ids = [json.loads(line)["id"] for p in batch_out.iterdir() if p.is_file() and not p.name.startswith("_")
+           for line in p.read_text().splitlines() if line]
+    assert sorted(ids, key=int) == [str(i) for i in range(100)]
     assert "QUERY FAILED" in r.stdout
     assert "pass Coordinator(checkpoint_location=...)" in r.stdout + r.stderr
-    # Nothing written: no output file, no log record (the log was never taken).
+    # Nothing written: no output file, no log (it was never taken).
     assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]
     assert not log.exists()
-    print(f"refused in {time.monotonic() - t0:.0f}s")
 
 
 def test_the_spark_connect_example_writes_every_id_once(tmp_path):
