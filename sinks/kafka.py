@@ -770,36 +770,55 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
 
         produce, poll = txn.producer.produce, txn.producer.poll
         topic = self.topic
-        simple = topics is None and parts is None and headers is None
-        for i in range(n):
-            if simple:  # the common shape: one topic, key/value only
-                t = topic
-                args: tuple = (t, values[i], keys[i]) if keys is not None else (t, values[i])
-                kwargs: dict[str, Any] = {}
-            else:
-                t = topic if topics is None else topics[i]
-                args = (t, values[i], keys[i] if keys is not None else None)
-                kwargs = {}
-                if parts is not None and parts[i] is not None:
-                    kwargs["partition"] = int(parts[i])
-                if headers is not None and headers[i]:
-                    kwargs["headers"] = [(h["key"], h["value"]) for h in headers[i]]
-            while True:
+
+        def refused(i: int, t: str | None, e: Exception) -> TwoPhaseError:
+            err = e.args[0] if e.args else e
+            return TwoPhaseError(
+                f"{ctx.label}: Kafka refused row {txn.rows + i} for topic {t!r}: "
+                f"{err.str() if hasattr(err, 'str') else err}. Fix the input; nothing of this batch "
+                "was committed.")
+
+        def produce_when_room(i: int, args: tuple, kwargs: dict[str, Any]) -> None:
+            while True:  # the local queue is full: serve the producer, then retry
+                poll(0.05)
                 try:
                     produce(*args, **kwargs)
-                    break
+                    return
                 except BufferError:
-                    poll(0.05)  # local queue full: serve delivery reports, then retry
+                    continue
                 except ck.KafkaException as e:
-                    err = e.args[0] if e.args else e
-                    raise TwoPhaseError(
-                        f"{ctx.label}: Kafka refused row {txn.rows + i} for topic {t!r}: "
-                        f"{err.str() if hasattr(err, 'str') else err}. Fix the input; nothing of this batch "
-                        "was committed.") from None
-            if i % 1000 == 999:
-                poll(0)
-                if txn.error_count or txn.fatal:
-                    break
+                    raise refused(i, args[0], e) from None
+
+        # Rows go in chunks of 1000, with a poll (delivery errors, queue room) after each chunk.
+        for start in range(0, n, 1000):
+            stop = min(n, start + 1000)
+            if topics is None and parts is None and headers is None:  # the common shape: a tight loop
+                for i in range(start, stop):
+                    args: tuple = (topic, values[i], keys[i]) if keys is not None else (topic, values[i])
+                    try:
+                        produce(*args)
+                    except BufferError:
+                        produce_when_room(i, args, {})
+                    except ck.KafkaException as e:
+                        raise refused(i, topic, e) from None
+            else:
+                for i in range(start, stop):
+                    t = topic if topics is None else topics[i]
+                    args = (t, values[i], keys[i] if keys is not None else None)
+                    kwargs: dict[str, Any] = {}
+                    if parts is not None and parts[i] is not None:
+                        kwargs["partition"] = int(parts[i])
+                    if headers is not None and headers[i]:
+                        kwargs["headers"] = [(h["key"], h["value"]) for h in headers[i]]
+                    try:
+                        produce(*args, **kwargs)
+                    except BufferError:
+                        produce_when_room(i, args, kwargs)
+                    except ck.KafkaException as e:
+                        raise refused(i, t, e) from None
+            poll(0)
+            if txn.error_count or txn.fatal:
+                break
         txn.rows += n
         self._raise_errors(txn)
 

@@ -239,6 +239,23 @@ def test_abort_lingering_unblocks_read_committed_consumers(kafka_service):
 
 
 @pytest.mark.kafka
+def test_a_full_local_queue_delays_rows_and_loses_none(kafka_service):
+    """librdkafka's queue holds 50 records here: produce() raises BufferError many times per chunk;
+    the sink serves the producer and retries, and every row lands once, in order per key."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs), f"full-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(bs, topic, prefix, producer_config={"queue.buffering.max.messages": 50})
+    txn = sink.begin_transaction(_ctx(sink))
+    values = [f"v{i:05d}".encode() for i in range(3000)]
+    sink.write(txn, pa.RecordBatch.from_pydict({"key": [b"k"] * 3000, "value": values}))
+    handle = sink.pre_commit(txn)
+    assert handle["rows"] == 3000 and handle["topics"] == [topic]
+    assert sink.commit(handle).done
+    assert read_committed(bs, topic) == values  # one key, one partition: in order
+    sink.close()
+
+
+@pytest.mark.kafka
 def test_retry_attempt_fences_the_failed_one(kafka_service):
     """Two attempts of one partition share a transactional id: the later one fences the earlier."""
     bs = kafka_service["bootstrap_servers"]
