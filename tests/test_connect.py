@@ -94,14 +94,12 @@ def test_kafka_exactly_once_over_spark_connect_with_client_server_and_worker_kil
 @pytest.mark.timeout(1200)
 def test_postgres_exactly_once_over_spark_connect_with_client_server_and_worker_killed(tmp_path,
                                                                                         postgres_service):
-    from tests.test_postgres_chaos import _conn, _leftovers, _run, _write_input
+    from tests.test_postgres_chaos import _leftovers, _new_table, _run, _table_ids, _write_input
 
     info = postgres_service
-    table = f"connect_{uuid.uuid4().hex[:8]}"
+    table = _new_table(info, "connect")
     name = f"pgconnect-{uuid.uuid4().hex[:6]}"
     expected, _ = _write_input(tmp_path / "in", files=5, rows=200, keys=50)
-    with _conn(info) as c, c.cursor() as cur:
-        cur.execute(f'CREATE TABLE "{table}" (id bigint NOT NULL, k bigint, v bigint)')
     points = ["after_pre_commit:1", "before_prepared_logged:2", "after_commit:3"]
     log_dir = tmp_path / "ck" / "twophase"
     runs = _run(tmp_path, info, table, "insert", name, points, random_kills=1, seed=5, connect=True,
@@ -109,10 +107,7 @@ def test_postgres_exactly_once_over_spark_connect_with_client_server_and_worker_
                 progress_probe=lambda: sum(len(f) for _, _, f in os.walk(log_dir)))
     assert _fired(runs) == [f"crash:{p}" for p in points], [r.to_dict() for r in runs]
     assert runs[-1].completed
-    with _conn(info) as c, c.cursor() as cur:
-        cur.execute(f'SELECT id FROM "{table}"')
-        actual = [r[0] for r in cur.fetchall()]
-    verdict = chaos.verify(expected, actual)
+    verdict = chaos.verify(expected, _table_ids(info, table))
     assert verdict.exactly_once, verdict.to_dict()
     assert verdict.records_out == len(expected) == 1000
     assert _leftovers(info, name) == []

@@ -100,6 +100,20 @@ def _run(tmp_path, info, table, mode, name, crash_points, random_kills, seed, *,
         raise
 
 
+def _new_table(info, prefix: str) -> str:
+    """A fresh insert-mode target table (id, k, v); returns its name."""
+    table = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with _conn(info) as c, c.cursor() as cur:
+        cur.execute(f'CREATE TABLE "{table}" (id bigint NOT NULL, k bigint, v bigint)')
+    return table
+
+
+def _table_ids(info, table: str) -> list[int]:
+    with _conn(info) as c, c.cursor() as cur:  # a fresh connection: the runs took minutes
+        cur.execute(f'SELECT id FROM "{table}"')
+        return [r[0] for r in cur.fetchall()]
+
+
 def _leftovers(info, name) -> list[str]:
     with _conn(info) as c, c.cursor() as cur:
         cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
@@ -109,21 +123,16 @@ def _leftovers(info, name) -> list[str]:
 
 def test_insert_exactly_once_under_crash_points_and_sigkills(tmp_path, postgres_service):
     info = postgres_service
-    table = f"chaos_{uuid.uuid4().hex[:8]}"
+    table = _new_table(info, "chaos")
     name = f"pgchaos-{uuid.uuid4().hex[:6]}"
     expected, _ = _write_input(tmp_path / "in", files=4, rows=300, keys=50)
-    with _conn(info) as c, c.cursor() as cur:
-        cur.execute(f'CREATE TABLE "{table}" (id bigint NOT NULL, k bigint, v bigint)')
     runs = _run(tmp_path, info, table, "insert", name, crash.POINTS, random_kills=2, seed=20251122)
     faults = [r for r in runs if r.fault != "none"]
     assert len(faults) == len(crash.POINTS) + 2
     # Every crash-point run really died at its point (exit 137), none finished early.
     assert all(r.exit_code != 0 for r in faults if r.fault.startswith("crash:")), runs
     assert runs[-1].completed
-    with _conn(info) as c, c.cursor() as cur:  # a fresh connection: the runs took minutes
-        cur.execute(f'SELECT id FROM "{table}"')
-        actual = [r[0] for r in cur.fetchall()]
-    verdict = chaos.verify(expected, actual)
+    verdict = chaos.verify(expected, _table_ids(info, table))
     assert verdict.exactly_once, verdict.to_dict()
     assert verdict.records_out == len(expected) == 1200
     assert _leftovers(info, name) == []
