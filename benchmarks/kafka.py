@@ -245,6 +245,52 @@ def txn_cost(bootstrap: str, transactions: int = 50, handles: int = 200, threads
     return out
 
 
+def row_cost(bootstrap: str, rows: int = 200_000, reps: int = 5, chunk: int = 10_000) -> dict[str, Any]:
+    """What KafkaSink's executor side costs per row, without Spark.
+
+    Run ``python -m benchmarks.kafka --row-cost`` (prints JSON).  One transaction of ``rows``
+    rows (a 90-byte value and a key, as the partitions section's ``hex`` rows), written in
+    Arrow batches of ``chunk`` rows as ``mapInArrow`` hands them over, then pre-committed
+    (flush) and committed; ``reps`` times.  Reported: wall and process CPU seconds of
+    ``write`` + ``pre_commit`` (the CPU includes librdkafka's threads), medians, and
+    microseconds of CPU per row.  CPU is the figure to compare across commits on a shared
+    machine: wall time moves with the load, CPU much less.
+    """
+    import statistics
+    import time
+    import uuid
+
+    import pyarrow as pa
+
+    from twophase.context import TransactionContext
+    from twophase.sinks.kafka import KafkaSink
+
+    topic = f"rowcost-{uuid.uuid4().hex[:8]}"
+    _create_topic(bootstrap, topic, 3)
+    batch = pa.RecordBatch.from_pydict({"key": [str(i).encode() for i in range(rows)],
+                                        "value": [f"{i:090d}".encode() for i in range(rows)]})
+    sink = KafkaSink(bootstrap, topic, f"rowcost-{uuid.uuid4().hex[:8]}")
+    sink.open()
+    wall, cpu = [], []
+    try:
+        for rep in range(reps):
+            ctx = TransactionContext("rowcost", rep, 0, 0, sink.plan_batch("rowcost", rep, 1))
+            txn = sink.begin_transaction(ctx)
+            c0, w0 = time.process_time(), time.perf_counter()
+            for off in range(0, rows, chunk):
+                sink.write(txn, batch.slice(off, chunk))
+            handle = sink.pre_commit(txn)
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+            sink.commit(handle)
+    finally:
+        sink.close()
+    return {"rows": rows, "reps": reps, "wall_s": round(statistics.median(wall), 3),
+            "cpu_s": round(statistics.median(cpu), 3),
+            "cpu_us_per_row": round(statistics.median(cpu) / rows * 1e6, 2),
+            "wall_s_all": [round(w, 3) for w in wall], "cpu_s_all": [round(c, 3) for c in cpu]}
+
+
 if __name__ == "__main__":
     import argparse
     import json
@@ -253,7 +299,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kafka",
                                  description="KafkaSink's per-transaction cost (the Spark "
                                  "comparison runs with python -m benchmarks --only kafka)")
-    ap.add_argument("--txn-cost", action="store_true", required=True)
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--txn-cost", action="store_true", help="per-transaction cost (see txn_cost)")
+    what.add_argument("--row-cost", action="store_true", help="per-row cost of write + pre_commit "
+                      "(see row_cost)")
+    ap.add_argument("--rows", type=int, default=200_000, help="rows for --row-cost")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions for --row-cost")
     ap.add_argument("--bootstrap", help="default: the test broker of tests/services")
     ap.add_argument("--transactions", type=int, default=50)
     ap.add_argument("--handles", type=int, default=200)
@@ -263,6 +314,9 @@ if __name__ == "__main__":
         from tests import services as svc
 
         a.bootstrap = svc.ensure("kafka")["kafka"]["bootstrap_servers"]
-    result = txn_cost(a.bootstrap, a.transactions, a.handles, a.threads)
+    if a.row_cost:
+        result = row_cost(a.bootstrap, a.rows, a.reps)
+    else:
+        result = txn_cost(a.bootstrap, a.transactions, a.handles, a.threads)
     result["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=1))
