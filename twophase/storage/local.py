@@ -12,8 +12,10 @@ import os
 import uuid
 from typing import Any, BinaryIO
 
-from twophase.errors import ConfigurationError, LogError
+from twophase.errors import ConfigurationError, LogError, TwoPhaseError
+from twophase.sink import CommitResult
 from twophase.storage._base import LogStore
+from twophase.storage.parts import STAGING_DIR, StagedPartFiles, staging_name
 
 
 def local_root(url: str) -> str:
@@ -255,3 +257,58 @@ class LocalStore(LogStore):
 
     def delete(self, name: str) -> None:
         unlink_quiet(self._path(name))
+
+
+# ------------------------------------------------------------ FileSink's part files
+class LocalPartFiles(StagedPartFiles):
+    """Local (or POSIX-mounted) directory: exclusive create, fsync, hard link + unlink on commit."""
+
+    fs = "local"
+
+    @classmethod
+    def from_url(cls, url, storage_options, *, fsync=True, **_):
+        return cls(LocalStorage(url, storage_options, fsync=fsync))
+
+    def check(self) -> None:
+        self.storage.ensure_writable(self.join(self.root, STAGING_DIR))
+
+    def open_file(self, ctx, final, index):
+        self.check_intent(ctx.intent, ctx.batch_id)
+        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
+        staging = self.join(folder, staging_name(final, ctx, index))
+        return staging, self.storage.create(staging)
+
+    def finish_file(self, f):
+        size = self.storage.close_durably(f.stream, f.staging)
+        return {"staging": f.staging, "final": f.final, "size": size}
+
+    def abort_file(self, f):
+        if not f.stream.closed:
+            f.stream.close()
+        self.storage.delete(f.staging)
+
+    def commit_file(self, entry):
+        st = self.storage
+        staging, final, size = entry["staging"], entry["final"], int(entry["size"])
+        if st.exists(staging):
+            if not st.link_no_overwrite(staging, final):
+                if not st.same_file(staging, final):
+                    raise TwoPhaseError(
+                        f"cannot commit {staging}: the target {final} already exists and is "
+                        "another file (written by something else?). Move it aside and restart; "
+                        "the staged file is kept."
+                    )
+                st.sync_dir(final)  # linked before a crash: make sure the link is durable
+            st.delete(staging)
+            return CommitResult.committed()
+        actual = st.size(final)
+        if actual is not None:
+            if actual == size:
+                return CommitResult.already_committed()
+            return CommitResult.lost(
+                f"staged file {staging} is gone and {final} has {actual} bytes, expected {size}"
+            )
+        return CommitResult.lost(f"neither the staged file {staging} nor the target {final} exists")
+
+    def abort_entry(self, entry):
+        self.storage.delete(entry["staging"])
