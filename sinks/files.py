@@ -23,15 +23,19 @@ reached the log are deleted/aborted by ``abort_lingering``.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
 from twophase.config import is_secret_ref
-from twophase.context import TransactionContext
+from twophase.context import BatchContext, TransactionContext
 from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
-from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+from twophase.sink import CommitOutcome, CommitResult, PreparedBatch, TwoPhaseCommitSink
 from twophase.sinks._formats import EXT as _EXT
 from twophase.sinks._formats import FORMATS, MIB, PARQUET_CODECS, TEXT_CODECS
 from twophase.sinks._formats import FormatWriter as _FormatWriter
@@ -56,6 +60,19 @@ log = logging.getLogger("twophase.sinks.files")
 S3_MIN_PART = 5 * MIB
 S3_MAX_PART = 5 * 1024 * MIB
 DEFAULT_PART_SIZE = 8 * MIB
+#: ``writer``: "arrow" (the sink's own writers in per-task transactions) or "spark" (one
+#: ``df.write`` per batch into its staging folder; local disk and HDFS).  Default by backend.
+WRITERS = ("arrow", "spark")
+DEFAULT_WRITER = {"local": "arrow", "hdfs": "arrow", "s3": "arrow"}
+#: writer="spark": Spark's format and codec names for the sink's (None: not with that writer).
+_SPARK_FORMAT = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
+_SPARK_PARQUET_CODECS = {
+    None: "snappy", "snappy": "snappy", "none": "none", "gzip": "gzip", "zstd": "zstd",
+    "lz4": "lz4_raw", "brotli": None,
+}
+_SPARK_TEXT_CODECS = {None: None, "gzip": "gzip", "bz2": "bzip2", "zstd": None}
+#: The name Spark's file writer gives a part file: part-<task>-<job uuid>[-c<file>]<ext>
+_SPARK_PART = re.compile(r"part-(\d+)-.*?(?:-c(\d+))?\.[^-]*$")
 
 
 # --------------------------------------------------------------------- transactions
@@ -129,6 +146,12 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     gone.  ``s3_if_none_match``: ``"require"`` (default) refuses at ``open()`` an endpoint
     that ignores ``If-None-Match`` on completion; ``"head-check"`` accepts it and checks the
     key with HEAD before each completion (an object written in between is overwritten).
+
+    ``writer``: ``"spark"`` (local disk and HDFS) writes each batch with one ``df.write``
+    into the batch's staging folder from the driver (:meth:`prepare_batch`; Spark's output
+    committer settles task retries), then commits by rename as usual; ``"arrow"`` (the
+    default) writes in per-task transactions with the sink's Arrow writers.  docs/files.md,
+    "writer".
     """
 
     kind = "files"
@@ -152,6 +175,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         s3_etags: str = "md5",
         s3_if_none_match: str = "require",
         header: bool = False,
+        writer: str | None = None,
     ):
         if format not in FORMATS:
             raise ConfigurationError(f"unknown format {format!r}; use one of parquet, jsonl, csv")
@@ -215,6 +239,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                 "webhdfs://, s3://)"
             )
         self._spec = spec
+        if writer is not None and writer not in WRITERS:
+            raise ConfigurationError(f"writer must be 'arrow' or 'spark', got {writer!r}")
         self._backend: PartFiles = spec.load(spec.files).from_url(
             url,
             so,
@@ -236,6 +262,19 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         self.s3_etags = s3_etags
         self.s3_if_none_match = s3_if_none_match
         self.header = bool(header)
+        self.writer = writer or DEFAULT_WRITER.get(spec.name, "arrow")
+        if self.writer == "spark":
+            if not self._backend.spark_writer:
+                raise ConfigurationError(
+                    f"writer='spark' writes local paths and HDFS only, not {self.scheme}:// "
+                    "(S3: the default writer='arrow', multipart uploads completed on commit)"
+                )
+            codecs = _SPARK_PARQUET_CODECS if fmt == "parquet" else _SPARK_TEXT_CODECS
+            if codecs.get(compression) is None and compression is not None:
+                raise ConfigurationError(
+                    f"writer='spark' cannot write {fmt} with compression {compression!r} (Spark "
+                    "has no codec for it without native Hadoop libraries); use writer='arrow'"
+                )
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"FileSink({self.url!r}, format={self.format!r})"
@@ -271,6 +310,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             cfg["s3_if_none_match"] = self.s3_if_none_match
         if self.header:
             cfg["header"] = True
+        if self.writer != DEFAULT_WRITER.get(self._spec.name, "arrow"):
+            cfg["writer"] = self.writer
         if self.storage_options:
             cfg["storage_options"] = _config_options(self.storage_options)
         return cfg
@@ -315,6 +356,81 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         if self.fs != "local":
             intent["fs"] = self.fs
         return intent
+
+    # ------------------------------------------------- driver: writer="spark"
+    def prepare_batch(self, df: Any, ctx: BatchContext) -> PreparedBatch[dict] | None:
+        """writer="spark": write the batch with one ``df.write`` into its own staging folder and
+        return the files Spark left there as handles (one per Spark task); None otherwise.
+
+        Spark's output committer settles task retries and speculation inside the job; the
+        folder (``<root>/_twophase/<query>/b<batch>/w<token>/``) is invisible to readers, and
+        what an interrupted job leaves there is removed by :meth:`abort_lingering`.
+        """
+        if self.writer != "spark":
+            return None
+        from pyspark.sql import Observation
+        from pyspark.sql import functions as F
+
+        b = self._backend
+        folder = b.writer_folder(ctx, f"{ctx.run}{uuid.uuid4().hex[:8]}")
+        observed = Observation(f"twophase_rows_{uuid.uuid4().hex[:8]}")
+        w = df.observe(observed, F.count(F.lit(1)).alias("rows")).write.format(
+            _SPARK_FORMAT[self.format]
+        )
+        codec = (
+            _SPARK_PARQUET_CODECS if self.format == "parquet" else _SPARK_TEXT_CODECS
+        ).get(self.compression)
+        if codec is not None:
+            w = w.option("compression", codec)
+        if self.header:
+            w = w.option("header", "true")
+        if self.partition_by:
+            w = w.partitionBy(*self.partition_by)
+        t0 = time.perf_counter()
+        w.mode("errorifexists").save(b.hadoop_url(folder))
+        rows = int(observed.get["rows"])
+        t1 = time.perf_counter()
+        try:
+            handles = self._spark_handles(folder, ctx.batch_id) if rows else []
+        except BaseException:
+            b.delete_folder(folder)
+            raise
+        if not handles:  # an empty batch: Spark's first task still writes a file with the schema
+            b.delete_folder(folder)
+        log.debug(
+            "%s: Spark's write %.0f ms, listing %.0f ms: %d rows in %d handles",
+            ctx.label,
+            (t1 - t0) * 1000,
+            (time.perf_counter() - t1) * 1000,
+            rows,
+            len(handles),
+        )
+        return PreparedBatch(handles, rows)
+
+    def _spark_handles(self, folder: str, batch_id: int) -> list[dict]:
+        """One handle per Spark task, for the files Spark's writer left in ``folder``."""
+        b = self._backend
+        sep = os.sep if self.fs == "local" else "/"
+        by_task: dict[int, list[dict[str, Any]]] = {}
+        for path, size in b.list_files(folder):
+            rel = path[len(folder) :].lstrip(sep).split(sep)
+            m = _SPARK_PART.fullmatch(rel[-1])
+            if m is None:
+                raise TwoPhaseError(
+                    f"Spark's writer left {path}, which is not named like its part files"
+                )
+            if self.partition_values == "reject" and any("%" in seg for seg in rel[:-1]):
+                raise TwoPhaseError(
+                    f"{path}: a partition value needed escaping and partition_values='reject'"
+                )
+            task, nfile = int(m.group(1)), int(m.group(2) or 0)
+            name = f"{self.prefix}-{batch_id:08d}-{task:05d}"
+            name += f"-c{nfile:03d}.{self._ext()}" if nfile else f".{self._ext()}"
+            final = b.join(b.root, *rel[:-1], name)
+            by_task.setdefault(task, []).append({"staging": path, "final": final, "size": size})
+        return [
+            {"fs": self.fs, "rows": None, "files": files} for _, files in sorted(by_task.items())
+        ]
 
     # -------------------------------------------------------------- executor
     def _open_file(self, txn: FileTransaction, key: tuple) -> _OpenFile:

@@ -9,6 +9,7 @@ existing directory.  Needs ``pip install 'twophase[hdfs]'``.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import getpass
 import logging
@@ -316,6 +317,28 @@ class HdfsStorage:
         with self.reach():
             return self.client.delete(path, recursive=recursive)
 
+    def hadoop_url(self, path: str) -> str:
+        """``path`` as Spark (Hadoop) names it: the sink URL's scheme and authority (``hdfs://nn:8020``
+        reaches the NameNode by RPC, ``webhdfs://`` by Hadoop's WebHDFS client)."""
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}{path}"
+
+    def list_files(self, folder: str) -> builtins.list[tuple[str, int]]:
+        """(path, size) of every file under ``folder``, at any depth, leaving out names (of files
+        and folders) that start with ``_`` or ``.`` (Spark's ``_SUCCESS``, ``_temporary``)."""
+        out: builtins.list[tuple[str, int]] = []
+        with self.reach():
+            entries = self.client.list(folder, status=True)
+        for name, st in sorted(entries):
+            if name.startswith(("_", ".")):
+                continue
+            path = posixpath.join(folder, name)
+            if st.get("type") == "DIRECTORY":
+                out += self.list_files(path)
+            else:
+                out.append((path, int(st["length"])))
+        return out
+
     def create(self, path: str) -> HdfsUpload:
         """Exclusive create, streamed: the file appears when :meth:`HdfsUpload.finish` returns."""
         return HdfsUpload(self.client, path, self.reach)
@@ -378,6 +401,9 @@ class HdfsStorage:
         for name in names:
             path = posixpath.join(folder, name)
             if posixpath.normpath(path) in keep_paths:
+                kept_here = True
+            elif any(p.startswith(posixpath.normpath(path) + "/") for p in keep_paths):
+                n += self.delete_under(path, keep)  # a kept file inside: only the rest goes
                 kept_here = True
             else:
                 self.delete(path, recursive=True)

@@ -7,8 +7,10 @@ the same way: write, fsync the file, link or rename it into place, fsync the dir
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
+import shutil
 import uuid
 from typing import Any, BinaryIO
 
@@ -144,9 +146,27 @@ class LocalStorage:
         except FileNotFoundError:
             return None
 
+    @staticmethod
+    def hadoop_url(path: str) -> str:
+        """``path`` as Spark (Hadoop) names it."""
+        return "file://" + path
+
+    @staticmethod
+    def list_files(folder: str) -> builtins.list[tuple[str, int]]:
+        """(path, size) of every file under ``folder``, at any depth, leaving out names (of files
+        and folders) that start with ``_`` or ``.`` (Spark's ``_SUCCESS``, checksum files)."""
+        out = []
+        for d, dirs, files in os.walk(folder):
+            dirs[:] = sorted(x for x in dirs if not x.startswith(("_", ".")))
+            for name in sorted(files):
+                if not name.startswith(("_", ".")):
+                    path = os.path.join(d, name)
+                    out.append((path, os.path.getsize(path)))
+        return out
+
     def delete_under(self, folder: str, keep: set[str]) -> int:
-        """Delete every file directly in ``folder`` except the paths in ``keep``; remove the folder
-        when nothing kept is left in it.  Returns how many files were deleted."""
+        """Delete everything in ``folder`` (folders in it recursively) except the paths in ``keep``;
+        remove the folder when nothing kept is left in it.  Returns how many entries went."""
         keep_paths = {os.path.abspath(p) for p in keep}
         try:
             names = os.listdir(folder)
@@ -155,7 +175,16 @@ class LocalStorage:
         n = 0
         for name in names:
             path = os.path.join(folder, name)
-            if os.path.abspath(path) not in keep_paths:
+            full = os.path.abspath(path)
+            if full in keep_paths:
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                if any(p.startswith(full + os.sep) for p in keep_paths):
+                    n += self.delete_under(path, keep)  # a kept file inside: only the rest goes
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+                    n += 1
+            else:
                 unlink_quiet(path)
                 n += 1
         if not keep_paths or not any(os.path.exists(p) for p in keep_paths):

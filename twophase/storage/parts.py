@@ -54,6 +54,8 @@ class PartFiles:
     """
 
     fs = ""
+    #: Whether Spark's own writer can write this backend's staged files (FileSink(writer="spark")).
+    spark_writer = False
 
     def __init__(self, storage: Any):
         self.storage = storage
@@ -91,6 +93,19 @@ class PartFiles:
         raise NotImplementedError
 
     def abort_file(self, f: OpenPart) -> None:
+        raise NotImplementedError
+
+    # driver, FileSink(writer="spark") (spark_writer backends)
+    def writer_folder(self, ctx: Any, token: str) -> str:
+        raise NotImplementedError
+
+    def hadoop_url(self, path: str) -> str:
+        raise NotImplementedError
+
+    def list_files(self, folder: str) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    def delete_folder(self, folder: str) -> None:
         raise NotImplementedError
 
     # driver
@@ -154,6 +169,27 @@ class StagedPartFiles(PartFiles):
             )
         return path[len(inside) :].split(sep)
 
+    spark_writer = True
+
+    def writer_folder(self, ctx: Any, token: str) -> str:
+        """The folder Spark's writer fills for one execution of a batch:
+        ``<batch staging>/w<token>/`` (``ctx``: a :class:`~twophase.context.BatchContext`).
+        Inside the batch's staging folder, so ``abort_lingering`` removes what an interrupted job
+        left there."""
+        self.check_intent(ctx.intent, ctx.batch_id)
+        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
+        return self.join(folder, "w" + safe_name(token))
+
+    def hadoop_url(self, path: str) -> str:
+        return self.storage.hadoop_url(path)
+
+    def list_files(self, folder: str) -> list[tuple[str, int]]:
+        """(path, size) of the data files Spark's writer left under ``folder``."""
+        return self.storage.list_files(folder)
+
+    def delete_folder(self, folder: str) -> None:
+        self.storage.delete_under(folder, set())
+
     def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
         self.check_intent(intent, batch_id)
         folder = intent.get("staging") or self.batch_staging(query_name, batch_id)
@@ -181,7 +217,15 @@ class StagedPartFiles(PartFiles):
         rel = self._under(
             entry.get("staging"), self.join(self.root, STAGING_DIR), "staged file", "a files handle"
         )
-        if len(rel) != 3 or not rel[1].startswith("b"):
+        # <query>/b<batch>/<staged name>, or a file Spark's writer left under
+        # <query>/b<batch>/w<token>/[col=value/...]<name>
+        spark = (
+            len(rel) >= 4
+            and rel[2].startswith("w")
+            and all("=" in seg for seg in rel[3:-1])
+            and not any(seg.startswith((".", "_")) for seg in rel[2:])
+        )
+        if not (len(rel) == 3 or spark) or not rel[1].startswith("b"):
             raise HandleError(
                 f"a files handle names staged file {entry.get('staging')!r}, which is not under "
                 f"{self.join(self.root, STAGING_DIR, '<query>', 'b<batch>')!r}. {TAMPERED}"
