@@ -63,7 +63,7 @@ DEFAULT_PART_SIZE = 8 * MIB
 #: ``writer``: "arrow" (the sink's own writers in per-task transactions) or "spark" (one
 #: ``df.write`` per batch into its staging folder; local disk and HDFS).  Default by backend.
 WRITERS = ("arrow", "spark")
-DEFAULT_WRITER = {"local": "arrow", "hdfs": "arrow", "s3": "arrow"}
+DEFAULT_WRITER = {"local": "arrow", "hdfs": "spark", "s3": "arrow"}  # by the numbers: docs/benchmarks.md
 #: writer="spark": Spark's format and codec names for the sink's (None: not with that writer).
 _SPARK_FORMAT = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
 _SPARK_PARQUET_CODECS = {
@@ -147,11 +147,11 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     that ignores ``If-None-Match`` on completion; ``"head-check"`` accepts it and checks the
     key with HEAD before each completion (an object written in between is overwritten).
 
-    ``writer``: ``"spark"`` (local disk and HDFS) writes each batch with one ``df.write``
-    into the batch's staging folder from the driver (:meth:`prepare_batch`; Spark's output
-    committer settles task retries), then commits by rename as usual; ``"arrow"`` (the
-    default) writes in per-task transactions with the sink's Arrow writers.  docs/files.md,
-    "writer".
+    ``writer``: ``"spark"`` (default on HDFS; local disk too) writes each batch with one
+    ``df.write`` into the batch's staging folder from the driver (:meth:`prepare_batch`;
+    Spark's output committer settles task retries), then commits by rename as usual;
+    ``"arrow"`` (default on local disk and S3) writes in per-task transactions with the
+    sink's Arrow writers.  docs/files.md, "writer".
     """
 
     kind = "files"

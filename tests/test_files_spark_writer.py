@@ -46,6 +46,11 @@ def test_writer_option_is_validated(tmp_path):
     assert s.to_config()["writer"] == "spark"
     assert FileSink.from_config(s.to_config()).writer == "spark"
     assert "writer" not in FileSink(str(tmp_path)).to_config()  # the backend's default is not written
+    # defaults by backend (docs/benchmarks.md): Spark's writer on HDFS, the Arrow writers elsewhere
+    assert FileSink(str(tmp_path)).writer == "arrow"
+    assert FileSink("hdfs://nn:8020/x").writer == "spark"
+    assert FileSink("s3://bucket/x").writer == "arrow"
+    assert FileSink("hdfs://nn:8020/x", writer="arrow").to_config()["writer"] == "arrow"
 
 
 def test_a_handle_naming_a_file_outside_the_writer_layout_is_refused(tmp_path):
