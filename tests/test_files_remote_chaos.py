@@ -166,7 +166,9 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
     url = f"{hdfs_service['namenode']}{path}"
     opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
     expected = _write_input(tmp_path / "in")
-    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"])
+    # The per-task path, whose after_pre_commit fires inside executors (HDFS's default writer is
+    # Spark's, whose after_pre_commit fires in the driver once its job returned).
+    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"], writer="arrow")
     log_dir = tmp_path / "log"
     cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
            "--sink-config", json.dumps(sink.to_config()), "--name", f"cc-{uuid.uuid4().hex[:6]}",
