@@ -41,6 +41,9 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     ap.add_argument("--partition-counts", help="comma list of input partition counts for the "
                     "partitions section (default 2,50,200)")
     ap.add_argument("--targets", help="comma list of files, kafka, postgres for the partitions section")
+    ap.add_argument("--file-targets", help="comma list of local, hdfs, s3, s3-moto for the files section")
+    ap.add_argument("--file-writers", help="comma list of FileSink writers (arrow, spark) measured on "
+                    "local and HDFS in the files section (default both)")
     ap.add_argument("--cluster", type=int, metavar="N", choices=(1, 2),
                     help="run on the test Spark standalone cluster (python -m tests.services start "
                          "spark_cluster) with N one-core executors, one per worker, instead of local[2]")
@@ -66,6 +69,15 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
         bad_t = [t for t in p.partition_targets if t not in ("files", "kafka", "postgres")]
         if bad_t:
             ap.error(f"unknown target(s) {bad_t}; choose from files, kafka, postgres")
+    if a.file_targets:
+        p.file_targets = tuple(t.strip() for t in a.file_targets.split(",") if t.strip())
+        bad_f = [t for t in p.file_targets if t not in ("local", "hdfs", "s3", "s3-moto")]
+        if bad_f:
+            ap.error(f"unknown file target(s) {bad_f}; choose from local, hdfs, s3, s3-moto")
+    if a.file_writers:
+        p.file_writers = tuple(w.strip() for w in a.file_writers.split(",") if w.strip())
+        if not p.file_writers or set(p.file_writers) - {"arrow", "spark"}:
+            ap.error("--file-writers takes arrow, spark or both")
     p.cluster = a.cluster or 0
     if a.data_shape:
         if {x.strip() for x in (a.only or "").split(",") if x.strip()} != {"partitions"} and a.data_shape != "hex":
@@ -88,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     load0 = round(os.getloadavg()[0], 2)  # other work on the machine skews every number: record it
     from tests import services as svc
 
-    names = sorted({n for s in only for n in NEEDS[s]} | ({"spark_cluster"} if params.cluster else set()))
+    need = {n for s in only for n in NEEDS[s] if s != "files"}
+    if "files" in only:  # only the servers of the file targets asked for
+        need |= {n for t, n in (("hdfs", "hdfs"), ("s3", "minio"), ("s3-moto", "s3")) if t in params.file_targets}
+    names = sorted(need | ({"spark_cluster"} if params.cluster else set()))
     progress(f"services: {', '.join(names) or 'none'}")
     services: dict[str, Any] = svc.ensure(*names) if names else {}
     if "TWOPHASE_SPARK_DRIVER_MEMORY" not in os.environ:

@@ -37,6 +37,8 @@ class Params:
     pg_recovery_handles: tuple[int, ...] = (10, 50)
     partition_counts: tuple[int, ...] = (2, 50, 200)
     partition_targets: tuple[str, ...] = ("files", "kafka", "postgres")
+    file_targets: tuple[str, ...] = ("local", "hdfs", "s3", "s3-moto")  # the files section's targets
+    file_writers: tuple[str, ...] = ("arrow", "spark")  # FileSink's executor paths on local and HDFS
     kafka_topic_partitions: int = 4
     cluster: int = 0  # > 0: on the test standalone cluster with this many one-core executors
     data_shape: str = "hex"  # see make_data
@@ -103,7 +105,11 @@ def interleave(variants: list[Variant], reps: int, warmup: int, label: str,
     """Run every variant ``warmup`` (untimed) + ``reps`` times, interleaved, rotating the order each round.
 
     Round r runs variants in the order shifted by r (A B C, B C A, C A B ...), so a
-    slow phase of the shared machine does not always hit the same variant.  With
+    slow phase of the shared machine does not always hit the same variant; every other
+    cycle of n rounds runs those orders reversed (C B A, A C B, B A C), so that with three
+    or more variants each one follows each other one equally often (a variant that
+    leaves the machine busy, e.g. a server still digesting its writes, then slows its
+    successors alike).  With
     ``server_pgid``, each timed run also records the CPU seconds that server's process
     group spent during it (:attr:`Variant.server_cpu`): on one machine the server's
     work competes with the writer's for the same cores.
@@ -111,6 +117,8 @@ def interleave(variants: list[Variant], reps: int, warmup: int, label: str,
     n = len(variants)
     for r in range(warmup + reps):
         order = [variants[(i + r) % n] for i in range(n)]
+        if (r // n) % 2 == 1:
+            order.reverse()
         for v in order:
             if v.setup:
                 v.setup()

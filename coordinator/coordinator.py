@@ -726,6 +726,14 @@ class Coordinator:
     # ---------------------------------------------------------------- executors
     def _prepare(self, df, name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
         """Run every partition's transaction on the executors; return their handles (envelopes)."""
+        from twophase.context import BatchContext
+
+        # A sink that prepares the whole batch with a Spark job of its own (prepare_batch) does it here.
+        whole = self.sink.prepare_batch(df, BatchContext(name, batch_id, intent, run))
+        if whole is not None:
+            crash.crash_point("after_pre_commit", batch_id)  # the batch's pre-commit is its job
+            return [{"partition": i, "attempt": 0, "rows": whole.rows if i == 0 else 0,
+                     "handle": self.sink.encode_handle(h)} for i, h in enumerate(whole.handles)]
         import pyarrow as pa
 
         sink = self.sink

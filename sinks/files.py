@@ -5,9 +5,10 @@ local disk (``/path``, ``file://``) and HDFS (``hdfs://``, ``webhdfs://``, over
 WebHDFS) stage files under ``<target>/_twophase/`` and commit by a rename that never
 overwrites; S3 (``s3://``) keeps each part file an open multipart upload and commits
 with CompleteMultipartUpload.  Part names are deterministic per batch and partition,
-so a replay cannot duplicate a file.  This module holds the sink's rules (handles,
-staging layout, commit and recovery); the I/O is in twophase.storage and the formats
-in ``_formats``.  User docs: docs/files.md.
+so a replay cannot duplicate a file.  This module holds the sink alone: options, part
+names, the executor-side transaction, handles and their commit.  How each backend
+stages, commits and recovers one part file is its ``PartFiles`` in twophase.storage
+(picked by the registry), and the formats are in ``_formats``.  User docs: docs/files.md.
 
 Delivery guarantee: with the coordinator, every row of a batch appears in exactly
 one committed part file, once, after any number of driver crashes.
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +33,9 @@ from typing import Any
 import pyarrow as pa
 
 from twophase.config import is_secret_ref
-from twophase.context import TransactionContext
+from twophase.context import BatchContext, TransactionContext
 from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
-from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+from twophase.sink import CommitOutcome, CommitResult, PreparedBatch, TwoPhaseCommitSink
 from twophase.sinks._formats import EXT as _EXT
 from twophase.sinks._formats import FORMATS, MIB, PARQUET_CODECS, TEXT_CODECS
 from twophase.sinks._formats import FormatWriter as _FormatWriter
@@ -47,19 +48,31 @@ from twophase.sinks._partitions import (  # noqa: F401 - the public names stay i
 )
 from twophase.storage import backend_for, scheme_of
 from twophase.storage._base import SECRET_OPTIONS as _SECRET_OPTIONS
+from twophase.storage.parts import (
+    STAGING_DIR,  # noqa: F401 - importable from here, as before
+    PartFiles,
+)
+from twophase.storage.parts import safe_name as _safe
 
 log = logging.getLogger("twophase.sinks.files")
 
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
-STAGING_DIR = "_twophase"
 #: S3: every part but the last must be at least 5 MiB (and at most 5 GiB).
 S3_MIN_PART = 5 * MIB
 S3_MAX_PART = 5 * 1024 * MIB
 DEFAULT_PART_SIZE = 8 * MIB
-
-
-def _safe(s: str) -> str:
-    return _SAFE.sub("_", s)
+#: ``writer``: "arrow" (the sink's own writers in per-task transactions) or "spark" (one
+#: ``df.write`` per batch into its staging folder; local disk and HDFS).  Default by backend.
+WRITERS = ("arrow", "spark")
+DEFAULT_WRITER = {"local": "arrow", "hdfs": "spark", "s3": "arrow"}  # by the numbers: docs/benchmarks.md
+#: writer="spark": Spark's format and codec names for the sink's (None: not with that writer).
+_SPARK_FORMAT = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
+_SPARK_PARQUET_CODECS = {
+    None: "snappy", "snappy": "snappy", "none": "none", "gzip": "gzip", "zstd": "zstd",
+    "lz4": "lz4_raw", "brotli": None,
+}
+_SPARK_TEXT_CODECS = {None: None, "gzip": "gzip", "bz2": "bzip2", "zstd": None}
+#: The name Spark's file writer gives a part file: part-<task>-<job uuid>[-c<file>]<ext>
+_SPARK_PART = re.compile(r"part-(\d+)-.*?(?:-c(\d+))?\.[^-]*$")
 
 
 # --------------------------------------------------------------------- transactions
@@ -98,542 +111,6 @@ class FileTransaction:
         return next(iter(self.files.values())).final if self.files else None
 
 
-# -------------------------------------------------------------- per-storage commit rules
-def _staging_name(final: str, ctx: TransactionContext, index: int) -> str:
-    # Attempt and a random token in the staging name: two attempts never share a file.
-    base = posixpath.basename(final) if index == 0 else f"{posixpath.basename(final)}.f{index:04d}"
-    return f"{base}.a{ctx.attempt}-{uuid.uuid4().hex[:8]}"
-
-
-class _Files:
-    """How FileSink stages, commits and aborts part files on one kind of storage.
-
-    The storage object (twophase.storage.*) does the I/O; this class holds the sink's rules:
-    where staged files go, what a handle entry holds, when a commit counts as already done.
-    Holds only configuration when pickled (storage objects drop their clients).
-    """
-
-    fs = ""
-
-    def __init__(self, storage: Any):
-        self.storage = storage
-        self.root: str = storage.root
-
-    def join(self, *parts: str) -> str:
-        return self.storage.join(*parts)
-
-    # driver
-    def check(self) -> None: ...
-
-    def batch_staging(self, query_name: str, batch_id: int) -> str:
-        return self.join(self.root, STAGING_DIR, _safe(query_name), f"b{batch_id:08d}")
-
-    # executor
-    def open_file(self, ctx: TransactionContext, final: str, index: int) -> tuple[str | None, Any]:
-        raise NotImplementedError
-
-    def finish_file(self, f: _OpenFile) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def abort_file(self, f: _OpenFile) -> None:
-        raise NotImplementedError
-
-    # driver
-    def commit_file(self, entry: dict[str, Any]) -> CommitResult:
-        raise NotImplementedError
-
-    def recover_file(self, entry: dict[str, Any]) -> CommitResult:
-        return self.commit_file(entry)
-
-    def abort_entry(self, entry: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def abort_lingering(
-        self,
-        query_name: str,
-        batch_id: int,
-        intent: dict[str, Any],
-        keep: list[dict[str, Any]],
-        name_prefix: str,
-    ) -> int:
-        raise NotImplementedError
-
-    def describe(self, entry: dict[str, Any]) -> str:
-        return (
-            f"{self.fs} file {entry.get('final')} (staged {entry.get('staging')}, "
-            f"{entry.get('size')} bytes)"
-        )
-
-    # paths read back from the log: never trusted (a tampered or mistaken record must not make
-    # commit link, or abort delete, anything outside this sink's root and staging folders)
-    def check_entry(self, entry: dict[str, Any]) -> None:
-        """HandleError unless every path of a handle's file lies where this sink writes."""
-
-    def check_intent(self, intent: dict[str, Any], batch_id: int) -> None:
-        """HandleError unless the INTENT's locations are this sink's, for batch ``batch_id``."""
-
-
-_BATCH_DIR = re.compile(r"b(\d{8,})")
-
-_TAMPERED = (
-    "The transaction log record was changed, or belongs to another sink; nothing was touched. "
-    "Recover with the sink configuration the batch was written with."
-)
-
-
-class _StagedFiles(_Files):
-    """Local disk and HDFS: staged files under ``<root>/_twophase/<query>/b<batch>/``."""
-
-    def _under(self, path: Any, base: str, what: str, record: str) -> list[str]:
-        """The components of ``path`` below ``base``; HandleError unless it is a normalised path
-        under it."""
-        if not isinstance(path, str) or not path:
-            raise HandleError(f"{record} has no {what} path ({path!r}). {_TAMPERED}")
-        norm = self.storage.normpath(path)
-        sep = "/" if self.fs == "hdfs" else os.sep
-        inside = base.rstrip(sep) + sep
-        if norm != path or not path.startswith(inside):
-            why = " once '..' and repeated separators are resolved" if norm != path else ""
-            raise HandleError(
-                f"{record} names {what} {path!r}, which is not under {inside!r}{why}. {_TAMPERED}"
-            )
-        return path[len(inside) :].split(sep)
-
-    def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
-        self.check_intent(intent, batch_id)
-        folder = intent.get("staging") or self.batch_staging(query_name, batch_id)
-        n = self.storage.delete_under(folder, {e["staging"] for e in keep})
-        return n + self._sweep_older(folder, batch_id)
-
-    def _sweep_older(self, folder: str, batch_id: int) -> int:
-        """Delete the staging folders of this query's *older* batches.
-
-        Their batches are finished (the coordinator starts or finishes batch N only when
-        no older batch is pending), so anything there is garbage: a staged file that
-        appeared after its batch's cleanup, e.g. when a DataNode closed the file of a
-        writer that died mid-write only after the folder was deleted.
-        """
-        sep = "/" if self.fs == "hdfs" else os.sep
-        parent = folder.rstrip(sep).rpartition(sep)[0]
-        n = 0
-        for name in self.storage.list(parent) or []:
-            m = _BATCH_DIR.fullmatch(name)
-            if m and int(m.group(1)) < batch_id:
-                n += self.storage.delete_under(self.join(parent, name), set())
-        return n
-
-    def check_entry(self, entry):
-        rel = self._under(
-            entry.get("staging"), self.join(self.root, STAGING_DIR), "staged file", "a files handle"
-        )
-        if len(rel) != 3 or not rel[1].startswith("b"):
-            raise HandleError(
-                f"a files handle names staged file {entry.get('staging')!r}, which is not under "
-                f"{self.join(self.root, STAGING_DIR, '<query>', 'b<batch>')!r}. {_TAMPERED}"
-            )
-        rel = self._under(entry.get("final"), self.root, "target file", "a files handle")
-        if (
-            rel[0] == STAGING_DIR
-            or any(seg.startswith((".", "_")) for seg in rel)
-            or not all("=" in seg for seg in rel[:-1])
-        ):
-            raise HandleError(
-                f"a files handle names target file {entry.get('final')!r}, which is not under "
-                f"{self.root!r} as a part file (<root>/[col=value/...]<name>). {_TAMPERED}"
-            )
-
-    def check_intent(self, intent, batch_id):
-        staging = intent.get("staging")
-        if staging is None:
-            return
-        record = f"the INTENT of batch {batch_id}"
-        rel = self._under(staging, self.join(self.root, STAGING_DIR), "staging folder", record)
-        if len(rel) != 2 or rel[1] != f"b{batch_id:08d}":
-            raise HandleError(
-                f"{record} names staging folder {staging!r}, which is not under "
-                f"{self.join(self.root, STAGING_DIR, '<query>', f'b{batch_id:08d}')!r}: not this "
-                f"batch's staging folder. {_TAMPERED}"
-            )
-
-
-# ----- local disk
-class _LocalFiles(_StagedFiles):
-    """Local (or POSIX-mounted) directory: exclusive create, fsync, hard link + unlink on commit."""
-
-    fs = "local"
-
-    def check(self) -> None:
-        self.storage.ensure_writable(self.join(self.root, STAGING_DIR))
-
-    def open_file(self, ctx, final, index):
-        self.check_intent(ctx.intent, ctx.batch_id)
-        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
-        staging = self.join(folder, _staging_name(final, ctx, index))
-        return staging, self.storage.create(staging)
-
-    def finish_file(self, f):
-        size = self.storage.close_durably(f.stream, f.staging)
-        return {"staging": f.staging, "final": f.final, "size": size}
-
-    def abort_file(self, f):
-        if not f.stream.closed:
-            f.stream.close()
-        self.storage.delete(f.staging)
-
-    def commit_file(self, entry):
-        st = self.storage
-        staging, final, size = entry["staging"], entry["final"], int(entry["size"])
-        if st.exists(staging):
-            if not st.link_no_overwrite(staging, final):
-                if not st.same_file(staging, final):
-                    raise TwoPhaseError(
-                        f"cannot commit {staging}: the target {final} already exists and is "
-                        "another file (written by something else?). Move it aside and restart; "
-                        "the staged file is kept."
-                    )
-                st.sync_dir(final)  # linked before a crash: make sure the link is durable
-            st.delete(staging)
-            return CommitResult.committed()
-        actual = st.size(final)
-        if actual is not None:
-            if actual == size:
-                return CommitResult.already_committed()
-            return CommitResult.lost(
-                f"staged file {staging} is gone and {final} has {actual} bytes, expected {size}"
-            )
-        return CommitResult.lost(f"neither the staged file {staging} nor the target {final} exists")
-
-    def abort_entry(self, entry):
-        self.storage.delete(entry["staging"])
-
-
-# ----- HDFS over WebHDFS
-class _HdfsFiles(_StagedFiles):
-    """HDFS through WebHDFS: stream to ``_twophase/...`` staging, commit by a rename that never
-    overwrites (``rename2`` with ``renameoptions=NONE``)."""
-
-    fs = "hdfs"
-
-    @property
-    def base(self) -> str:
-        """The WebHDFS base URL."""
-        return self.storage.base
-
-    @property
-    def user(self) -> str:
-        return self.storage.user
-
-    def check(self) -> None:
-        from twophase.storage.hdfs import HdfsError, WebHdfsUnreachable, hdfs_exc
-
-        try:
-            self.storage.makedirs(self.join(self.root, STAGING_DIR))
-            st = self.storage.status(self.root)
-        except HdfsError as e:
-            raise ConfigurationError(
-                f"FileSink cannot write to hdfs path {self.root} ({self.base}): "
-                f"{hdfs_exc(e) or 'error'}: {e}"
-            ) from None
-        except WebHdfsUnreachable as e:
-            raise ConfigurationError(f"FileSink {e}") from None
-        if st is None or st.get("type") != "DIRECTORY":
-            raise ConfigurationError(f"FileSink target hdfs path {self.root} is not a directory")
-
-    def open_file(self, ctx, final, index):
-        self.check_intent(ctx.intent, ctx.batch_id)
-        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
-        staging = self.join(folder, _staging_name(final, ctx, index))
-        return staging, self.storage.create(staging)
-
-    def finish_file(self, f):
-        size = f.stream.finish()
-        st = self.storage.status(f.staging)
-        if st is None or int(st["length"]) != size:
-            raise TwoPhaseError(
-                f"staged HDFS file {f.staging} has {None if st is None else st['length']} "
-                f"bytes after close, expected {size}; the task fails and is retried"
-            )
-        return {"staging": f.staging, "final": f.final, "size": size}
-
-    def abort_file(self, f):
-        if not f.stream.closed:
-            f.stream.cancel()
-        try:
-            self.storage.delete(f.staging)
-        except Exception:  # best effort: abort_lingering removes it later
-            log.warning("could not delete staged HDFS file %s", f.staging, exc_info=True)
-
-    def commit_file(self, entry):
-        staging, final, size = entry["staging"], entry["final"], int(entry["size"])
-        if self.storage.rename_no_overwrite(staging, final):
-            return CommitResult.committed()
-        # The rename did not happen: done before (a replayed commit), or a foreign target.
-        st_final, st_staging = self.storage.status(final), self.storage.status(staging)
-        if st_staging is None:
-            if st_final is None:
-                return CommitResult.lost(
-                    f"neither the staged file {staging} nor the target {final} exists"
-                )
-            if st_final.get("type") == "FILE" and int(st_final["length"]) == size:
-                return CommitResult.already_committed()
-            return CommitResult.lost(
-                f"staged file {staging} is gone and {final} has "
-                f"{st_final.get('length')} bytes, expected {size}"
-            )
-        raise TwoPhaseError(
-            f"cannot commit {staging}: the target {final} already exists and is another "
-            f"{'directory' if st_final and st_final.get('type') == 'DIRECTORY' else 'file'} "
-            "(written by something else?). Move it aside and restart; the staged file is kept."
-        )
-
-    def abort_entry(self, entry):
-        self.storage.delete(entry["staging"])
-
-
-# ----- S3 multipart uploads
-class _S3Files(_Files):
-    """S3: one multipart upload per part file, held open (invisible) until commit completes it.
-
-    The upload goes straight to the final key: an open upload is invisible, so no
-    staging copy or server-side rename is needed.  Completion carries
-    ``If-None-Match: *`` so an existing foreign object is never overwritten; :meth:`check`
-    proves at ``open()`` that the endpoint honours it (``s3_if_none_match``) and that its
-    ETags follow the MD5 rule the "already committed" check relies on (``s3_etags``).
-    """
-
-    fs = "s3"
-
-    def __init__(self, storage: Any, part_size: int, etags: str, if_none_match: str):
-        super().__init__(storage)
-        self.bucket: str = storage.bucket
-        self.part_size = part_size
-        self.etags = etags
-        self.if_none_match = if_none_match
-
-    def check(self) -> None:
-        st = self.storage
-        where = f"s3://{self.bucket}/{self.root}"
-        st.check_bucket("FileSink")
-        # One probe upload, with the configured extra parameters: proves we may write, that
-        # completion honours If-None-Match, and what shape the endpoint's ETags have.
-        probe = st.probe_multipart("FileSink")
-        if not probe.conditional_complete:
-            if self.if_none_match == "require":
-                raise ConfigurationError(
-                    f"FileSink target {where}: this S3 endpoint ignores If-None-Match on "
-                    "CompleteMultipartUpload (a probe upload replaced an existing object), so a "
-                    "commit could overwrite an object that is not this sink's. Use an endpoint "
-                    "with conditional writes (AWS S3, MinIO), or opt in to FileSink(..., "
-                    "s3_if_none_match='head-check'): each commit then checks the key with HEAD "
-                    "first and refuses an existing object, but an object written between that "
-                    "HEAD and the completion is overwritten."
-                )
-            log.warning(
-                "%s ignores If-None-Match on CompleteMultipartUpload; "
-                "s3_if_none_match='head-check': commits check the key with HEAD first (an object written in between is "
-                "overwritten)",
-                where,
-            )
-        if not probe.md5_etags and self.etags == "md5":
-            raise ConfigurationError(
-                f"FileSink target {where}: this S3 endpoint's multipart ETags do not follow the "
-                f"MD5 rule (probe object {probe.etag or 'without ETag'}, rule "
-                f"{probe.expected_etag or 'n/a'}; e.g. SSE-C, some S3-compatible stores), so after "
-                "a crash FileSink could not recognise its own objects by ETag. Pass FileSink(..., "
-                "s3_etags='opaque') to decide by size and by the upload being gone instead (then "
-                "an object of the same size written by someone else after an abort would be "
-                "taken for this sink's)."
-            )
-
-    def batch_staging(self, query_name, batch_id):
-        return ""
-
-    def open_file(self, ctx, final, index):
-        self.check_intent(ctx.intent, ctx.batch_id)
-        return None, self.storage.hold(final, self.part_size)
-
-    def finish_file(self, f):
-        from twophase.storage.s3 import multipart_etag
-
-        size = f.stream.finish()
-        up = f.stream
-        return {
-            "bucket": self.bucket,
-            "key": f.final,
-            "upload_id": up.upload_id,
-            "parts": up.parts,
-            "size": size,
-            "etag": multipart_etag([p["etag"] for p in up.parts]),
-        }
-
-    def abort_file(self, f):
-        f.stream.cancel()
-
-    # paths read back from the log
-    def check_entry(self, entry):
-        where = f"s3://{self.bucket}/{self.storage.prefix}"
-        if entry.get("bucket") != self.bucket:
-            raise HandleError(
-                f"a files handle names bucket {entry.get('bucket')!r}, but this sink writes to "
-                f"{where}. {_TAMPERED}"
-            )
-        key = entry.get("key")
-        prefix = self.storage.prefix
-        rel = (
-            key[len(prefix) :].split("/")
-            if isinstance(key, str) and key.startswith(prefix)
-            else None
-        )
-        if (
-            rel is None
-            or any(not seg or seg in (".", "..") or seg.startswith((".", "_")) for seg in rel)
-            or not all("=" in seg for seg in rel[:-1])
-        ):
-            raise HandleError(
-                f"a files handle names key {key!r}, which is not under {where} as a part file "
-                f"(<prefix>[col=value/...]<name>, no '..'). {_TAMPERED}"
-            )
-        if not isinstance(entry.get("upload_id"), str) or not entry["upload_id"]:
-            raise HandleError(f"a files handle for {where}{rel[-1]} has no upload id. {_TAMPERED}")
-
-    def check_intent(self, intent, batch_id):
-        record = f"the INTENT of batch {batch_id}"
-        if intent.get("bucket", self.bucket) != self.bucket:
-            raise HandleError(
-                f"{record} names bucket {intent.get('bucket')!r}, but this sink writes to "
-                f"s3://{self.bucket}/{self.storage.prefix}. {_TAMPERED}"
-            )
-        if intent.get("prefix", self.storage.prefix) != self.storage.prefix:
-            raise HandleError(
-                f"{record} names key prefix {intent.get('prefix')!r}, which is not this sink's "
-                f"({self.storage.prefix!r} in s3://{self.bucket}). {_TAMPERED}"
-            )
-
-    # commit
-    def _already(self, entry: dict[str, Any], head: dict[str, Any] | None) -> CommitResult | None:
-        """ALREADY_COMMITTED when the object at the key is this upload's, else None."""
-        if head is None:
-            return None
-        if self.etags == "md5":
-            # The ETag S3 gives the completed object is predicted in the handle: only that is ours.
-            expected = entry.get("etag")
-            return (
-                CommitResult.already_committed()
-                if expected and head.get("ETag") == expected
-                else None
-            )
-        # s3_etags='opaque' (ETags say nothing): Flink S3Committer's size rule, and only once our
-        # upload is gone: while it is open, whatever object is at the key cannot be its result.
-        if int(head.get("ContentLength", -1)) != int(entry["size"]):
-            return None
-        if self.storage.upload_alive(entry["key"], entry["upload_id"]):
-            return None
-        return CommitResult.already_committed(
-            f"s3://{self.bucket}/{entry['key']}: decided by size only (s3_etags='opaque'): the "
-            f"object has the expected {entry['size']} bytes and upload "
-            f"{str(entry['upload_id'])[:16]}… no longer exists"
-        )
-
-    def _foreign(self, entry: dict[str, Any], head: dict[str, Any]) -> str:
-        hint = (
-            ""
-            if entry.get("etag") or self.etags != "md5"
-            else "; this handle has no expected ETag (the store's part ETags are not MD5s): "
-            "see FileSink's s3_etags='opaque'"
-        )
-        return (
-            f"{head.get('ContentLength')} bytes, ETag {head.get('ETag')}; "
-            f"expected {entry['size']} bytes, ETag {entry.get('etag') or 'unknown'}{hint}"
-        )
-
-    def _not_completed(
-        self, entry: dict[str, Any], head: dict[str, Any] | None, why: str
-    ) -> CommitResult:
-        """The outcome when this call did not complete the upload and the object is not ours."""
-        bucket, key, up = self.bucket, entry["key"], entry["upload_id"]
-        alive = self.storage.upload_alive(key, up)
-        if head is not None:
-            if alive:
-                raise TwoPhaseError(
-                    f"cannot commit s3://{bucket}/{key}: an object with that key already exists "
-                    f"and is not this upload's ({self._foreign(entry, head)}). Move it aside and "
-                    "restart; the upload is kept open."
-                )
-            return CommitResult.lost(
-                f"upload {up} of s3://{bucket}/{key} no longer exists and the object "
-                f"there is not its result ({self._foreign(entry, head)})"
-            )
-        if alive:
-            return CommitResult.retry_later(
-                f"CompleteMultipartUpload of s3://{bucket}/{key} failed: {why}"
-            )
-        return CommitResult.lost(
-            f"upload {up} of s3://{bucket}/{key} no longer exists (aborted, or expired "
-            "by a bucket lifecycle rule) and the object is absent"
-        )
-
-    def commit_file(self, entry):
-        from twophase.storage.s3 import BotoCoreError, ClientError, s3_error
-
-        key, up = entry["key"], entry["upload_id"]
-        if self.if_none_match == "head-check":
-            # The endpoint ignores If-None-Match (proved at open()): look before completing.  An
-            # object written between this HEAD and the completion is overwritten (documented race).
-            head = self.storage.head(key)
-            if head is not None:
-                return self._already(entry, head) or self._not_completed(
-                    entry, head, "the key is taken"
-                )
-        try:
-            self.storage.complete(key, up, entry["parts"])
-            return CommitResult.committed()
-        except (ClientError, BotoCoreError) as e:
-            why = s3_error(e)
-        # Did an earlier call complete it (NoSuchUpload / 412 / moto's 500), or is it foreign?
-        head = self.storage.head(key)
-        return self._already(entry, head) or self._not_completed(entry, head, why)
-
-    def recover_file(self, entry):
-        """After a restart: a file whose object is already there is not completed again."""
-        return self._already(entry, self.storage.head(entry["key"])) or self.commit_file(entry)
-
-    def abort_entry(self, entry):
-        self.storage.abort(entry["key"], entry["upload_id"])
-
-    def _lists_uploads_by_prefix(self) -> bool:
-        return self.storage.lists_uploads_by_prefix()
-
-    def _list_uploads(self, prefix: str | None) -> list[dict[str, Any]]:
-        return self.storage._list_uploads(prefix)
-
-    def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
-        self.check_intent(intent, batch_id)
-        prefix = self.storage.prefix
-        keep_ids = {e["upload_id"] for e in keep}
-        n = 0
-        for u in self.storage.open_uploads(prefix):
-            rel = u["Key"][len(prefix) :]
-            segs = rel.split("/")
-            # Only this batch's part files: <k=v/>*<name_prefix>..., never other batches or
-            # foreign keys.
-            if not segs[-1].startswith(name_prefix) or not all("=" in s for s in segs[:-1]):
-                continue
-            if u["UploadId"] in keep_ids:
-                continue
-            self.storage.abort(u["Key"], u["UploadId"])
-            n += 1
-        return n
-
-    def describe(self, entry):
-        return (
-            f"s3 object s3://{entry.get('bucket')}/{entry.get('key')} "
-            f"(upload {str(entry.get('upload_id'))[:16]}…, "
-            f"{len(entry.get('parts', []))} parts, {entry.get('size')} bytes)"
-        )
-
-
-_FILES: dict[str, type[_Files]] = {"local": _LocalFiles, "hdfs": _HdfsFiles, "s3": _S3Files}
-
 
 # ------------------------------------------------------------------------------ sink
 class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
@@ -669,6 +146,12 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     gone.  ``s3_if_none_match``: ``"require"`` (default) refuses at ``open()`` an endpoint
     that ignores ``If-None-Match`` on completion; ``"head-check"`` accepts it and checks the
     key with HEAD before each completion (an object written in between is overwritten).
+
+    ``writer``: ``"spark"`` (default on HDFS; local disk too) writes each batch with one
+    ``df.write`` into the batch's staging folder from the driver (:meth:`prepare_batch`;
+    Spark's output committer settles task retries), then commits by rename as usual;
+    ``"arrow"`` (default on local disk and S3) writes in per-task transactions with the
+    sink's Arrow writers.  docs/files.md, "writer".
     """
 
     kind = "files"
@@ -692,6 +175,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         s3_etags: str = "md5",
         s3_if_none_match: str = "require",
         header: bool = False,
+        writer: str | None = None,
     ):
         if format not in FORMATS:
             raise ConfigurationError(f"unknown format {format!r}; use one of parquet, jsonl, csv")
@@ -749,18 +233,22 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         so = dict(storage_options or {})
         self.scheme = scheme_of(url)
         spec = backend_for(url)
-        if spec is None or spec.name not in _FILES or spec.storage is None:
+        if spec is None or spec.files is None:
             raise ConfigurationError(
                 f"FileSink does not support {self.scheme}:// (local paths, file://, hdfs://, "
                 "webhdfs://, s3://)"
             )
-        storage_cls = spec.load(spec.storage)
-        if spec.name == "local":
-            self._backend: _Files = _LocalFiles(storage_cls(url, so, fsync=fsync))
-        elif spec.name == "hdfs":
-            self._backend = _HdfsFiles(storage_cls(url, so))
-        else:
-            self._backend = _S3Files(storage_cls(url, so), part_size, s3_etags, s3_if_none_match)
+        self._spec = spec
+        if writer is not None and writer not in WRITERS:
+            raise ConfigurationError(f"writer must be 'arrow' or 'spark', got {writer!r}")
+        self._backend: PartFiles = spec.load(spec.files).from_url(
+            url,
+            so,
+            fsync=fsync,
+            part_size=part_size,
+            etags=s3_etags,
+            if_none_match=s3_if_none_match,
+        )
         self.url = url
         self.root = self._backend.root
         self.format = fmt
@@ -774,6 +262,19 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         self.s3_etags = s3_etags
         self.s3_if_none_match = s3_if_none_match
         self.header = bool(header)
+        self.writer = writer or DEFAULT_WRITER.get(spec.name, "arrow")
+        if self.writer == "spark":
+            if not self._backend.spark_writer:
+                raise ConfigurationError(
+                    f"writer='spark' writes local paths and HDFS only, not {self.scheme}:// "
+                    "(S3: the default writer='arrow', multipart uploads completed on commit)"
+                )
+            codecs = _SPARK_PARQUET_CODECS if fmt == "parquet" else _SPARK_TEXT_CODECS
+            if codecs.get(compression) is None and compression is not None:
+                raise ConfigurationError(
+                    f"writer='spark' cannot write {fmt} with compression {compression!r} (Spark "
+                    "has no codec for it without native Hadoop libraries); use writer='arrow'"
+                )
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"FileSink({self.url!r}, format={self.format!r})"
@@ -809,6 +310,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             cfg["s3_if_none_match"] = self.s3_if_none_match
         if self.header:
             cfg["header"] = True
+        if self.writer != DEFAULT_WRITER.get(self._spec.name, "arrow"):
+            cfg["writer"] = self.writer
         if self.storage_options:
             cfg["storage_options"] = _config_options(self.storage_options)
         return cfg
@@ -835,8 +338,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         self._backend.check()
 
     def executor_modules(self) -> list[str]:
-        extra = {"s3": ["botocore"], "hdfs": ["hdfs", "requests"]}.get(self.fs, [])
-        return ["pyarrow", *extra]
+        return ["pyarrow", *self._spec.packages]
 
     def local_paths(self) -> list[str]:
         return [self.root] if self.fs == "local" else []
@@ -844,10 +346,9 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         if self.fs == "s3":
             b = self._backend
-            assert isinstance(b, _S3Files)
             return {
                 "fs": "s3",
-                "bucket": b.bucket,
+                "bucket": b.storage.bucket,
                 "prefix": b.storage.prefix,
                 "names": self._name_prefix(batch_id),
             }
@@ -855,6 +356,81 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         if self.fs != "local":
             intent["fs"] = self.fs
         return intent
+
+    # ------------------------------------------------- driver: writer="spark"
+    def prepare_batch(self, df: Any, ctx: BatchContext) -> PreparedBatch[dict] | None:
+        """writer="spark": write the batch with one ``df.write`` into its own staging folder and
+        return the files Spark left there as handles (one per Spark task); None otherwise.
+
+        Spark's output committer settles task retries and speculation inside the job; the
+        folder (``<root>/_twophase/<query>/b<batch>/w<token>/``) is invisible to readers, and
+        what an interrupted job leaves there is removed by :meth:`abort_lingering`.
+        """
+        if self.writer != "spark":
+            return None
+        from pyspark.sql import Observation
+        from pyspark.sql import functions as F
+
+        b = self._backend
+        folder = b.writer_folder(ctx, f"{ctx.run}{uuid.uuid4().hex[:8]}")
+        observed = Observation(f"twophase_rows_{uuid.uuid4().hex[:8]}")
+        w = df.observe(observed, F.count(F.lit(1)).alias("rows")).write.format(
+            _SPARK_FORMAT[self.format]
+        )
+        codec = (
+            _SPARK_PARQUET_CODECS if self.format == "parquet" else _SPARK_TEXT_CODECS
+        ).get(self.compression)
+        if codec is not None:
+            w = w.option("compression", codec)
+        if self.header:
+            w = w.option("header", "true")
+        if self.partition_by:
+            w = w.partitionBy(*self.partition_by)
+        t0 = time.perf_counter()
+        w.mode("errorifexists").save(b.hadoop_url(folder))
+        rows = int(observed.get["rows"])
+        t1 = time.perf_counter()
+        try:
+            handles = self._spark_handles(folder, ctx.batch_id) if rows else []
+        except BaseException:
+            b.delete_folder(folder)
+            raise
+        if not handles:  # an empty batch: Spark's first task still writes a file with the schema
+            b.delete_folder(folder)
+        log.debug(
+            "%s: Spark's write %.0f ms, listing %.0f ms: %d rows in %d handles",
+            ctx.label,
+            (t1 - t0) * 1000,
+            (time.perf_counter() - t1) * 1000,
+            rows,
+            len(handles),
+        )
+        return PreparedBatch(handles, rows)
+
+    def _spark_handles(self, folder: str, batch_id: int) -> list[dict]:
+        """One handle per Spark task, for the files Spark's writer left in ``folder``."""
+        b = self._backend
+        sep = os.sep if self.fs == "local" else "/"
+        by_task: dict[int, list[dict[str, Any]]] = {}
+        for path, size in b.list_files(folder):
+            rel = path[len(folder) :].lstrip(sep).split(sep)
+            m = _SPARK_PART.fullmatch(rel[-1])
+            if m is None:
+                raise TwoPhaseError(
+                    f"Spark's writer left {path}, which is not named like its part files"
+                )
+            if self.partition_values == "reject" and any("%" in seg for seg in rel[:-1]):
+                raise TwoPhaseError(
+                    f"{path}: a partition value needed escaping and partition_values='reject'"
+                )
+            task, nfile = int(m.group(1)), int(m.group(2) or 0)
+            name = f"{self.prefix}-{batch_id:08d}-{task:05d}"
+            name += f"-c{nfile:03d}.{self._ext()}" if nfile else f".{self._ext()}"
+            final = b.join(b.root, *rel[:-1], name)
+            by_task.setdefault(task, []).append({"staging": path, "final": final, "size": size})
+        return [
+            {"fs": self.fs, "rows": None, "files": files} for _, files in sorted(by_task.items())
+        ]
 
     # -------------------------------------------------------------- executor
     def _open_file(self, txn: FileTransaction, key: tuple) -> _OpenFile:

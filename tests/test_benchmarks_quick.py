@@ -71,9 +71,13 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert set(files["targets"]) == {"local", "hdfs", "s3", "s3-moto"}
     for t, d in files["targets"].items():
         _check_variants(d["variants"], rows)
-        cand, base = list(d["variants"])
+        cand, *others, base = list(d["variants"])
         assert d["baseline"] == base
         assert d["ratio"] == pytest.approx(_ratio(d["variants"], cand, base), rel=1e-2, abs=1e-3), t
+        # local and HDFS also measure FileSink(writer="spark") against the same baseline
+        assert len(others) == (1 if t in ("local", "hdfs") else 0), t
+        for o in [cand, *others]:
+            assert d["ratios"][o] == pytest.approx(_ratio(d["variants"], o, base), rel=1e-2, abs=1e-3), (t, o)
         assert files["commit_latency_ms"][t]["p50"] > 0
 
     coord = sec["coordinator"]

@@ -99,6 +99,23 @@ def test_filesink_local_conformance(fast_path):
         pending=lambda: _staged_files(root), reset=lambda: _empty_dir(root), max_examples=40)
 
 
+@pytest.mark.spark
+def test_filesink_spark_writer_conformance(spark, fast_path):
+    """FileSink(writer="spark") prepares each batch with one df.write (prepare_batch): the harness
+    drives that driver-side path with real Spark jobs, then decisions, commits, crashes, recovery."""
+    root = str(fast_path / "out")
+
+    def frame(ids, parts):
+        return spark.createDataFrame([(i, f"p{i}") for i in ids], "id long, payload string").repartition(parts)
+
+    stats = run_sink_conformance(
+        lambda: FileSink(root, "parquet", writer="spark"), lambda: _read_parts(root), make_frame=frame,
+        pending=lambda: _staged_files(root), reset=lambda: _empty_dir(root), max_examples=8, steps=6)
+    print(stats)
+    assert stats["whole-batch jobs"] > 0 and stats.get("task_attempts", 0) == 0, stats
+    assert stats.get("crashes", 0) > 0 and stats.get("committed_batches", 0) > 0, stats
+
+
 def test_filesink_local_jsonl_without_reset(tmp_path):
     """No reset: examples share one directory and must not see each other (distinct ids and batch ids)."""
     import json

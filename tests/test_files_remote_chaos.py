@@ -76,7 +76,8 @@ def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
 
 @pytest.mark.hdfs
 @pytest.mark.spark
-def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_service, spark):
+@pytest.mark.parametrize("writer", ["arrow", "spark"])
+def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_service, spark, writer):
     from hdfs import InsecureClient
 
     client = InsecureClient(hdfs_service["webhdfs_url"], user=hdfs_service["user"])
@@ -84,7 +85,7 @@ def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_servic
     url = f"{hdfs_service['namenode']}{path}"
     opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
     expected = _write_input(tmp_path / "in")
-    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"])
+    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"], writer=writer)
     try:
         _run(tmp_path, sink, env={}, log=f"{url}/log", log_options=opts, seed=20251123)
         rows = spark.read.parquet(f"{url}/out").select("id", "k").collect()
@@ -170,7 +171,9 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
     url = f"{hdfs_service['namenode']}{path}"
     opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
     expected = _write_input(tmp_path / "in")
-    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"])
+    # The per-task path, whose after_pre_commit fires inside executors (HDFS's default writer is
+    # Spark's, whose after_pre_commit fires in the driver once its job returned).
+    sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"], writer="arrow")
     log_dir = tmp_path / "log"
     cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
            "--sink-config", json.dumps(sink.to_config()), "--name", f"cc-{uuid.uuid4().hex[:6]}",

@@ -11,7 +11,9 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parent.parent / "twophase"
-UPPER = ("twophase.sinks", "twophase.coordinator")
+#: The upper layers, also by their source folders' names (``sinks``, ``coordinator`` import as
+#: top-level packages when the checkout is on ``sys.path``).
+UPPER = ("twophase.sinks", "twophase.coordinator", "sinks", "coordinator")
 #: Applications on top of the whole stack that still live in the core directory.  ``demo.py``
 #: is the ``twophase demo`` command (Spark + FileSink + Coordinator); it is not imported by
 #: any core module but the CLI's ``demo`` subcommand.  Remove it from here when it moves out.
@@ -44,6 +46,17 @@ def _imports(path: Path, module: str | None = None) -> list[tuple[int, str]]:
             out.append((node.lineno, mod))
             # ``from twophase import sinks`` names the sink package as an attribute
             out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))
+            )
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):  # importlib.import_module("twophase.sinks.files"), __import__(...)
+            out.append((node.lineno, node.args[0].value))
     return out
 
 
@@ -72,6 +85,35 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     found = _imports(sample, "twophase.storage.probe")
     assert (2, "twophase.sinks.files") in found
     assert (3, "twophase.coordinator") in found
+
+
+def test_the_checker_sees_imports_by_name(tmp_path):
+    """``importlib.import_module`` and ``__import__`` with a literal module name count too, and so
+    does the source folder's own name."""
+    sample = tmp_path / "probe.py"
+    sample.write_text(
+        "import importlib\n"
+        "def f():\n"
+        "    importlib.import_module('twophase.sinks.files')\n"
+        "    __import__('coordinator.coordinator')\n"
+        "    import sinks.files\n"
+    )
+    found = _imports(sample, "twophase.storage.probe")
+    bad = [m for _, m in found if any(m == u or m.startswith(u + ".") for u in UPPER)]
+    assert sorted(bad) == ["coordinator.coordinator", "sinks.files", "twophase.sinks.files"]
+
+
+def test_the_storage_table_names_only_storage_modules():
+    """The backend table (log, FileSink, CLI all pick their backend there) imports by name: every
+    module it names is in twophase.storage, and FileSink's part files live beside each backend."""
+    from twophase.storage import BACKENDS
+    from twophase.storage.parts import PartFiles
+
+    for scheme, b in BACKENDS.items():
+        assert b.module.startswith("twophase.storage."), (scheme, b.module)
+        if b.files is not None:
+            assert issubclass(b.load(b.files), PartFiles), (scheme, b.files)
+    assert {b.name for b in BACKENDS.values() if b.files} == {"local", "hdfs", "s3"}
 
 
 def test_storage_never_imports_the_log():

@@ -6,7 +6,7 @@ transaction log, crash points and config registry.  Sinks live in
 conformance harness in ``twophase.testing``.
 """
 
-from twophase.context import TransactionContext
+from twophase.context import BatchContext, TransactionContext
 from twophase.errors import (
     CommitError,
     ConfigurationError,
@@ -20,11 +20,12 @@ from twophase.errors import (
     QueryMismatchError,
     TwoPhaseError,
 )
-from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+from twophase.sink import CommitOutcome, CommitResult, PreparedBatch, TwoPhaseCommitSink
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchContext",
     "CommitError",
     "CommitOutcome",
     "CommitResult",
@@ -35,6 +36,7 @@ __all__ = [
     "LogError",
     "LogOwnershipError",
     "MissingDependencyError",
+    "PreparedBatch",
     "PrunedBatchError",
     "QueryMismatchError",
     "TransactionContext",

@@ -37,3 +37,19 @@ class TransactionContext:
     @property
     def label(self) -> str:
         return f"{self.query_name} batch {self.batch_id} partition {self.partition_id} attempt {self.attempt}"
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """Identity of one batch that a sink prepares whole, from the driver
+    (:meth:`~twophase.TwoPhaseCommitSink.prepare_batch`): the fields of
+    :class:`TransactionContext` that do not name a task."""
+
+    query_name: str
+    batch_id: int
+    intent: dict[str, Any] = field(default_factory=dict)
+    run: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.query_name} batch {self.batch_id}"

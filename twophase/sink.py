@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from twophase import handles as _handles
-from twophase.context import TransactionContext
+from twophase.context import BatchContext, TransactionContext
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -63,6 +63,15 @@ class CommitResult:
     @property
     def done(self) -> bool:
         return self.outcome in (CommitOutcome.COMMITTED, CommitOutcome.ALREADY_COMMITTED)
+
+
+@dataclass(frozen=True)
+class PreparedBatch(Generic[HandleT]):
+    """What :meth:`TwoPhaseCommitSink.prepare_batch` pre-committed: the batch's handles and its
+    row count."""
+
+    handles: list[HandleT]
+    rows: int
 
 
 class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
@@ -136,6 +145,22 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         secret-free.  Default: nothing beyond the batch identity.
         """
         return {}
+
+    def prepare_batch(self, df: Any, ctx: BatchContext) -> PreparedBatch[HandleT] | None:
+        """Pre-commit the whole batch with a Spark job of the sink's own (driver); None: not this way.
+
+        The second way to write a sink.  Instead of per-task transactions
+        (:meth:`begin_transaction` ... :meth:`pre_commit` in a ``mapInArrow`` task per
+        partition), the coordinator hands the batch's DataFrame to this method, which
+        runs one Spark action (e.g. ``df.write.format(...).save(staging)``, where
+        Spark's own output committer deals with task retries and speculation) and
+        returns the handles of what it left durable but invisible.  The same rules as
+        :meth:`pre_commit` hold for each handle; everything an interrupted call leaves
+        behind must be found by :meth:`abort_lingering` from ``ctx.intent``.  Called after
+        the INTENT is logged; the decision (PREPARED) is logged only after it returns.
+        Default: None, so the coordinator runs the per-task transactions.
+        """
+        return None
 
     def verify_prepared(self, batch_id: int, handles: list[HandleT], *, prepare_started_at: float) -> None:
         """Check that every pre-committed transaction of a batch can still be committed (driver).

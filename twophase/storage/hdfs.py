@@ -9,6 +9,7 @@ existing directory.  Needs ``pip install 'twophase[hdfs]'``.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import getpass
 import logging
@@ -23,7 +24,9 @@ from urllib.parse import urlsplit
 
 from twophase._deps import require
 from twophase.errors import ConfigurationError, LogError, TwoPhaseError
+from twophase.sink import CommitResult
 from twophase.storage._base import ChunkedWriter, LogStore, check_options
+from twophase.storage.parts import STAGING_DIR, StagedPartFiles, staging_name
 
 _hdfs = require("hdfs", "HDFS storage (hdfs://, webhdfs://)", extra="hdfs")
 _requests = require("requests", "HDFS storage (hdfs://, webhdfs://)", extra="hdfs")
@@ -314,6 +317,28 @@ class HdfsStorage:
         with self.reach():
             return self.client.delete(path, recursive=recursive)
 
+    def hadoop_url(self, path: str) -> str:
+        """``path`` as Spark (Hadoop) names it: the sink URL's scheme and authority (``hdfs://nn:8020``
+        reaches the NameNode by RPC, ``webhdfs://`` by Hadoop's WebHDFS client)."""
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}{path}"
+
+    def list_files(self, folder: str) -> builtins.list[tuple[str, int]]:
+        """(path, size) of every file under ``folder``, at any depth, leaving out names (of files
+        and folders) that start with ``_`` or ``.`` (Spark's ``_SUCCESS``, ``_temporary``)."""
+        out: builtins.list[tuple[str, int]] = []
+        with self.reach():
+            entries = self.client.list(folder, status=True)
+        for name, st in sorted(entries):
+            if name.startswith(("_", ".")):
+                continue
+            path = posixpath.join(folder, name)
+            if st.get("type") == "DIRECTORY":
+                out += self.list_files(path)
+            else:
+                out.append((path, int(st["length"])))
+        return out
+
     def create(self, path: str) -> HdfsUpload:
         """Exclusive create, streamed: the file appears when :meth:`HdfsUpload.finish` returns."""
         return HdfsUpload(self.client, path, self.reach)
@@ -376,6 +401,9 @@ class HdfsStorage:
         for name in names:
             path = posixpath.join(folder, name)
             if posixpath.normpath(path) in keep_paths:
+                kept_here = True
+            elif any(p.startswith(posixpath.normpath(path) + "/") for p in keep_paths):
+                n += self.delete_under(path, keep)  # a kept file inside: only the rest goes
                 kept_here = True
             else:
                 self.delete(path, recursive=True)
@@ -446,3 +474,88 @@ class HdfsLogStore(LogStore):
 
     def delete(self, name: str) -> None:
         self.storage.delete(self._path(name))
+
+
+# ------------------------------------------------------------ FileSink's part files
+class HdfsPartFiles(StagedPartFiles):
+    """HDFS through WebHDFS: stream to ``_twophase/...`` staging, commit by a rename that never
+    overwrites (``rename2`` with ``renameoptions=NONE``)."""
+
+    fs = "hdfs"
+
+    @classmethod
+    def from_url(cls, url, storage_options, **_):
+        return cls(HdfsStorage(url, storage_options))
+
+    @property
+    def base(self) -> str:
+        """The WebHDFS base URL."""
+        return self.storage.base
+
+    @property
+    def user(self) -> str:
+        return self.storage.user
+
+    def check(self) -> None:
+        try:
+            self.storage.makedirs(self.join(self.root, STAGING_DIR))
+            st = self.storage.status(self.root)
+        except HdfsError as e:
+            raise ConfigurationError(
+                f"FileSink cannot write to hdfs path {self.root} ({self.base}): "
+                f"{hdfs_exc(e) or 'error'}: {e}"
+            ) from None
+        except WebHdfsUnreachable as e:
+            raise ConfigurationError(f"FileSink {e}") from None
+        if st is None or st.get("type") != "DIRECTORY":
+            raise ConfigurationError(f"FileSink target hdfs path {self.root} is not a directory")
+
+    def open_file(self, ctx, final, index):
+        self.check_intent(ctx.intent, ctx.batch_id)
+        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
+        staging = self.join(folder, staging_name(final, ctx, index))
+        return staging, self.storage.create(staging)
+
+    def finish_file(self, f):
+        size = f.stream.finish()
+        st = self.storage.status(f.staging)
+        if st is None or int(st["length"]) != size:
+            raise TwoPhaseError(
+                f"staged HDFS file {f.staging} has {None if st is None else st['length']} "
+                f"bytes after close, expected {size}; the task fails and is retried"
+            )
+        return {"staging": f.staging, "final": f.final, "size": size}
+
+    def abort_file(self, f):
+        if not f.stream.closed:
+            f.stream.cancel()
+        try:
+            self.storage.delete(f.staging)
+        except Exception:  # best effort: abort_lingering removes it later
+            log.warning("could not delete staged HDFS file %s", f.staging, exc_info=True)
+
+    def commit_file(self, entry):
+        staging, final, size = entry["staging"], entry["final"], int(entry["size"])
+        if self.storage.rename_no_overwrite(staging, final):
+            return CommitResult.committed()
+        # The rename did not happen: done before (a replayed commit), or a foreign target.
+        st_final, st_staging = self.storage.status(final), self.storage.status(staging)
+        if st_staging is None:
+            if st_final is None:
+                return CommitResult.lost(
+                    f"neither the staged file {staging} nor the target {final} exists"
+                )
+            if st_final.get("type") == "FILE" and int(st_final["length"]) == size:
+                return CommitResult.already_committed()
+            return CommitResult.lost(
+                f"staged file {staging} is gone and {final} has "
+                f"{st_final.get('length')} bytes, expected {size}"
+            )
+        raise TwoPhaseError(
+            f"cannot commit {staging}: the target {final} already exists and is another "
+            f"{'directory' if st_final and st_final.get('type') == 'DIRECTORY' else 'file'} "
+            "(written by something else?). Move it aside and restart; the staged file is kept."
+        )
+
+    def abort_entry(self, entry):
+        self.storage.delete(entry["staging"])

@@ -7,13 +7,17 @@ the same way: write, fsync the file, link or rename it into place, fsync the dir
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
+import shutil
 import uuid
 from typing import Any, BinaryIO
 
-from twophase.errors import ConfigurationError, LogError
+from twophase.errors import ConfigurationError, LogError, TwoPhaseError
+from twophase.sink import CommitResult
 from twophase.storage._base import LogStore
+from twophase.storage.parts import STAGING_DIR, StagedPartFiles, staging_name
 
 
 def local_root(url: str) -> str:
@@ -142,9 +146,27 @@ class LocalStorage:
         except FileNotFoundError:
             return None
 
+    @staticmethod
+    def hadoop_url(path: str) -> str:
+        """``path`` as Spark (Hadoop) names it."""
+        return "file://" + path
+
+    @staticmethod
+    def list_files(folder: str) -> builtins.list[tuple[str, int]]:
+        """(path, size) of every file under ``folder``, at any depth, leaving out names (of files
+        and folders) that start with ``_`` or ``.`` (Spark's ``_SUCCESS``, checksum files)."""
+        out = []
+        for d, dirs, files in os.walk(folder):
+            dirs[:] = sorted(x for x in dirs if not x.startswith(("_", ".")))
+            for name in sorted(files):
+                if not name.startswith(("_", ".")):
+                    path = os.path.join(d, name)
+                    out.append((path, os.path.getsize(path)))
+        return out
+
     def delete_under(self, folder: str, keep: set[str]) -> int:
-        """Delete every file directly in ``folder`` except the paths in ``keep``; remove the folder
-        when nothing kept is left in it.  Returns how many files were deleted."""
+        """Delete everything in ``folder`` (folders in it recursively) except the paths in ``keep``;
+        remove the folder when nothing kept is left in it.  Returns how many entries went."""
         keep_paths = {os.path.abspath(p) for p in keep}
         try:
             names = os.listdir(folder)
@@ -153,7 +175,16 @@ class LocalStorage:
         n = 0
         for name in names:
             path = os.path.join(folder, name)
-            if os.path.abspath(path) not in keep_paths:
+            full = os.path.abspath(path)
+            if full in keep_paths:
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                if any(p.startswith(full + os.sep) for p in keep_paths):
+                    n += self.delete_under(path, keep)  # a kept file inside: only the rest goes
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+                    n += 1
+            else:
                 unlink_quiet(path)
                 n += 1
         if not keep_paths or not any(os.path.exists(p) for p in keep_paths):
@@ -255,3 +286,58 @@ class LocalStore(LogStore):
 
     def delete(self, name: str) -> None:
         unlink_quiet(self._path(name))
+
+
+# ------------------------------------------------------------ FileSink's part files
+class LocalPartFiles(StagedPartFiles):
+    """Local (or POSIX-mounted) directory: exclusive create, fsync, hard link + unlink on commit."""
+
+    fs = "local"
+
+    @classmethod
+    def from_url(cls, url, storage_options, *, fsync=True, **_):
+        return cls(LocalStorage(url, storage_options, fsync=fsync))
+
+    def check(self) -> None:
+        self.storage.ensure_writable(self.join(self.root, STAGING_DIR))
+
+    def open_file(self, ctx, final, index):
+        self.check_intent(ctx.intent, ctx.batch_id)
+        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
+        staging = self.join(folder, staging_name(final, ctx, index))
+        return staging, self.storage.create(staging)
+
+    def finish_file(self, f):
+        size = self.storage.close_durably(f.stream, f.staging)
+        return {"staging": f.staging, "final": f.final, "size": size}
+
+    def abort_file(self, f):
+        if not f.stream.closed:
+            f.stream.close()
+        self.storage.delete(f.staging)
+
+    def commit_file(self, entry):
+        st = self.storage
+        staging, final, size = entry["staging"], entry["final"], int(entry["size"])
+        if st.exists(staging):
+            if not st.link_no_overwrite(staging, final):
+                if not st.same_file(staging, final):
+                    raise TwoPhaseError(
+                        f"cannot commit {staging}: the target {final} already exists and is "
+                        "another file (written by something else?). Move it aside and restart; "
+                        "the staged file is kept."
+                    )
+                st.sync_dir(final)  # linked before a crash: make sure the link is durable
+            st.delete(staging)
+            return CommitResult.committed()
+        actual = st.size(final)
+        if actual is not None:
+            if actual == size:
+                return CommitResult.already_committed()
+            return CommitResult.lost(
+                f"staged file {staging} is gone and {final} has {actual} bytes, expected {size}"
+            )
+        return CommitResult.lost(f"neither the staged file {staging} nor the target {final} exists")
+
+    def abort_entry(self, entry):
+        self.storage.delete(entry["staging"])

@@ -3,7 +3,7 @@
 Like fsspec's ``known_implementations``: each scheme names a module and class paths,
 the packages the backend needs and the extra that installs them; nothing is imported
 until a URL of that scheme is opened.  The transaction log (:func:`open_store`),
-FileSink (:func:`backend_for`) and the ``twophase`` command (through the log) all
+FileSink (:func:`backend_for`, then ``Backend.files``) and the ``twophase`` command (through the log) all
 choose their backend here.  Third-party backends plug in through the entry-point
 group ``twophase.storage`` (name = scheme, value = ``module:LogStoreClass``) or
 :func:`register_store`.
@@ -37,6 +37,9 @@ class Backend:
     extra: str | None = None
     """The pyproject extra that installs ``packages``."""
     what: str = ""
+    files: str | None = None
+    """Class of FileSink's part files on this backend (a :class:`~twophase.storage.parts.PartFiles`;
+    None: FileSink cannot write there)."""
 
     @property
     def install_hint(self) -> str:
@@ -49,7 +52,14 @@ class Backend:
         return getattr(importlib.import_module(self.module), attr)
 
 
-_LOCAL = Backend("local", "twophase.storage.local", "LocalStorage", "LocalStore", what="local disk")
+_LOCAL = Backend(
+    "local",
+    "twophase.storage.local",
+    "LocalStorage",
+    "LocalStore",
+    what="local disk",
+    files="LocalPartFiles",
+)
 _HDFS = Backend(
     "hdfs",
     "twophase.storage.hdfs",
@@ -58,9 +68,17 @@ _HDFS = Backend(
     ("hdfs", "requests"),
     "hdfs",
     what="HDFS (hdfs://, webhdfs://)",
+    files="HdfsPartFiles",
 )
 _S3 = Backend(
-    "s3", "twophase.storage.s3", "S3Storage", "S3LogStore", ("botocore",), "s3", what="S3 (s3://)"
+    "s3",
+    "twophase.storage.s3",
+    "S3Storage",
+    "S3LogStore",
+    ("botocore",),
+    "s3",
+    what="S3 (s3://)",
+    files="S3PartFiles",
 )
 _FSSPEC = Backend(
     "fsspec", "twophase.storage.fsspec_store", None, "FsspecStore", ("fsspec",), what="fsspec"

@@ -23,8 +23,10 @@ from urllib.parse import urlsplit
 
 from twophase._deps import require
 from twophase.config import is_secret_ref, resolve_secret
-from twophase.errors import ConfigurationError, LogError, TwoPhaseError
+from twophase.errors import ConfigurationError, HandleError, LogError, TwoPhaseError
+from twophase.sink import CommitResult
 from twophase.storage._base import ChunkedWriter, LogStore, check_options
+from twophase.storage.parts import TAMPERED, PartFiles
 
 _botocore = require("botocore", "S3 storage (s3://)", extra="s3")
 _exc = require("botocore.exceptions", "S3 storage (s3://)", extra="s3")
@@ -725,3 +727,247 @@ class S3LogStore(LogStore):
 
     def delete(self, name: str) -> None:
         self.storage.delete(self._key(name))
+
+
+# ------------------------------------------------------------ FileSink's part files
+class S3PartFiles(PartFiles):
+    """S3: one multipart upload per part file, held open (invisible) until commit completes it.
+
+    The upload goes straight to the final key: an open upload is invisible, so no
+    staging copy or server-side rename is needed.  Completion carries
+    ``If-None-Match: *`` so an existing foreign object is never overwritten; :meth:`check`
+    proves at ``open()`` that the endpoint honours it (``s3_if_none_match``) and that its
+    ETags follow the MD5 rule the "already committed" check relies on (``s3_etags``).
+    """
+
+    fs = "s3"
+
+    def __init__(self, storage: Any, part_size: int, etags: str, if_none_match: str):
+        super().__init__(storage)
+        self.bucket: str = storage.bucket
+        self.part_size = part_size
+        self.etags = etags
+        self.if_none_match = if_none_match
+
+    @classmethod
+    def from_url(
+        cls, url, storage_options, *, part_size=8 << 20, etags="md5", if_none_match="require", **_
+    ):
+        return cls(S3Storage(url, storage_options), part_size, etags, if_none_match)
+
+    def check(self) -> None:
+        st = self.storage
+        where = f"s3://{self.bucket}/{self.root}"
+        st.check_bucket("FileSink")
+        # One probe upload, with the configured extra parameters: proves we may write, that
+        # completion honours If-None-Match, and what shape the endpoint's ETags have.
+        probe = st.probe_multipart("FileSink")
+        if not probe.conditional_complete:
+            if self.if_none_match == "require":
+                raise ConfigurationError(
+                    f"FileSink target {where}: this S3 endpoint ignores If-None-Match on "
+                    "CompleteMultipartUpload (a probe upload replaced an existing object), so a "
+                    "commit could overwrite an object that is not this sink's. Use an endpoint "
+                    "with conditional writes (AWS S3, MinIO), or opt in to FileSink(..., "
+                    "s3_if_none_match='head-check'): each commit then checks the key with HEAD "
+                    "first and refuses an existing object, but an object written between that "
+                    "HEAD and the completion is overwritten."
+                )
+            log.warning(
+                "%s ignores If-None-Match on CompleteMultipartUpload; "
+                "s3_if_none_match='head-check': commits check the key with HEAD first (an object written in between is "
+                "overwritten)",
+                where,
+            )
+        if not probe.md5_etags and self.etags == "md5":
+            raise ConfigurationError(
+                f"FileSink target {where}: this S3 endpoint's multipart ETags do not follow the "
+                f"MD5 rule (probe object {probe.etag or 'without ETag'}, rule "
+                f"{probe.expected_etag or 'n/a'}; e.g. SSE-C, some S3-compatible stores), so after "
+                "a crash FileSink could not recognise its own objects by ETag. Pass FileSink(..., "
+                "s3_etags='opaque') to decide by size and by the upload being gone instead (then "
+                "an object of the same size written by someone else after an abort would be "
+                "taken for this sink's)."
+            )
+
+    def batch_staging(self, query_name, batch_id):
+        return ""
+
+    def open_file(self, ctx, final, index):
+        self.check_intent(ctx.intent, ctx.batch_id)
+        return None, self.storage.hold(final, self.part_size)
+
+    def finish_file(self, f):
+        size = f.stream.finish()
+        up = f.stream
+        return {
+            "bucket": self.bucket,
+            "key": f.final,
+            "upload_id": up.upload_id,
+            "parts": up.parts,
+            "size": size,
+            "etag": multipart_etag([p["etag"] for p in up.parts]),
+        }
+
+    def abort_file(self, f):
+        f.stream.cancel()
+
+    # paths read back from the log
+    def check_entry(self, entry):
+        where = f"s3://{self.bucket}/{self.storage.prefix}"
+        if entry.get("bucket") != self.bucket:
+            raise HandleError(
+                f"a files handle names bucket {entry.get('bucket')!r}, but this sink writes to "
+                f"{where}. {TAMPERED}"
+            )
+        key = entry.get("key")
+        prefix = self.storage.prefix
+        rel = (
+            key[len(prefix) :].split("/")
+            if isinstance(key, str) and key.startswith(prefix)
+            else None
+        )
+        if (
+            rel is None
+            or any(not seg or seg in (".", "..") or seg.startswith((".", "_")) for seg in rel)
+            or not all("=" in seg for seg in rel[:-1])
+        ):
+            raise HandleError(
+                f"a files handle names key {key!r}, which is not under {where} as a part file "
+                f"(<prefix>[col=value/...]<name>, no '..'). {TAMPERED}"
+            )
+        if not isinstance(entry.get("upload_id"), str) or not entry["upload_id"]:
+            raise HandleError(f"a files handle for {where}{rel[-1]} has no upload id. {TAMPERED}")
+
+    def check_intent(self, intent, batch_id):
+        record = f"the INTENT of batch {batch_id}"
+        if intent.get("bucket", self.bucket) != self.bucket:
+            raise HandleError(
+                f"{record} names bucket {intent.get('bucket')!r}, but this sink writes to "
+                f"s3://{self.bucket}/{self.storage.prefix}. {TAMPERED}"
+            )
+        if intent.get("prefix", self.storage.prefix) != self.storage.prefix:
+            raise HandleError(
+                f"{record} names key prefix {intent.get('prefix')!r}, which is not this sink's "
+                f"({self.storage.prefix!r} in s3://{self.bucket}). {TAMPERED}"
+            )
+
+    # commit
+    def _already(self, entry: dict[str, Any], head: dict[str, Any] | None) -> CommitResult | None:
+        """ALREADY_COMMITTED when the object at the key is this upload's, else None."""
+        if head is None:
+            return None
+        if self.etags == "md5":
+            # The ETag S3 gives the completed object is predicted in the handle: only that is ours.
+            expected = entry.get("etag")
+            return (
+                CommitResult.already_committed()
+                if expected and head.get("ETag") == expected
+                else None
+            )
+        # s3_etags='opaque' (ETags say nothing): Flink S3Committer's size rule, and only once our
+        # upload is gone: while it is open, whatever object is at the key cannot be its result.
+        if int(head.get("ContentLength", -1)) != int(entry["size"]):
+            return None
+        if self.storage.upload_alive(entry["key"], entry["upload_id"]):
+            return None
+        return CommitResult.already_committed(
+            f"s3://{self.bucket}/{entry['key']}: decided by size only (s3_etags='opaque'): the "
+            f"object has the expected {entry['size']} bytes and upload "
+            f"{str(entry['upload_id'])[:16]}… no longer exists"
+        )
+
+    def _foreign(self, entry: dict[str, Any], head: dict[str, Any]) -> str:
+        hint = (
+            ""
+            if entry.get("etag") or self.etags != "md5"
+            else "; this handle has no expected ETag (the store's part ETags are not MD5s): "
+            "see FileSink's s3_etags='opaque'"
+        )
+        return (
+            f"{head.get('ContentLength')} bytes, ETag {head.get('ETag')}; "
+            f"expected {entry['size']} bytes, ETag {entry.get('etag') or 'unknown'}{hint}"
+        )
+
+    def _not_completed(
+        self, entry: dict[str, Any], head: dict[str, Any] | None, why: str
+    ) -> CommitResult:
+        """The outcome when this call did not complete the upload and the object is not ours."""
+        bucket, key, up = self.bucket, entry["key"], entry["upload_id"]
+        alive = self.storage.upload_alive(key, up)
+        if head is not None:
+            if alive:
+                raise TwoPhaseError(
+                    f"cannot commit s3://{bucket}/{key}: an object with that key already exists "
+                    f"and is not this upload's ({self._foreign(entry, head)}). Move it aside and "
+                    "restart; the upload is kept open."
+                )
+            return CommitResult.lost(
+                f"upload {up} of s3://{bucket}/{key} no longer exists and the object "
+                f"there is not its result ({self._foreign(entry, head)})"
+            )
+        if alive:
+            return CommitResult.retry_later(
+                f"CompleteMultipartUpload of s3://{bucket}/{key} failed: {why}"
+            )
+        return CommitResult.lost(
+            f"upload {up} of s3://{bucket}/{key} no longer exists (aborted, or expired "
+            "by a bucket lifecycle rule) and the object is absent"
+        )
+
+    def commit_file(self, entry):
+        key, up = entry["key"], entry["upload_id"]
+        if self.if_none_match == "head-check":
+            # The endpoint ignores If-None-Match (proved at open()): look before completing.  An
+            # object written between this HEAD and the completion is overwritten (documented race).
+            head = self.storage.head(key)
+            if head is not None:
+                return self._already(entry, head) or self._not_completed(
+                    entry, head, "the key is taken"
+                )
+        try:
+            self.storage.complete(key, up, entry["parts"])
+            return CommitResult.committed()
+        except (ClientError, BotoCoreError) as e:
+            why = s3_error(e)
+        # Did an earlier call complete it (NoSuchUpload / 412 / moto's 500), or is it foreign?
+        head = self.storage.head(key)
+        return self._already(entry, head) or self._not_completed(entry, head, why)
+
+    def recover_file(self, entry):
+        """After a restart: a file whose object is already there is not completed again."""
+        return self._already(entry, self.storage.head(entry["key"])) or self.commit_file(entry)
+
+    def abort_entry(self, entry):
+        self.storage.abort(entry["key"], entry["upload_id"])
+
+    def _lists_uploads_by_prefix(self) -> bool:
+        return self.storage.lists_uploads_by_prefix()
+
+    def _list_uploads(self, prefix: str | None) -> list[dict[str, Any]]:
+        return self.storage._list_uploads(prefix)
+
+    def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
+        self.check_intent(intent, batch_id)
+        prefix = self.storage.prefix
+        keep_ids = {e["upload_id"] for e in keep}
+        n = 0
+        for u in self.storage.open_uploads(prefix):
+            rel = u["Key"][len(prefix) :]
+            segs = rel.split("/")
+            # Only this batch's part files: <k=v/>*<name_prefix>..., never other batches or
+            # foreign keys.
+            if not segs[-1].startswith(name_prefix) or not all("=" in s for s in segs[:-1]):
+                continue
+            if u["UploadId"] in keep_ids:
+                continue
+            self.storage.abort(u["Key"], u["UploadId"])
+            n += 1
+        return n
+
+    def describe(self, entry):
+        return (
+            f"s3 object s3://{entry.get('bucket')}/{entry.get('key')} "
+            f"(upload {str(entry.get('upload_id'))[:16]}…, "
+            f"{len(entry.get('parts', []))} parts, {entry.get('size')} bytes)"
+        )

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from twophase._deps import require
-from twophase.context import TransactionContext
+from twophase.context import BatchContext, TransactionContext
 from twophase.errors import CommitError, DataLossError, HandleError
 from twophase.recovery import Committer, PendingBatch, recover_pending
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
@@ -230,6 +230,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
     sink_factory: SinkFactory
     read_committed: Callable[[], Iterable[Any]]
     make_batch: Callable[[list[int]], Any] = staticmethod(default_make_batch)
+    make_frame: Callable[[list[int], int], Any] | None = None
     id_of: Callable[[Any], int] = staticmethod(default_id_of)
     reset: Callable[[], None] | None = None
     pending: Callable[[], Iterable[Any]] | None = None
@@ -385,6 +386,11 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             crash_at = self._draw(data, st.sampled_from((None,) * 6 + CRASH_POINTS), "driver dies at", None)
         if crash_at == "after_intent":
             return self._crash(f"after_intent of batch {b.batch_id}")
+        if self.make_frame is not None:
+            ctx = BatchContext(self.query_name, b.batch_id, json.loads(b.intent_json), run)
+            whole = self.sink.prepare_batch(self.make_frame(b.ids, parts), ctx)
+            if whole is not None:
+                return self._prepared_whole(b, data, whole, run, crash_at)
 
         shipped = _dumps_sink(self.sink)  # what Spark serialises into the job, once per job
         todo = [p for p in range(parts) if assignment[p]]  # an empty partition opens no transaction
@@ -418,6 +424,32 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
                     self.stats["task failures after a sibling pre-committed"] += 1
                 if outcome != PRE_COMMIT and attempts[p] >= MAX_TASK_ATTEMPTS:
                     return self._job_failed(b, p)
+        return self._decide(b, data, results, assignment, crash_at)
+
+    def _prepared_whole(self, b: BatchModel, data: Any, whole: Any, run: str, crash_at: str | None) -> None:
+        """The sink prepared the whole batch with one Spark job of its own (``prepare_batch``).
+
+        Which rows each handle carries is the sink's business, so any committed handle of a batch
+        allows all of that batch's rows (duplicates, rows of undecided batches and, at quiescent
+        checks, missing rows are still caught).
+        """
+        if whole.rows != len(b.ids):
+            raise ConformanceError(
+                f"batch {b.batch_id}: prepare_batch reported {whole.rows} rows for a batch of {len(b.ids)}")
+        rec = Attempt(-1, 0, PRE_COMMIT, list(b.ids), life=self.life, run=run)
+        b.attempts.append(rec)
+        self.stats["whole-batch jobs"] += 1
+        results: dict[int, str] = {}
+        for i, h in enumerate(whole.handles):
+            results[i] = self._round_trip(self.sink, h, f"batch {b.batch_id} handle {i}")
+        rec.handle_desc = f"{len(results)} handles"
+        note(f"batch {b.batch_id}: prepare_batch pre-committed {len(results)} handles with rows {_span(b.ids)}")
+        self._check(f"after batch {b.batch_id} was prepared whole")
+        return self._decide(b, data, results, {i: list(b.ids) for i in results}, crash_at)
+
+    def _decide(self, b: BatchModel, data: Any, results: dict[int, str], assignment: dict[int, list[int]],
+                crash_at: str | None) -> None:
+        """The rest of a batch once its handles are back: verify, decide (PREPARED), commit, COMMITTED."""
         handles_now = [self.sink.decode_handle(json.loads(results[p])) for p in sorted(results)]
         try:
             self.sink.verify_prepared(b.batch_id, handles_now, prepare_started_at=time.time())
@@ -862,6 +894,7 @@ def make_state_machine(
     id_of: Callable[[Any], int] | None = None,
     reset: Callable[[], None] | None = None,
     pending: Callable[[], Iterable[Any]] | None = None,
+    make_frame: Callable[[list[int], int], Any] | None = None,
     max_rows: int = 12,
     max_partitions: int = 3,
     check_every_step: bool = True,
@@ -881,6 +914,7 @@ def make_state_machine(
         "sink_factory": staticmethod(sink_factory),
         "read_committed": staticmethod(read_committed),
         "make_batch": staticmethod(make_batch or default_make_batch),
+        "make_frame": staticmethod(make_frame) if make_frame is not None else None,
         "id_of": staticmethod(id_of or default_id_of),
         "reset": staticmethod(reset) if reset is not None else None,
         "pending": staticmethod(pending) if pending is not None else None,
@@ -922,6 +956,7 @@ def run_sink_conformance(
     id_of: Callable[[Any], int] | None = None,
     reset: Callable[[], None] | None = None,
     pending: Callable[[], Iterable[Any]] | None = None,
+    make_frame: Callable[[list[int], int], Any] | None = None,
     settings: Any = None,
     max_examples: int | None = None,
     steps: int | None = None,
@@ -972,6 +1007,12 @@ def run_sink_conformance(
     open (staged files, prepared gids, ongoing transactional ids).  With it the
     harness also checks that ``abort`` and ``abort_lingering`` leave nothing open.
 
+    ``make_frame(ids, partitions)`` (optional) builds a Spark DataFrame of those rows over that
+    many partitions.  With it the harness first offers each batch run to the sink's
+    :meth:`~twophase.TwoPhaseCommitSink.prepare_batch` (the driver-side way to write a sink,
+    e.g. ``FileSink(writer="spark")``); when that returns handles, they take the place of the
+    task attempts, and the decision, commits, crashes and recovery follow as for any sink.
+
     ``settings`` is a ``hypothesis.settings`` (default: :func:`default_settings`);
     ``max_examples`` and ``steps`` (steps per example) override it.  Each example
     uses its own query name, ids and batch ids ``example * 100 + k``.
@@ -980,7 +1021,7 @@ def run_sink_conformance(
     """
     machine = make_state_machine(
         sink_factory, read_committed, make_batch=make_batch, id_of=id_of, reset=reset, pending=pending,
-        max_rows=max_rows, max_partitions=max_partitions, check_every_step=check_every_step,
+        make_frame=make_frame, max_rows=max_rows, max_partitions=max_partitions, check_every_step=check_every_step,
         settle_timeout=settle_timeout, commit_retries=commit_retries, commit_parallelism=commit_parallelism,
         query_prefix=query_prefix, rebuild_from_config=rebuild_from_config)
     s = settings if settings is not None else default_settings()
