@@ -387,7 +387,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         if self.partition_by:
             w = w.partitionBy(*self.partition_by)
         t0 = time.perf_counter()
-        w.mode("errorifexists").save(b.hadoop_url(folder))
+        w.mode("error").save(b.hadoop_url(folder))  # "error", not "errorifexists": Spark Connect knows only that spelling
         rows = int(observed.get["rows"])
         t1 = time.perf_counter()
         try:

@@ -127,6 +127,11 @@ df = spark.range(0, 100, 1, 3).selectExpr("CAST(id AS STRING) AS id")
 first, again = c.write(df, batch_id=0), c.write(df, batch_id=0)
 print("BATCH", json.dumps({"first": first["action"], "rows": first["rows"], "again": again["action"]}))
 c.close()
+# A sink that prepares the whole batch with a Spark job of its own (FileSink(writer="spark")).
+c = Coordinator(FileSink(batch_out + "-spark", format="parquet", writer="spark"), log_location=batch_log + "-spark",
+                name="connect-spark-writer")
+print("SPARK_WRITER", json.dumps({"rows": c.write(df, batch_id=0)["rows"], "again": c.write(df, batch_id=0)["action"]}))
+c.close()
 c = Coordinator(FileSink(out, format="jsonl"), log_location=log, name="nock")
 q = (spark.readStream.format("rate").option("rowsPerSecond", 50).load().writeStream.foreachBatch(c)
      .option("checkpointLocation", ck).start())
@@ -153,6 +158,12 @@ def test_over_spark_connect_batch_writes_work_and_a_query_without_the_checkpoint
     ids = [json.loads(line)["id"] for p in batch_out.iterdir() if p.is_file() and not p.name.startswith("_")
            for line in p.read_text().splitlines() if line]
     assert sorted(ids, key=int) == [str(i) for i in range(100)]
+    import pyarrow.parquet as pq
+
+    spark_writer = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("SPARK_WRITER "))[13:])
+    assert spark_writer == {"rows": 100, "again": "skipped"}
+    parts = [p for p in (tmp_path / "batch-out-spark").iterdir() if p.is_file() and not p.name.startswith(("_", "."))]
+    assert sorted(pq.read_table(parts).column("id").to_pylist(), key=int) == [str(i) for i in range(100)]
     assert "QUERY FAILED" in r.stdout
     assert "pass Coordinator(checkpoint_location=...)" in r.stdout + r.stderr
     # Nothing written: no output file, no log (it was never taken).
