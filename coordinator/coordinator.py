@@ -270,7 +270,8 @@ class Coordinator:
         """The ``foreachBatch`` function: make batch ``batch_id`` of ``df`` visible exactly once."""
         spark = df.sparkSession
         if is_connect(spark):
-            query_id = self._connect_query_id()
+            # One foreachBatch worker per query: the id read at the first batch stays the query's.
+            query_id = self._query_id or self._connect_query_id()
         else:
             query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
         if not query_id:
@@ -414,11 +415,11 @@ class Coordinator:
         if connect:
             if not self._connect_said:
                 log.warning("%s: over Spark Connect the coordinator cannot inspect the streaming query (no JVM "
-                         "access): it does not check that asyncProgressTrackingEnabled is off or that "
-                         "checkpoint_location is the query's own (both must hold), waits for no task of "
-                         "a failed batch (the replay aborts their leftovers first), and recomputes a "
-                         "replayed decided batch with the noop writer in case the query is stateful",
-                         self.name)
+                            "access): it does not check that asyncProgressTrackingEnabled is off or that "
+                            "checkpoint_location is the query's own (both must hold), waits for no task of "
+                            "a failed batch (the replay aborts their leftovers first), and recomputes a "
+                            "replayed decided batch with the noop writer in case the query is stateful",
+                            self.name)
                 self._connect_said = True
             return
         jq = None
