@@ -41,7 +41,9 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     ap.add_argument("--partition-counts", help="comma list of input partition counts for the "
                     "partitions section (default 2,50,200)")
     ap.add_argument("--targets", help="comma list of files, kafka, postgres for the partitions section")
-    ap.add_argument("--file-targets", help="comma list of local, hdfs, s3, s3-moto for the files section")
+    ap.add_argument("--file-targets", help="comma list of local, hdfs, s3, s3-moto, s3a for the files "
+                    "section (default all but s3a; s3a: FileSink S3 against Spark's own S3A writer on MinIO, "
+                    "which needs hadoop-aws and the ~690 MB AWS SDK bundle from Maven Central)")
     ap.add_argument("--file-writers", help="comma list of FileSink writers (arrow, spark) measured on "
                     "local and HDFS in the files section (default both)")
     ap.add_argument("--cluster", type=int, metavar="N", choices=(1, 2),
@@ -71,7 +73,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
             ap.error(f"unknown target(s) {bad_t}; choose from files, kafka, postgres")
     if a.file_targets:
         p.file_targets = tuple(t.strip() for t in a.file_targets.split(",") if t.strip())
-        bad_f = [t for t in p.file_targets if t not in ("local", "hdfs", "s3", "s3-moto")]
+        bad_f = [t for t in p.file_targets if t not in ("local", "hdfs", "s3", "s3-moto", "s3a")]
         if bad_f:
             ap.error(f"unknown file target(s) {bad_f}; choose from local, hdfs, s3, s3-moto")
     if a.file_writers:
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     need = {n for s in only for n in NEEDS[s] if s != "files"}
     if "files" in only:  # only the servers of the file targets asked for
-        need |= {n for t, n in (("hdfs", "hdfs"), ("s3", "minio"), ("s3-moto", "s3")) if t in params.file_targets}
+        need |= {n for t, n in (("hdfs", "hdfs"), ("s3", "minio"), ("s3-moto", "s3"), ("s3a", "minio"))
+                 if t in params.file_targets}
     names = sorted(need | ({"spark_cluster"} if params.cluster else set()))
     progress(f"services: {', '.join(names) or 'none'}")
     services: dict[str, Any] = svc.ensure(*names) if names else {}
@@ -111,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         # (2M rows x 100 B needs more than the 1g default).
         need_gb = params.rows * (params.row_size + 40) * 8 / 1e9
         os.environ["TWOPHASE_SPARK_DRIVER_MEMORY"] = f"{min(8, max(1, int(need_gb) + 1))}g"
-    spark = session(only, params.cluster)
+    extra_jars = None
+    if "files" in only and "s3a" in params.file_targets:
+        from benchmarks.s3a import s3a_jars
+
+        progress("resolving Spark's S3A connector (hadoop-aws and the AWS SDK bundle, ~690 MB once)")
+        extra_jars = s3a_jars()
+    spark = session(only, params.cluster, extra_jars)
     progress(f"data: {params.rows} rows x {params.row_size} B in {params.partitions} partitions")
     df = make_data(spark, params.rows, params.row_size, params.partitions, params.data_shape)
     res: dict[str, Any] = {"started_at": started, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "

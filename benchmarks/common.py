@@ -173,7 +173,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def session(sections: list[str], cluster: int = 0):
+def session(sections: list[str], cluster: int = 0, extra_jars: list[str] | None = None):
     """The one Spark session of this process, with the jars the chosen sections need: local[2],
     or with ``cluster`` > 0 an application of the test standalone cluster
     (tests/services/spark_cluster.py) with that many one-core executors (one per worker)."""
@@ -181,7 +181,7 @@ def session(sections: list[str], cluster: int = 0):
     pp = os.environ.get("PYTHONPATH", "")
     if str(REPO) not in pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), pp) if p)
-    jars: list[str] = []
+    jars: list[str] = list(extra_jars or [])
     if {"kafka", "partitions", "connect"} & set(sections):
         from tests.services.kafka import spark_kafka_jars
 

@@ -61,7 +61,7 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
 
     targets: list[tuple[str, list[Variant]]] = []
     pgids: dict[str, int | None] = {"local": None}
-    commit: dict[str, list[float]] = {"local": [], "hdfs": [], "s3": [], "s3-moto": []}
+    commit: dict[str, list[float]] = {"local": [], "hdfs": [], "s3": [], "s3-moto": [], "s3a": []}
     local_ours, local_spark = tmpdir("files-ours"), tmpdir("files-spark")
     local_sw = tmpdir("files-ours-spark-writer")
     wanted = params.file_targets
@@ -102,6 +102,11 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
             targets.append((label, _s3_variants(df, params, services[svc_name], label, server, commit[label])))
             pgids[label] = service(svc_name).pid()
 
+    # -- S3 against Spark's own S3A writer (opt-in: --file-targets s3a), on MinIO -----------
+    if "minio" in services and "s3a" in wanted:
+        targets.append(("s3a", _s3a_variants(spark, df, params, services["minio"], commit["s3a"])))
+        pgids["s3a"] = service("minio").pid()
+
     for label, variants in targets:
         progress(f"files: {label}")
         interleave(variants, params.reps, params.warmup, f"files/{label}", server_pgid=pgids.get(label))
@@ -124,6 +129,9 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
                     "Spark's file sink", rs[v.name], 0.95 if spark_w else 0.9, ">="))
         elif label == "s3":
             out["goals"].append(goal("FileSink S3 (MinIO) >= 0.9x a plain s3fs upload", r, 0.9, ">="))
+        elif label == "s3a":
+            out["goals"].append(goal("FileSink S3 (MinIO) >= 0.9x Spark's S3A write (magic committer)", r,
+                                     0.9, ">="))
     if "local" in wanted:
         for ours, w in ((local_ours, "arrow"), (local_sw, "spark")):
             if w in writers:
@@ -157,6 +165,25 @@ def _s3_variants(df, params: Params, info: dict[str, Any], label: str, server: s
                                                               storage_options=so),
                           label, params.rows, df, commit_ms),
             Variant(f"plain s3fs upload ({server})", s3fs_run)]
+
+
+def _s3a_variants(spark, df, params: Params, info: dict[str, Any], commit_ms: list[float]) -> list[Variant]:
+    """FileSink on s3:// vs Spark's own writer on s3a:// (benchmarks/s3a.py), same MinIO bucket:
+    with Spark's default commit (FileOutputCommitter, renames = copies on S3A) and with the S3A
+    magic committer, the baseline (the last variant)."""
+    from benchmarks import s3a
+    from tests.services.s3 import storage_options
+    from twophase.sinks.files import FileSink
+
+    s3a.configure(spark, info)
+    prefix = f"{info['bucket']}/bench-s3a-{uid()}"
+    return [_sink_variant("FileSink S3 (MinIO)", FileSink(f"s3://{prefix}/ours", format="parquet",
+                                                          storage_options=storage_options(info)),
+                          "s3a", params.rows, df, commit_ms),
+            Variant("Spark parquet s3a, FileOutputCommitter (MinIO)",
+                    lambda: s3a.write(df, f"s3a://{prefix}/spark-file", magic=False)),
+            Variant("Spark parquet s3a, magic committer (MinIO)",
+                    lambda: s3a.write(df, f"s3a://{prefix}/spark-magic", magic=True))]
 
 
 def _partitions_arrow(df) -> list:
