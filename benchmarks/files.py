@@ -11,7 +11,9 @@ CompleteMultipartUpload copies every byte again): FileSink (multipart uploads
 completed on commit) vs a plain upload of the same rows with s3fs from this
 process: each partition's rows (pre-collected, untimed) encoded to Parquet and
 written with ``s3fs`` — no Spark, no commit protocol, the client's limit.  The
-goal is judged on MinIO; the moto pair shows what the mock's copy costs.
+goal is judged on MinIO; the moto pair shows what the mock's copy costs.  Opt-in
+(``--file-targets s3a``): FileSink on MinIO against Spark's own ``s3a://`` writer, with
+its default commit and with the S3A magic committer (benchmarks/s3a.py).
 """
 
 from __future__ import annotations
