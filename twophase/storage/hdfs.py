@@ -26,7 +26,7 @@ from twophase._deps import require
 from twophase.errors import ConfigurationError, LogError, TwoPhaseError
 from twophase.sink import CommitResult
 from twophase.storage._base import ChunkedWriter, LogStore, check_options
-from twophase.storage.parts import STAGING_DIR, StagedPartFiles, staging_name
+from twophase.storage.parts import STAGING_DIR, StagedPartFiles
 
 _hdfs = require("hdfs", "HDFS storage (hdfs://, webhdfs://)", extra="hdfs")
 _requests = require("requests", "HDFS storage (hdfs://, webhdfs://)", extra="hdfs")
@@ -509,12 +509,6 @@ class HdfsPartFiles(StagedPartFiles):
             raise ConfigurationError(f"FileSink {e}") from None
         if st is None or st.get("type") != "DIRECTORY":
             raise ConfigurationError(f"FileSink target hdfs path {self.root} is not a directory")
-
-    def open_file(self, ctx, final, index):
-        self.check_intent(ctx.intent, ctx.batch_id)
-        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
-        staging = self.join(folder, staging_name(final, ctx, index))
-        return staging, self.storage.create(staging)
 
     def finish_file(self, f):
         size = f.stream.finish()

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 from twophase.errors import ConfigurationError, LogError, TwoPhaseError
 from twophase.sink import CommitResult
 from twophase.storage._base import LogStore
-from twophase.storage.parts import STAGING_DIR, StagedPartFiles, staging_name
+from twophase.storage.parts import STAGING_DIR, StagedPartFiles
 
 
 def local_root(url: str) -> str:
@@ -300,12 +300,6 @@ class LocalPartFiles(StagedPartFiles):
 
     def check(self) -> None:
         self.storage.ensure_writable(self.join(self.root, STAGING_DIR))
-
-    def open_file(self, ctx, final, index):
-        self.check_intent(ctx.intent, ctx.batch_id)
-        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
-        staging = self.join(folder, staging_name(final, ctx, index))
-        return staging, self.storage.create(staging)
 
     def finish_file(self, f):
         size = self.storage.close_durably(f.stream, f.staging)

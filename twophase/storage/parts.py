@@ -171,14 +171,22 @@ class StagedPartFiles(PartFiles):
 
     spark_writer = True
 
+    def staging_folder(self, intent: dict[str, Any], query_name: str, batch_id: int) -> str:
+        """The batch's staging folder: the one its INTENT names (checked), else the default."""
+        self.check_intent(intent, batch_id)
+        return intent.get("staging") or self.batch_staging(query_name, batch_id)
+
+    def open_file(self, ctx: TransactionContext, final: str, index: int) -> tuple[str | None, Any]:
+        staging = self.join(self.staging_folder(ctx.intent, ctx.query_name, ctx.batch_id),
+                            staging_name(final, ctx, index))
+        return staging, self.storage.create(staging)
+
     def writer_folder(self, ctx: Any, token: str) -> str:
         """The folder Spark's writer fills for one execution of a batch:
         ``<batch staging>/w<token>/`` (``ctx``: a :class:`~twophase.context.BatchContext`).
         Inside the batch's staging folder, so ``abort_lingering`` removes what an interrupted job
         left there."""
-        self.check_intent(ctx.intent, ctx.batch_id)
-        folder = ctx.intent.get("staging") or self.batch_staging(ctx.query_name, ctx.batch_id)
-        return self.join(folder, "w" + safe_name(token))
+        return self.join(self.staging_folder(ctx.intent, ctx.query_name, ctx.batch_id), "w" + safe_name(token))
 
     def hadoop_url(self, path: str) -> str:
         return self.storage.hadoop_url(path)
@@ -191,8 +199,7 @@ class StagedPartFiles(PartFiles):
         self.storage.delete_under(folder, set())
 
     def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
-        self.check_intent(intent, batch_id)
-        folder = intent.get("staging") or self.batch_staging(query_name, batch_id)
+        folder = self.staging_folder(intent, query_name, batch_id)
         n = self.storage.delete_under(folder, {e["staging"] for e in keep})
         return n + self._sweep_older(folder, batch_id)
 
