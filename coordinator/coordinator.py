@@ -574,11 +574,12 @@ class Coordinator:
         else:
             qname = self._scoped_name
             slots = self._slots(df.sparkSession)
-            # Spark Connect has no RDDs to count partitions with: plan ``slots`` transactions (a
-            # partition with no rows opens none; coalesce never adds partitions).
-            num_partitions = slots if is_connect(df.sparkSession) else df.rdd.getNumPartitions()
-            if num_partitions > slots or is_connect(df.sparkSession):
-                # Transactions per batch = writer slots, whatever the input partitioning (no shuffle).
+            # Transactions per batch = writer slots, whatever the input partitioning (no shuffle).
+            # Spark Connect has no RDDs to count partitions with: always coalesce and plan
+            # ``slots`` transactions (coalesce never adds partitions; an empty one opens none).
+            connect = is_connect(df.sparkSession)
+            num_partitions = slots if connect else df.rdd.getNumPartitions()
+            if connect or num_partitions > slots:
                 df = df.coalesce(slots)
                 num_partitions = slots
             intent = self.sink.plan_batch(qname, batch_id, num_partitions)

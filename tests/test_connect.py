@@ -14,17 +14,22 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.services import get, wait_until
 from twophase import chaos
 
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.connect, pytest.mark.spark, pytest.mark.chaos]
+
+
+def _log_records(log_dir: Path) -> int:
+    """Files in a transaction log: grows with every INTENT/PREPARED/COMMITTED (batches flowing)."""
+    return sum(len(f) for _, _, f in os.walk(log_dir))
 
 
 def _fired(runs) -> list[str]:
@@ -83,7 +88,7 @@ def test_kafka_exactly_once_over_spark_connect_with_client_server_and_worker_kil
     runs = chaos.run_with_faults(
         cmd, crash_points=points, random_kills=1, kill_window=(0.5, 4.0), seed=11,
         env={"PYTHONPATH": str(REPO)}, log_path=str(tmp_path / "driver.log"), timeout=600,
-        progress_probe=lambda: sum(len(f) for _, _, f in os.walk(log_dir)))
+        progress_probe=lambda: _log_records(log_dir))
     assert _fired(runs) == [f"crash:{p}" for p in points], [r.to_dict() for r in runs]
     assert runs[-1].completed
     verdict = chaos.verify(ids, [v.decode() for v in read_committed(bs, dst, timeout=60, idle=3)])
@@ -104,7 +109,7 @@ def test_postgres_exactly_once_over_spark_connect_with_client_server_and_worker_
     log_dir = tmp_path / "ck" / "twophase"
     runs = _run(tmp_path, info, table, "insert", name, points, random_kills=1, seed=5, connect=True,
                 kill_window=(0.5, 4.0), timeout=600,
-                progress_probe=lambda: sum(len(f) for _, _, f in os.walk(log_dir)))
+                progress_probe=lambda: _log_records(log_dir))
     assert _fired(runs) == [f"crash:{p}" for p in points], [r.to_dict() for r in runs]
     assert runs[-1].completed
     verdict = chaos.verify(expected, _table_ids(info, table))
@@ -195,14 +200,6 @@ def _start_client(cmd: list[str], log) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(900)
 def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_killed_apart(tmp_path,
                                                                                              spark_connect_service):
@@ -211,8 +208,6 @@ def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_k
     the query again (Spark stops the orphan run); then the server itself is SIGKILLed mid-batch
     and started again, and that client is killed if it still waits; a last client finishes.  Every id is committed once, nothing is left staged."""
     import signal
-
-    from tests.services import get
 
     server = get("spark_connect")
     inp, out, ck = tmp_path / "in", tmp_path / "out", tmp_path / "ck"
@@ -226,34 +221,31 @@ def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_k
            "--checkpoint", str(ck), "--remote", spark_connect_service["url"]]
     log_dir = ck / "twophase"
 
-    def records() -> int:
-        return sum(len(f) for _, _, f in os.walk(log_dir))
-
     def committed_batches() -> int:
         return sum(1 for _, _, fs in os.walk(log_dir) for f in fs if "committed" in f.lower())
 
     with open(tmp_path / "clients.log", "ab") as log:
         # 1. The client dies; the server runs on (its session, its query, its coordinator).
         c1 = _start_client(cmd, log)
-        _wait_for(lambda: committed_batches() >= 1 or c1.poll() is not None, 240, "a first committed batch")
+        wait_until(lambda: committed_batches() >= 1 or c1.poll() is not None, 240, "a first committed batch")
         assert c1.poll() is None, "the first client ended before it could be killed"
         os.killpg(c1.pid, signal.SIGKILL)
         c1.wait()
         at_kill = committed_batches()
         # 2. A new client starts the same query while the orphan run may still be writing.
-        before = records()
+        before = _log_records(log_dir)
         c2 = _start_client(cmd, log)
         def epoch() -> int:
             return max(int(p.name.split(".")[0]) for p in (log_dir / "epochs").iterdir())
 
         first = epoch()
-        _wait_for(lambda: epoch() > first or c2.poll() is not None, 240,
+        wait_until(lambda: epoch() > first or c2.poll() is not None, 240,
                   "the second client's coordinator to take the log")
         orphan = committed_batches() - at_kill
         print(f"client 1 killed after {at_kill} committed batches; the orphan run committed {orphan} more "
               f"before the second client's coordinator took the log (epoch {epoch()})")
         assert orphan >= 1, "the server did not run the query on after its client died"
-        _wait_for(lambda: records() > before + 1 or c2.poll() is not None, 240, "the log to move again")
+        wait_until(lambda: _log_records(log_dir) > before + 1 or c2.poll() is not None, 240, "the log to move again")
         # 3. The server dies mid-work (its driver, its foreachBatch worker, its tasks) and comes back.
         # The client's gRPC retries outlast the restart; its session is gone with the old server,
         # so it fails then, or an operator kills it (as here after 90 s).

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from twophase import crash
+
 DESCRIPTION = (
     "Run an exactly-once Spark pipeline (JSON files -> Spark -> FileSink on local disk), kill its "
     "driver at every named crash point and at random moments, restart it each time, and print a "
@@ -36,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-crash-points", action="store_true", help="only random SIGKILLs")
     p.add_argument("--points", default=None, metavar="P1,P2,...",
                    help="the crash points to fire, one batch each in this order (default: all of "
-                        "them); names: " + ", ".join(_points()))
+                        "them); names: " + ", ".join(crash.POINTS))
     p.add_argument("--seed", type=int, default=None, help="random seed for kill moments (default: random)")
     p.add_argument("--format", default="parquet", choices=["parquet", "jsonl", "csv"])
     p.add_argument("--connect", action="store_true",
@@ -44,12 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the coordinator runs in the Connect server's foreachBatch worker); needs "
                         "pip install 'twophase[connect]'")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
-
-
-def _points() -> tuple[str, ...]:
-    from twophase import crash
-
-    return crash.POINTS
 
 
 def write_input(folder: Path, files: int, records: int) -> list[str]:
@@ -116,7 +112,7 @@ def run_driver(workdir: Path, fmt: str, connect: bool = False) -> int:
 
 
 def main_from_args(args) -> int:
-    from twophase import chaos, crash
+    from twophase import chaos
 
     chosen = list(crash.POINTS)
     if args.points:
