@@ -373,10 +373,18 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
 
         b = self._backend
         folder = b.writer_folder(ctx, f"{ctx.run}{uuid.uuid4().hex[:8]}")
-        observed = Observation(f"twophase_rows_{uuid.uuid4().hex[:8]}")
-        w = df.observe(observed, F.count(F.lit(1)).alias("rows")).write.format(
-            _SPARK_FORMAT[self.format]
-        )
+        # Rows are counted from the Parquet footers Spark wrote (a few reads per file) rather
+        # than by an Observation, which costs a pass over every row: about 12% of a 2,000,000-row
+        # local write.  With partition_by (possibly a file per value and task) or a text format,
+        # the Observation counts them.
+        observed = None
+        if self.format != "parquet" or self.partition_by:
+            observed = Observation(f"twophase_rows_{uuid.uuid4().hex[:8]}")
+            df = df.observe(observed, F.count(F.lit(1)).alias("rows"))
+        w = df.write.format(_SPARK_FORMAT[self.format])
+        # No _SUCCESS marker: the folder is the batch's own, and a marker left behind after the
+        # commit's renames would cost the staging cleanup a listing and a delete per batch.
+        w = w.option("mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
         codec = (
             _SPARK_PARQUET_CODECS if self.format == "parquet" else _SPARK_TEXT_CODECS
         ).get(self.compression)
@@ -388,10 +396,13 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             w = w.partitionBy(*self.partition_by)
         t0 = time.perf_counter()
         w.mode("error").save(b.hadoop_url(folder))  # "error", not "errorifexists": Spark Connect knows only that spelling
-        rows = int(observed.get["rows"])
+        observed_rows = None if observed is None else int(observed.get["rows"])
         t1 = time.perf_counter()
         try:
-            handles = self._spark_handles(folder, ctx.batch_id) if rows else []
+            handles = self._spark_handles(folder, ctx.batch_id) if observed_rows != 0 else []
+            rows = self._footer_rows(handles) if observed_rows is None else observed_rows
+            if not rows:
+                handles = []
         except BaseException:
             b.delete_folder(folder)
             raise
@@ -406,6 +417,22 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             len(handles),
         )
         return PreparedBatch(handles, rows)
+
+    def _footer_rows(self, handles: list[dict]) -> int:
+        """Rows of a batch Spark wrote as Parquet, from its files' footers (read in parallel);
+        each handle records its own."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        files = [f for h in handles for f in h["files"]]
+        if not files:
+            return 0
+        read = self._backend.read_tail
+        with ThreadPoolExecutor(max_workers=min(8, len(files)), thread_name_prefix="twophase-footer") as pool:
+            counts = list(pool.map(lambda f: parquet_footer_rows(read, f["staging"], f["size"]), files))
+        by_file = {f["staging"]: n for f, n in zip(files, counts)}
+        for h in handles:
+            h["rows"] = sum(by_file[f["staging"]] for f in h["files"])
+        return sum(counts)
 
     def _spark_handles(self, folder: str, batch_id: int) -> list[dict]:
         """One handle per Spark task, for the files Spark's writer left in ``folder``."""
@@ -591,6 +618,27 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             return f"file {e.get('final')} (staged {e.get('staging')}, {e.get('size')} bytes)"
         first = self._backend.describe(entries[0]) if entries else "no files"
         return first if len(entries) == 1 else f"{len(entries)} {self.fs} files, first {first}"
+
+
+#: Bytes read from the end of a Parquet file for its footer (one read when the footer fits).
+_FOOTER_READ = 64 * 1024
+
+
+def parquet_footer_rows(read_tail: Any, path: str, size: int) -> int:
+    """The row count in the footer of the ``size``-byte Parquet file ``path``;
+    ``read_tail(path, size, n)`` returns its last ``n`` bytes."""
+    import pyarrow.parquet as pq
+
+    tail = read_tail(path, size, min(size, _FOOTER_READ))
+    if size < 12 or len(tail) < 12 or tail[-4:] != b"PAR1":
+        raise TwoPhaseError(f"Spark's writer left {path}, which has no Parquet footer ({size} bytes)")
+    flen = int.from_bytes(tail[-8:-4], "little")
+    if flen + 12 > size:
+        raise TwoPhaseError(f"{path}: its Parquet footer length ({flen}) exceeds the file ({size} bytes)")
+    if flen + 8 > len(tail):
+        tail = read_tail(path, size, flen + 8)
+    # The footer alone, framed as a file: pyarrow reads metadata from the end and no data pages.
+    return int(pq.read_metadata(pa.BufferReader(b"PAR1" + tail[-(flen + 8):])).num_rows)
 
 
 def _combine(results: list[CommitResult]) -> CommitResult:

@@ -140,3 +140,60 @@ def test_coordinator_with_sparks_writer_on_hdfs(hdfs_service, hdfs, hroot, spark
     files = hvisible(hdfs, f"{path}/out")
     assert len(files) == 14 and all(f.startswith("k=") and "/part-00000000-0000" in f for f in files), files
     assert hstaged(hdfs, f"{path}/out") == []
+
+
+@pytest.mark.hdfs
+@pytest.mark.spark
+def test_on_hdfs_parquet_rows_come_from_the_footers_and_a_batch_leaves_no_staging_folder(
+        hdfs_service, hdfs, hroot, spark):  # noqa: F811
+    """Without partition_by, rows are read from the Parquet footers (no Observation pass over the
+    rows); Spark leaves no _SUCCESS marker, so the commit's cleanup removes the batch's staging
+    folder at once, not at the next batch (it used to leave the emptied writer folder's parent)."""
+    from twophase.coordinator import Coordinator
+
+    url, path = hroot
+    opts = hopts(hdfs_service)
+    sink = FileSink(f"{url}/out", storage_options=opts, writer="spark")
+    sink.open()
+    intent = sink.plan_batch("q", 3, 3)
+    df = spark.range(0, 1000, numPartitions=3)
+    done = sink.prepare_batch(df, BatchContext("q", 3, intent, "e1abc"))
+    assert done is not None and done.rows == 1000 and len(done.handles) == 3
+    assert sorted(h["rows"] for h in done.handles) == [333, 333, 334]
+    staged = hstaged(hdfs, f"{path}/out")
+    assert len(staged) == 3 and not any(s.rsplit("/", 1)[1].startswith("_") for s in staged), staged
+    sink.abort_lingering("q", 3, intent, [])
+
+    c = Coordinator(sink, log_location=f"{url}/log", storage_options=opts, name="footers")
+    assert c.write(df, batch_id=0)["rows"] == 1000
+    queries = hdfs.list(f"{path}/out/_twophase")
+    assert queries and all(hdfs.list(f"{path}/out/_twophase/{q}") == [] for q in queries), \
+        [(q, hdfs.list(f"{path}/out/_twophase/{q}")) for q in queries]
+    assert sorted(r["id"] for r in spark.read.parquet(f"{url}/out").collect()) == list(range(1000))
+
+
+def test_parquet_footer_rows_reads_a_footer_larger_than_its_first_read_and_refuses_other_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from twophase.errors import TwoPhaseError
+    from twophase.sinks.files import parquet_footer_rows
+
+    wide = pa.table({f"column_with_a_long_name_{i:04d}": [i, i + 1, i + 2] for i in range(1500)})
+    path = str(tmp_path / "wide.parquet")
+    pq.write_table(wide, path)
+    size = os.path.getsize(path)
+    reads: list[int] = []
+
+    def read_tail(p, sz, n):
+        reads.append(n)
+        with open(p, "rb") as f:
+            f.seek(sz - n)
+            return f.read()
+
+    assert parquet_footer_rows(read_tail, path, size) == 3
+    assert len(reads) == 2 and reads[1] > 64 * 1024, reads  # the footer did not fit the first read
+    other = tmp_path / "part-00000-x.parquet"
+    other.write_bytes(b"not parquet at all, but long enough")
+    with pytest.raises(TwoPhaseError, match="no Parquet footer"):
+        parquet_footer_rows(read_tail, str(other), other.stat().st_size)

@@ -294,13 +294,26 @@ class HdfsStorage:
 
     def list(self, folder: str) -> list[str] | None:
         """Names in ``folder``; None if it does not exist."""
+        entries = self._list_status(folder)
+        return None if entries is None else [name for name, _ in entries]
+
+    def _list_status(self, folder: str) -> builtins.list[tuple[str, dict[str, Any]]] | None:
+        """(name, FileStatus) of each entry of the folder ``folder``; None if it does not exist.
+
+        One LISTSTATUS.  (``hdfs``'s ``Client.list`` adds a GETFILESTATUS whenever a folder holds
+        exactly one entry, against an HttpFS quirk with files; every caller here lists folders,
+        and a batch's staging folders often hold one entry, so that was a round trip per call.)
+        """
         try:
             with self.reach():
-                return self.client.list(folder)
+                statuses = self.client._list_status(folder).json()["FileStatuses"]["FileStatus"]
         except HdfsError as e:
             if hdfs_exc(e) == "FileNotFoundException":
                 return None
             raise
+        if len(statuses) == 1 and not statuses[0].get("pathSuffix"):
+            raise HdfsError(f"{folder!r} is not a directory")
+        return [(st["pathSuffix"], st) for st in statuses]
 
     def read(self, path: str) -> bytes | None:
         try:
@@ -310,6 +323,12 @@ class HdfsStorage:
             if hdfs_exc(e) == "FileNotFoundException":
                 return None
             raise
+
+    def read_tail(self, path: str, size: int, n: int) -> bytes:
+        """The last ``n`` bytes of the ``size``-byte file ``path`` (one ranged OPEN)."""
+        off = max(0, size - n)
+        with self.reach(), self.client.read(path, offset=off, length=size - off) as r:
+            return r.read()
 
     def delete(self, path: str, recursive: bool = False) -> bool:
         """Delete ``path``; False if it did not exist.  HdfsError for a non-empty directory
@@ -327,9 +346,10 @@ class HdfsStorage:
         """(path, size) of every file under ``folder``, at any depth, leaving out names (of files
         and folders) that start with ``_`` or ``.`` (Spark's ``_SUCCESS``, ``_temporary``)."""
         out: builtins.list[tuple[str, int]] = []
-        with self.reach():
-            entries = self.client.list(folder, status=True)
-        for name, st in sorted(entries):
+        entries = self._list_status(folder)
+        if entries is None:
+            raise HdfsError(f"{folder!r} does not exist")
+        for name, st in sorted(entries, key=lambda e: e[0]):
             if name.startswith(("_", ".")):
                 continue
             path = posixpath.join(folder, name)
@@ -384,18 +404,21 @@ class HdfsStorage:
     def delete_under(self, folder: str, keep: set[str]) -> int:
         """Delete everything directly in ``folder`` (recursively) except the paths in ``keep``,
         and the folder itself when nothing kept is in it.  Returns how many entries went."""
-        keep_paths = {posixpath.normpath(p) for p in keep}
+        return self._delete_under(folder, {posixpath.normpath(p) for p in keep})[0]
+
+    def _delete_under(self, folder: str, keep_paths: set[str]) -> tuple[int, bool]:
+        """:meth:`delete_under`, and whether ``folder`` is gone afterwards."""
         # After a batch's commits its staging folder is normally empty (every staged file
         # was renamed away): one non-recursive DELETE, which HDFS refuses on a non-empty
         # directory, then does all the work in one round trip.
         try:
             self.delete(folder)  # False when the folder does not exist: nothing lingers
-            return 0
+            return 0, True
         except HdfsError:
             pass  # not empty: leftovers of failed attempts, or kept files not yet committed
         names = self.list(folder)
         if names is None:
-            return 0
+            return 0, True
         n = 0
         kept_here = False
         for name in names:
@@ -403,17 +426,21 @@ class HdfsStorage:
             if posixpath.normpath(path) in keep_paths:
                 kept_here = True
             elif any(p.startswith(posixpath.normpath(path) + "/") for p in keep_paths):
-                n += self.delete_under(path, keep)  # a kept file inside: only the rest goes
-                kept_here = True
+                # A kept file inside: only the rest goes (and the folder, once nothing is left,
+                # as with a FileSink(writer="spark") folder whose files were all committed).
+                m, gone = self._delete_under(path, keep_paths)
+                n += m
+                kept_here = kept_here or not gone
             else:
                 self.delete(path, recursive=True)
                 n += 1
         if not kept_here:
             try:
                 self.delete(folder)  # not recursive: only if empty
+                return n, True
             except HdfsError:
                 pass
-        return n
+        return n, False
 
 
 class HdfsLogStore(LogStore):

@@ -164,6 +164,13 @@ class LocalStorage:
                     out.append((path, os.path.getsize(path)))
         return out
 
+    @staticmethod
+    def read_tail(path: str, size: int, n: int) -> bytes:
+        """The last ``n`` bytes of the ``size``-byte file ``path``."""
+        with open(path, "rb") as f:
+            f.seek(max(0, size - n))
+            return f.read()
+
     def delete_under(self, folder: str, keep: set[str]) -> int:
         """Delete everything in ``folder`` (folders in it recursively) except the paths in ``keep``;
         remove the folder when nothing kept is left in it.  Returns how many entries went."""

@@ -108,6 +108,9 @@ class PartFiles:
     def delete_folder(self, folder: str) -> None:
         raise NotImplementedError
 
+    def read_tail(self, path: str, size: int, n: int) -> bytes:
+        raise NotImplementedError
+
     # driver
     def commit_file(self, entry: dict[str, Any]) -> CommitResult:
         raise NotImplementedError
@@ -197,6 +200,10 @@ class StagedPartFiles(PartFiles):
 
     def delete_folder(self, folder: str) -> None:
         self.storage.delete_under(folder, set())
+
+    def read_tail(self, path: str, size: int, n: int) -> bytes:
+        """The last ``n`` bytes of a file Spark's writer left (``size`` bytes long)."""
+        return self.storage.read_tail(path, size, n)
 
     def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
         folder = self.staging_folder(intent, query_name, batch_id)
