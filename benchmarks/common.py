@@ -77,6 +77,16 @@ class Variant:
     seconds: list[float] = field(default_factory=list)
     extras: list[Any] = field(default_factory=list)
     server_cpu: list[float] = field(default_factory=list)
+    machine_cpu: list[float] = field(default_factory=list)
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every core of this machine has been busy so far (``/proc/stat``: all time
+    but idle and iowait).  Over a run, busy seconds / wall seconds near the core count says
+    the run was CPU-bound, whoever (writer, Spark, a server) used the cores."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -112,7 +122,8 @@ def interleave(variants: list[Variant], reps: int, warmup: int, label: str,
     successors alike).  With
     ``server_pgid``, each timed run also records the CPU seconds that server's process
     group spent during it (:attr:`Variant.server_cpu`): on one machine the server's
-    work competes with the writer's for the same cores.
+    work competes with the writer's for the same cores.  Every timed run records the
+    machine's busy CPU seconds too (:attr:`Variant.machine_cpu`).
     """
     n = len(variants)
     for r in range(warmup + reps):
@@ -123,6 +134,7 @@ def interleave(variants: list[Variant], reps: int, warmup: int, label: str,
             if v.setup:
                 v.setup()
             c0 = group_cpu_seconds(server_pgid) if server_pgid else 0.0
+            m0 = machine_cpu_seconds()
             t0 = time.perf_counter()
             extra = v.run()
             dt = time.perf_counter() - t0
@@ -130,6 +142,7 @@ def interleave(variants: list[Variant], reps: int, warmup: int, label: str,
             if timed:
                 v.seconds.append(dt)
                 v.extras.append(extra)
+                v.machine_cpu.append(machine_cpu_seconds() - m0)
                 if server_pgid:
                     v.server_cpu.append(group_cpu_seconds(server_pgid) - c0)
             progress(f"{label}: {v.name} {'rep ' + str(r - warmup + 1) if timed else 'warm-up'}: {dt:.2f}s")
@@ -139,6 +152,9 @@ def summarize(v: Variant, rows: int, nbytes: int) -> dict[str, Any]:
     med = statistics.median(v.seconds)
     out = {"seconds": [round(s, 4) for s in v.seconds], "median_s": round(med, 4),
            "rows_per_s": round(rows / med, 1), "mb_per_s": round(nbytes / med / 1e6, 3)}
+    if v.machine_cpu:
+        out["machine_cpu_s"] = [round(c, 3) for c in v.machine_cpu]
+        out["machine_cpu_median_s"] = round(statistics.median(v.machine_cpu), 3)
     if v.server_cpu:
         out["server_cpu_s"] = [round(c, 3) for c in v.server_cpu]
         out["server_cpu_median_s"] = round(statistics.median(v.server_cpu), 3)

@@ -79,14 +79,24 @@ def markdown(res: dict[str, Any]) -> str:
     if "partitions" in sec:
         s = sec["partitions"]
         lines += ["## By input partitions", "",
-                  "| target | input partitions | exactly-once rows/s | Spark rows/s | ratio | transactions per batch |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| target | input partitions | exactly-once rows/s | Spark rows/s | ratio | transactions per batch "
+                  "| Python floor ratio | machine CPU s: ours / Spark's / floor |",
+                  "|---|---:|---:|---:|---:|---|---:|---|"]
         for pt in s["points"]:
             v = list(pt["variants"].values())
+            floor = f"{pt['floor_ratio']:.2f}" if "floor_ratio" in pt else "-"
+            cpu = " / ".join(f"{x['machine_cpu_median_s']:.2f}" for x in v if "machine_cpu_median_s" in x) or "-"
             lines.append(f"| {pt['target']} | {pt['partitions']} | {_fmt(v[0]['rows_per_s'])} | "
                          f"{_fmt(v[1]['rows_per_s'])} | {pt['ratio']:.2f} | "
-                         f"{', '.join(str(h) for h in pt['transactions_per_batch'])} |")
+                         f"{', '.join(str(h) for h in pt['transactions_per_batch'])} | {floor} | {cpu} |")
         lines += ["", s["note"], ""]
+        if any("floor_ratio" in pt for pt in s["points"]):
+            lines += ["Python floor ratio: Spark's writer against the same rows moved into Spark's Python workers "
+                      "and turned into Python objects, with nothing sent (`mapInArrow`, no producer, no "
+                      "transaction): the best ratio any Python executor path can reach in this run.", ""]
+        lines += ["Machine CPU s: median seconds the machine's cores were busy during one batch (writer, Spark "
+                  "and servers alike). Near the core count times the wall time, a run is CPU-bound and its "
+                  "ratio is the ratio of CPU spent.", ""]
         if s.get("streaming"):
             st = s["streaming"]
             lines += ["| target (streaming) | source partitions | ours addBatch ms (median) | "

@@ -793,12 +793,20 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         for start in range(0, n, 1000):
             stop = min(n, start + 1000)
             if topics is None and parts is None and headers is None:  # the common shape: a tight loop
-                for i in range(start, stop):
-                    args: tuple = (topic, values[i], keys[i]) if keys is not None else (topic, values[i])
+                i = start
+                while i < stop:  # the loops leave i at the row that raised
                     try:
-                        produce(*args)
+                        if keys is None:
+                            for i in range(i, stop):
+                                produce(topic, values[i])
+                        else:
+                            for i in range(i, stop):
+                                produce(topic, values[i], keys[i])
+                        break
                     except BufferError:
+                        args: tuple = (topic, values[i], keys[i]) if keys is not None else (topic, values[i])
                         produce_when_room(i, args, {})
+                        i += 1
                     except ck.KafkaException as e:
                         raise refused(i, topic, e) from None
             else:

@@ -102,8 +102,12 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert max(res["params"]["partition_counts"]) >= 50
     for p in pts:
         _check_variants(p["variants"], rows)
-        cand, base = list(p["variants"])
+        cand, base, *floor = list(p["variants"])
         assert p["ratio"] == pytest.approx(_ratio(p["variants"], cand, base), rel=1e-2, abs=1e-3)
+        # Kafka also measures the rows moved into Python with nothing sent: the Python floor.
+        assert floor == (["rows into Python (no sink)"] if p["target"] == "kafka" else []), floor
+        if floor:
+            assert p["floor_ratio"] == pytest.approx(_ratio(p["variants"], floor[0], base), rel=1e-2, abs=1e-3)
         # Transactions per batch follow the writer slots (local[2]), not the input partitions.
         assert p["transactions_per_batch"] and max(p["transactions_per_batch"]) <= 2 < p["partitions"], p
 
