@@ -106,6 +106,19 @@ def is_connect(spark) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+def _partitions_unknown(df) -> bool:
+    """True when ``df``'s partitions cannot be counted without running jobs: over Spark Connect
+    (no RDDs), or under adaptive query execution, where ``df.rdd`` runs the plan's shuffle stages
+    to settle its final form, and the write then runs them again."""
+    if is_connect(df.sparkSession):
+        return True
+    try:
+        plan = df._jdf.queryExecution().executedPlan()
+        return bool(plan.getClass().getSimpleName() == "AdaptiveSparkPlanExec")
+    except Exception:  # noqa: BLE001 - an unusual plan: count the RDD's partitions as before
+        return False
+
+
 def _local_or_url(location: str) -> str:
     """Hadoop's qualified ``file:/x`` as a plain local path; other URLs unchanged."""
     if location.startswith("file:"):
@@ -563,9 +576,9 @@ class Coordinator:
             intent = state.body.get("intent", {})
             qname = str(state.body.get("name") or self._scoped_name)
             planned = state.body.get("num_partitions")
-            if planned and (is_connect(df.sparkSession) or df.rdd.getNumPartitions() > planned):
+            if planned and (_partitions_unknown(df) or df.rdd.getNumPartitions() > planned):
                 # The INTENT names the transactions of partitions 0..planned-1 only; stay inside it.
-                # (coalesce never adds partitions; Spark Connect cannot count them without a job.)
+                # (coalesce never adds partitions; some plans cannot count them without a job.)
                 df = df.coalesce(planned)
             prog.aborted_lingering = self.sink.abort_lingering(qname, batch_id, intent, [])
             if prog.aborted_lingering:
@@ -575,11 +588,12 @@ class Coordinator:
             qname = self._scoped_name
             slots = self._slots(df.sparkSession)
             # Transactions per batch = writer slots, whatever the input partitioning (no shuffle).
-            # Spark Connect has no RDDs to count partitions with: always coalesce and plan
-            # ``slots`` transactions (coalesce never adds partitions; an empty one opens none).
-            connect = is_connect(df.sparkSession)
-            num_partitions = slots if connect else df.rdd.getNumPartitions()
-            if connect or num_partitions > slots:
+            # Where partitions cannot be counted without a job (Spark Connect; a plan with a
+            # shuffle under adaptive execution): always coalesce and plan ``slots`` transactions
+            # (coalesce never adds partitions; an empty one opens none).
+            unknown = _partitions_unknown(df)
+            num_partitions = slots if unknown else df.rdd.getNumPartitions()
+            if unknown or num_partitions > slots:
                 df = df.coalesce(slots)
                 num_partitions = slots
             intent = self.sink.plan_batch(qname, batch_id, num_partitions)

@@ -377,3 +377,31 @@ def test_a_checkpoint_that_cannot_be_checked_is_explained_not_fatal(tmp_path, ca
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "connection refused" in warning and "STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY" in warning
     assert f"clear_interrupted_start({cp!r})" in warning
+
+
+@pytest.mark.spark
+def test_a_batch_ending_in_a_shuffle_computes_its_input_once(spark, tmp_path):
+    """Under adaptive query execution ``df.rdd`` runs a plan's shuffle stages to settle its final
+    form; the coordinator used it to count the batch's partitions, and the write then ran the
+    stages again: every row before the shuffle was computed twice."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType
+
+    assert spark.conf.get("spark.sql.adaptive.enabled") == "true"
+    seen = spark.sparkContext.accumulator(0)
+
+    @F.udf(LongType())
+    def counted(x):
+        seen.add(1)
+        return x
+
+    df = (spark.range(0, 1000, numPartitions=4).select(counted("id").alias("id"))
+          .groupBy((F.col("id") % 10).alias("k")).agg(F.count("*").alias("n"), F.sum("id").alias("total")))
+    c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="aqe")
+    prog = c.write(df, batch_id=0)
+    assert (prog["action"], prog["rows"]) == ("committed", 10)
+    assert seen.value == 1000  # was 2000
+    rows = pq.read_table(str(tmp_path / "out")).to_pylist()
+    assert sorted((r["k"], r["n"], r["total"]) for r in rows) == [
+        (k, 100, sum(range(k, 1000, 10))) for k in range(10)]
+    assert prog["handles"] <= 2  # the writer slots of local[2]
