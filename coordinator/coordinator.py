@@ -106,17 +106,33 @@ def is_connect(spark) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
-def _partitions_unknown(df) -> bool:
-    """True when ``df``'s partitions cannot be counted without running jobs: over Spark Connect
-    (no RDDs), or under adaptive query execution, where ``df.rdd`` runs the plan's shuffle stages
-    to settle its final form, and the write then runs them again."""
+def _batch_partitions(df, slots: int) -> tuple[int, bool]:
+    """(transactions to plan, whether to coalesce the batch to ``slots``) for a batch written with
+    at most ``slots`` writer tasks.
+
+    ``df.rdd`` counts a batch's partitions without a job, except under adaptive query execution,
+    where it runs the plan's shuffle stages to settle the final plan (and the write then runs
+    them again).  Such a plan is coalesced to the slots uncounted, unless it ends in the user's
+    own coalesce or repartition to at most ``slots`` partitions: Spark's optimizer would merge
+    a coalesce of ours into that one and could raise its count, so its count is planned.  Spark
+    Connect has no RDDs: always coalesced (a user's final coalesce(n < slots) becomes slots).
+    """
     if is_connect(df.sparkSession):
-        return True
+        return slots, True
     try:
-        plan = df._jdf.queryExecution().executedPlan()
-        return bool(plan.getClass().getSimpleName() == "AdaptiveSparkPlanExec")
-    except Exception:  # noqa: BLE001 - an unusual plan: count the RDD's partitions as before
-        return False
+        qe = df._jdf.queryExecution()
+        adaptive = qe.executedPlan().getClass().getSimpleName() == "AdaptiveSparkPlanExec"
+        root = qe.optimizedPlan() if adaptive else None
+    except Exception:  # noqa: BLE001 - an unusual plan: count the RDD's partitions
+        adaptive, root = False, None
+    if not adaptive:
+        n = df.rdd.getNumPartitions()
+        return (slots, True) if n > slots else (n, False)
+    if root is not None and root.nodeName() in ("Repartition", "RepartitionByExpression"):
+        n = int(root.numPartitions())
+        if n <= slots:
+            return n, False
+    return slots, True
 
 
 def _local_or_url(location: str) -> str:
@@ -576,9 +592,9 @@ class Coordinator:
             intent = state.body.get("intent", {})
             qname = str(state.body.get("name") or self._scoped_name)
             planned = state.body.get("num_partitions")
-            if planned and (_partitions_unknown(df) or df.rdd.getNumPartitions() > planned):
-                # The INTENT names the transactions of partitions 0..planned-1 only; stay inside it.
-                # (coalesce never adds partitions; some plans cannot count them without a job.)
+            if planned and _batch_partitions(df, planned)[1]:
+                # The INTENT names the transactions of partitions 0..planned-1 only; stay inside it
+                # (coalesce never adds partitions).
                 df = df.coalesce(planned)
             prog.aborted_lingering = self.sink.abort_lingering(qname, batch_id, intent, [])
             if prog.aborted_lingering:
@@ -587,15 +603,11 @@ class Coordinator:
         else:
             qname = self._scoped_name
             slots = self._slots(df.sparkSession)
-            # Transactions per batch = writer slots, whatever the input partitioning (no shuffle).
-            # Where partitions cannot be counted without a job (Spark Connect; a plan with a
-            # shuffle under adaptive execution): always coalesce and plan ``slots`` transactions
-            # (coalesce never adds partitions; an empty one opens none).
-            unknown = _partitions_unknown(df)
-            num_partitions = slots if unknown else df.rdd.getNumPartitions()
-            if unknown or num_partitions > slots:
+            # Transactions per batch = writer slots, whatever the input partitioning (no shuffle);
+            # a slot without rows opens none.
+            num_partitions, coalesce = _batch_partitions(df, slots)
+            if coalesce:
                 df = df.coalesce(slots)
-                num_partitions = slots
             intent = self.sink.plan_batch(qname, batch_id, num_partitions)
             tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
                                           "num_partitions": num_partitions})

@@ -405,3 +405,8 @@ def test_a_batch_ending_in_a_shuffle_computes_its_input_once(spark, tmp_path):
     assert sorted((r["k"], r["n"], r["total"]) for r in rows) == [
         (k, 100, sum(range(k, 1000, 10))) for k in range(10)]
     assert prog["handles"] <= 2  # the writer slots of local[2]
+    # A batch that ends in the user's own coalesce(1) keeps it: a coalesce of ours on top would be
+    # merged into it by Spark's optimizer and write two files.
+    prog = c.write(df.repartition(4).coalesce(1), batch_id=1)
+    assert (prog["rows"], prog["handles"]) == (10, 1)
+    assert len(list((tmp_path / "out").glob("*-00000001-*.parquet"))) == 1
