@@ -115,9 +115,14 @@ def _batch_partitions(df, slots: int) -> tuple[int, bool]:
     them again).  Such a plan is coalesced to the slots uncounted, unless it ends in the user's
     own coalesce or repartition to at most ``slots`` partitions: Spark's optimizer would merge
     a coalesce of ours into that one and could raise its count, so its count is planned.  Spark
-    Connect has no RDDs: always coalesced (a user's final coalesce(n < slots) becomes slots).
+    Connect has no RDDs: a batch is coalesced uncounted unless its plan ends in such a coalesce
+    or repartition of the user's.
     """
     if is_connect(df.sparkSession):
+        plan = getattr(df, "_plan", None)
+        n = getattr(plan, "_num_partitions", getattr(plan, "num_partitions", None))
+        if type(plan).__name__ in ("Repartition", "RepartitionByExpression") and isinstance(n, int) and n <= slots:
+            return n, False
         return slots, True
     try:
         qe = df._jdf.queryExecution()

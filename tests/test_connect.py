@@ -130,7 +130,10 @@ spark = local_session("local[2]", "connect-no-checkpoint", connect=True)
 c = Coordinator(FileSink(batch_out, format="jsonl"), log_location=batch_log, name="connect-batch")
 df = spark.range(0, 100, 1, 3).selectExpr("CAST(id AS STRING) AS id")
 first, again = c.write(df, batch_id=0), c.write(df, batch_id=0)
-print("BATCH", json.dumps({"first": first["action"], "rows": first["rows"], "again": again["action"]}))
+# A batch that ends in the user's own coalesce(1) keeps it (one task, one file).
+one = c.write(spark.range(100, 110, 1, 3).selectExpr("CAST(id AS STRING) AS id").coalesce(1), batch_id=1)
+print("BATCH", json.dumps({"first": first["action"], "rows": first["rows"], "again": again["action"],
+                           "one": [one["rows"], one["handles"]]}))
 c.close()
 # A sink that prepares the whole batch with a Spark job of its own (FileSink(writer="spark")).
 c = Coordinator(FileSink(batch_out + "-spark", format="parquet", writer="spark"), log_location=batch_log + "-spark",
@@ -159,10 +162,10 @@ def test_over_spark_connect_batch_writes_work_and_a_query_without_the_checkpoint
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 3, (r.stdout[-2000:], r.stderr[-3000:])
     batch = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("BATCH "))[6:])
-    assert batch == {"first": "committed", "rows": 100, "again": "skipped"}
+    assert batch == {"first": "committed", "rows": 100, "again": "skipped", "one": [10, 1]}
     ids = [json.loads(line)["id"] for p in batch_out.iterdir() if p.is_file() and not p.name.startswith("_")
            for line in p.read_text().splitlines() if line]
-    assert sorted(ids, key=int) == [str(i) for i in range(100)]
+    assert sorted(ids, key=int) == [str(i) for i in range(110)]
     import pyarrow.parquet as pq
 
     spark_writer = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("SPARK_WRITER "))[13:])
