@@ -794,21 +794,22 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             stop = min(n, start + 1000)
             if topics is None and parts is None and headers is None:  # the common shape: a tight loop
                 i = start
-                while i < stop:  # the loops leave i at the row that raised
+                while i < stop:
+                    j = i  # the loops leave j at the row that raised
                     try:
                         if keys is None:
-                            for i in range(i, stop):
-                                produce(topic, values[i])
+                            for j in range(i, stop):
+                                produce(topic, values[j])
                         else:
-                            for i in range(i, stop):
-                                produce(topic, values[i], keys[i])
+                            for j in range(i, stop):
+                                produce(topic, values[j], keys[j])
                         break
                     except BufferError:
-                        args: tuple = (topic, values[i], keys[i]) if keys is not None else (topic, values[i])
-                        produce_when_room(i, args, {})
-                        i += 1
+                        args: tuple = (topic, values[j], keys[j]) if keys is not None else (topic, values[j])
+                        produce_when_room(j, args, {})
+                        i = j + 1
                     except ck.KafkaException as e:
-                        raise refused(i, topic, e) from None
+                        raise refused(j, topic, e) from None
             else:
                 for i in range(start, stop):
                     t = topic if topics is None else topics[i]
