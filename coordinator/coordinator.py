@@ -785,7 +785,8 @@ class Coordinator:
                 _crash.adopt(crash_env)
 
             tc = TaskContext.get()
-            ctx = TransactionContext(name, batch_id, tc.partitionId(), tc.attemptNumber(), intent, run)
+            ctx = TransactionContext(name, batch_id, tc.partitionId(), tc.attemptNumber(), intent, run,
+                                     stage_attempt=tc.stageAttemptNumber(), task_attempt_id=tc.taskAttemptId())
             txn, rows = None, 0
             try:
                 for rb in batches:

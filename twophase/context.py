@@ -22,6 +22,13 @@ class TransactionContext:
     ``(partition_id, attempt)``; a sink that names transactions after them adds
     ``run`` so that two executions never share a name (and aborting one can never
     touch the other).  Empty when the caller does not know it.
+
+    ``stage_attempt`` is Spark's stage attempt number and ``task_attempt_id`` Spark's
+    ``taskAttemptId()`` (unique among the attempts of one SparkContext; -1 when unknown).
+    After a ``FetchFailed`` Spark resubmits the stage while the old stage attempt's tasks
+    keep running, and attempt numbers start again at 0 in the new one (SPARK-24589): only
+    ``(stage_attempt, attempt)`` names one attempt of a partition within a run, and an
+    attempt ``k > 0`` implies that attempts ``< k`` *of the same stage attempt* failed.
     """
 
     query_name: str
@@ -30,6 +37,8 @@ class TransactionContext:
     attempt: int = 0
     intent: dict[str, Any] = field(default_factory=dict)
     run: str = ""
+    stage_attempt: int = 0
+    task_attempt_id: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
