@@ -64,6 +64,20 @@ DEFAULT_PART_SIZE = 8 * MIB
 #: ``df.write`` per batch into its staging folder; local disk and HDFS).  Default by backend.
 WRITERS = ("arrow", "spark")
 DEFAULT_WRITER = {"local": "arrow", "hdfs": "spark", "s3": "arrow"}  # by the numbers: docs/benchmarks.md
+#: URL schemes whose default is not their backend's: Spark's writer would reach ``webhdfs://`` with
+#: Hadoop's WebHDFS client, which the pyspark wheel cannot run (its shaded Jersey lacks
+#: ``RuntimeDelegateImpl``: every call fails "Unexpected HTTP response: code=404 ... GETFILESTATUS").
+DEFAULT_WRITER_BY_SCHEME = {"webhdfs": "arrow", "swebhdfs": "arrow"}
+
+
+def default_writer(url: str) -> str:
+    """The writer FileSink uses for ``url`` when none is given: Spark's on ``hdfs://`` (Hadoop's RPC
+    client), the sink's Arrow writers on local disk, S3 and ``webhdfs://``/``swebhdfs://``."""
+    scheme = scheme_of(url)
+    if scheme in DEFAULT_WRITER_BY_SCHEME:
+        return DEFAULT_WRITER_BY_SCHEME[scheme]
+    spec = backend_for(url)
+    return DEFAULT_WRITER.get(spec.name if spec is not None else "", "arrow")
 #: writer="spark": Spark's format and codec names for the sink's (None: not with that writer).
 _SPARK_FORMAT = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
 _SPARK_PARQUET_CODECS = {
@@ -147,11 +161,12 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     that ignores ``If-None-Match`` on completion; ``"head-check"`` accepts it and checks the
     key with HEAD before each completion (an object written in between is overwritten).
 
-    ``writer``: ``"spark"`` (default on HDFS; local disk too) writes each batch with one
+    ``writer``: ``"spark"`` (default on ``hdfs://``; local disk too) writes each batch with one
     ``df.write`` into the batch's staging folder from the driver (:meth:`prepare_batch`;
     Spark's output committer settles task retries), then commits by rename as usual;
-    ``"arrow"`` (default on local disk and S3) writes in per-task transactions with the
-    sink's Arrow writers.  docs/files.md, "writer".
+    ``"arrow"`` (default on local disk, S3 and ``webhdfs://``, which Spark's Hadoop client in
+    the pyspark wheel cannot write) writes in per-task transactions with the sink's Arrow
+    writers.  docs/files.md, "writer".
     """
 
     kind = "files"
@@ -262,7 +277,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         self.s3_etags = s3_etags
         self.s3_if_none_match = s3_if_none_match
         self.header = bool(header)
-        self.writer = writer or DEFAULT_WRITER.get(spec.name, "arrow")
+        self.writer = writer or default_writer(url)
         if self.writer == "spark":
             if not self._backend.spark_writer:
                 raise ConfigurationError(
@@ -310,7 +325,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             cfg["s3_if_none_match"] = self.s3_if_none_match
         if self.header:
             cfg["header"] = True
-        if self.writer != DEFAULT_WRITER.get(self._spec.name, "arrow"):
+        if self.writer != default_writer(self.url):
             cfg["writer"] = self.writer
         if self.storage_options:
             cfg["storage_options"] = _config_options(self.storage_options)
