@@ -290,6 +290,10 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                     f"writer='spark' cannot write {fmt} with compression {compression!r} (Spark "
                     "has no codec for it without native Hadoop libraries); use writer='arrow'"
                 )
+        # Per instance: with writer="spark" the batch is one Spark job whose output committer lets one
+        # attempt of each task commit its files, so speculative attempts cannot both become visible;
+        # the Arrow writers' per-task transactions cannot tell two attempts apart.
+        self.supports_speculation = self.writer == "spark"
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"FileSink({self.url!r}, format={self.format!r})"

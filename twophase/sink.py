@@ -99,7 +99,9 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
     handle_versions: ClassVar[frozenset[int]] = frozenset({1})
     #: True only if two concurrent attempts of one task cannot both become visible
     #: (attempt-isolated transactions).  The coordinator refuses ``spark.speculation`` otherwise.
-    supports_speculation: ClassVar[bool] = False
+    #: A class default that a sink may set per instance (``FileSink(writer="spark")`` does: Spark's
+    #: output committer lets one attempt of a task commit); the coordinator reads the instance's.
+    supports_speculation: bool = False
 
     # ------------------------------------------------------------------ driver
     def open(self) -> None:
