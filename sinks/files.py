@@ -4,8 +4,9 @@ One sink, three storage backends chosen by the URL (twophase.storage's registry)
 local disk (``/path``, ``file://``) and HDFS (``hdfs://``, ``webhdfs://``, over
 WebHDFS) stage files under ``<target>/_twophase/`` and commit by a rename that never
 overwrites; S3 (``s3://``) keeps each part file an open multipart upload and commits
-with CompleteMultipartUpload.  Part names are deterministic per batch and partition,
-so a replay cannot duplicate a file.  This module holds the sink alone: options, part
+with CompleteMultipartUpload.  Part names are deterministic per batch, partition and
+query scope (pipeline and generation), so a replay cannot duplicate a file and two
+pipelines or generations on one folder never meet.  This module holds the sink alone: options, part
 names, the executor-side transaction, handles and their commit.  How each backend
 stages, commits and recovers one part file is its ``PartFiles`` in twophase.storage
 (picked by the registry), and the formats are in ``_formats``.  User docs: docs/files.md.
@@ -22,6 +23,7 @@ reached the log are deleted/aborted by ``abort_lingering``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -87,6 +89,21 @@ _SPARK_PARQUET_CODECS = {
 _SPARK_TEXT_CODECS = {None: None, "gzip": "gzip", "bz2": "bzip2", "zstd": None}
 #: The name Spark's file writer gives a part file: part-<task>-<job uuid>[-c<file>]<ext>
 _SPARK_PART = re.compile(r"part-(\d+)-.*?(?:-c(\d+))?\.[^-]*$")
+#: The coordinator's scoped query name, ``<name>.<log id, 8 hex>g<generation>``.
+_SCOPED_NAME = re.compile(r".*\.([0-9a-f]{8}g\d+)", re.DOTALL)
+_PLAIN_SCOPE = re.compile(r"[A-Za-z0-9_]{1,16}")
+
+
+def name_scope(query_name: str) -> str:
+    """The token of ``query_name`` that part names carry: the log identity and generation of a
+    coordinator's scoped name (``3f9a2b1cg2``); a short plain name as it is (``q``); else
+    the first 8 hex digits of its SHA-1.  Filesystem- and key-safe, without ``-``."""
+    m = _SCOPED_NAME.fullmatch(query_name)
+    if m:
+        return m.group(1)
+    if _PLAIN_SCOPE.fullmatch(query_name):
+        return query_name
+    return hashlib.sha1(query_name.encode("utf-8")).hexdigest()[:8]
 
 
 # --------------------------------------------------------------------- transactions
@@ -145,7 +162,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     Parquet codec (``snappy`` default, ``zstd``, ``gzip``, ``lz4``, ``brotli``, ``none``)
     or, for jsonl/csv, a whole-file codec (``gzip``, ``bz2``, ``zstd``) that adds
     ``.gz``/``.bz2``/``.zst``.  ``prefix`` starts every part name:
-    ``{prefix}-{batch:08d}-{partition:05d}.{ext}``.  ``fsync`` (local disk, default
+    ``{prefix}-{batch:08d}-{partition:05d}-{scope}.{ext}``, where ``scope`` names the pipeline
+    (its log) and generation, so that they never share a file name.  ``fsync`` (local disk, default
     on) makes a pre-committed part survive a machine crash, not only a process crash.
 
     ``partition_by``: Hive-style output ``col=value/...`` (partition columns are not
@@ -348,8 +366,24 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def _name_prefix(self, batch_id: int) -> str:
         return f"{self.prefix}-{batch_id:08d}-"
 
-    def final_name(self, batch_id: int, partition_id: int) -> str:
-        return f"{self.prefix}-{batch_id:08d}-{partition_id:05d}.{self._ext()}"
+    def final_name(self, batch_id: int, partition_id: int, query_name: str | None = None) -> str:
+        """``{prefix}-{batch:08d}-{partition:05d}-{scope}.{ext}``: the scope token of the query
+        name (:func:`name_scope`) keeps two pipelines, or two generations of one, apart in one
+        folder or prefix; without a query name, the unscoped name older versions wrote."""
+        scope = "" if query_name is None else f"-{name_scope(query_name)}"
+        return f"{self.prefix}-{batch_id:08d}-{partition_id:05d}{scope}.{self._ext()}"
+
+    def _batch_names(self, batch_id: int, query_name: str, intent: dict[str, Any]) -> re.Pattern[str]:
+        """The final names (last key segment) of the files this query's ``batch_id`` may have
+        left: its own scope's, and the unscoped names of an INTENT logged before names were
+        scoped (no ``scope`` in it), never another pipeline's or generation's."""
+        head = re.escape(f"{self.prefix}-{batch_id:08d}-")
+        tail = r"\d{5,}(?:-c\d{3,})?"
+        ext = re.escape(f".{self._ext()}")
+        alts = [tail + re.escape(f"-{name_scope(query_name)}") + ext]
+        if "scope" not in intent:
+            alts.append(tail + ext)
+        return re.compile(f"{head}(?:{'|'.join(alts)})")
 
     # ---------------------------------------------------------------- driver
     def open(self) -> None:
@@ -370,6 +404,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                 "bucket": b.storage.bucket,
                 "prefix": b.storage.prefix,
                 "names": self._name_prefix(batch_id),
+                "scope": name_scope(query_name),
             }
         intent = {"staging": self._batch_staging(query_name, batch_id)}
         if self.fs != "local":
@@ -418,7 +453,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         observed_rows = None if observed is None else int(observed.get["rows"])
         t1 = time.perf_counter()
         try:
-            handles = self._spark_handles(folder, ctx.batch_id) if observed_rows != 0 else []
+            handles = self._spark_handles(folder, ctx) if observed_rows != 0 else []
             rows = self._footer_rows(handles) if observed_rows is None else observed_rows
             if not rows:
                 handles = []
@@ -453,9 +488,10 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             h["rows"] = sum(by_file[f["staging"]] for f in h["files"])
         return sum(counts)
 
-    def _spark_handles(self, folder: str, batch_id: int) -> list[dict]:
+    def _spark_handles(self, folder: str, ctx: BatchContext) -> list[dict]:
         """One handle per Spark task, for the files Spark's writer left in ``folder``."""
         b = self._backend
+        batch_id, scope = ctx.batch_id, name_scope(ctx.query_name)
         sep = os.sep if self.fs == "local" else "/"
         by_task: dict[int, list[dict[str, Any]]] = {}
         for path, size in b.list_files(folder):
@@ -471,7 +507,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                 )
             task, nfile = int(m.group(1)), int(m.group(2) or 0)
             name = f"{self.prefix}-{batch_id:08d}-{task:05d}"
-            name += f"-c{nfile:03d}.{self._ext()}" if nfile else f".{self._ext()}"
+            name += f"-c{nfile:03d}" if nfile else ""
+            name += f"-{scope}.{self._ext()}"
             final = b.join(b.root, *rel[:-1], name)
             by_task.setdefault(task, []).append({"staging": path, "final": final, "size": size})
         return [
@@ -482,7 +519,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def _open_file(self, txn: FileTransaction, key: tuple) -> _OpenFile:
         ctx = txn.ctx
         b = self._backend
-        name = self.final_name(ctx.batch_id, ctx.partition_id)
+        name = self.final_name(ctx.batch_id, ctx.partition_id, ctx.query_name)
         if self.partition_by:
             final = b.join(b.root, *key, name)  # key: the partition directory names
         else:
@@ -624,7 +661,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     ) -> int:
         kept = [e for h in keep for e in self._entries(h)]
         return self._backend.abort_lingering(
-            query_name, batch_id, intent, kept, self._name_prefix(batch_id)
+            query_name, batch_id, intent, kept, self._batch_names(batch_id, query_name, intent)
         )
 
     def describe_handle(self, handle: dict) -> str:

@@ -76,7 +76,7 @@ def test_recover_commits_decided_and_aborts_undecided(tmp_path):
     r = run_cli("abort-lingering", str(tmp_path / "log"), "--sink-config", cfg)
     assert r.returncode == 2 and "batch 1 (generation 1)" in r.stderr and "twophase recover" in r.stderr
     visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
-    assert visible == ["part-00000000-00000.parquet"]  # abort-lingering commits nothing
+    assert visible == ["part-00000000-00000-app.parquet"]  # abort-lingering commits nothing
     assert len([p for p in (out / "_twophase").rglob("*") if p.is_file()]) == 3  # nor aborts anything
     r = run_cli("recover", str(tmp_path / "log"), "--sink-config", cfg, "--json")
     assert r.returncode == 0, r.stderr
@@ -84,8 +84,8 @@ def test_recover_commits_decided_and_aborts_undecided(tmp_path):
     assert rep["committed_batches"] == [1] and rep["handles_committed"] == 2
     assert rep["aborted"] == {"2": 1}
     visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
-    assert visible == ["part-00000000-00000.parquet", "part-00000001-00000.parquet",
-                       "part-00000001-00001.parquet"]
+    assert visible == ["part-00000000-00000-app.parquet", "part-00000001-00000-app.parquet",
+                       "part-00000001-00001-app.parquet"]
     # Idempotent: a second recover finds nothing pending.
     rep2 = json.loads(run_cli("recover", str(tmp_path / "log"), "--sink-config", cfg, "--json").stdout)
     assert rep2["committed_batches"] == [] and rep2["handles_committed"] == 0

@@ -40,8 +40,8 @@ def test_pre_commit_is_invisible_and_commit_makes_it_visible(tmp_path):
     assert visible(tmp_path) == []
     assert os.path.exists(h["staging"]) and "/_twophase/" in h["staging"]
     assert sink.commit(h).outcome is CommitOutcome.COMMITTED
-    assert visible(tmp_path) == ["part-00000007-00001.parquet"]
-    assert pq.read_table(tmp_path / "part-00000007-00001.parquet").column("id").to_pylist() == [1, 2, 3, 4]
+    assert visible(tmp_path) == ["part-00000007-00001-q.parquet"]
+    assert pq.read_table(tmp_path / "part-00000007-00001-q.parquet").column("id").to_pylist() == [1, 2, 3, 4]
     assert not os.path.exists(h["staging"])
 
 
@@ -49,9 +49,9 @@ def test_commit_twice_is_a_no_op(tmp_path):
     sink = FileSink(str(tmp_path))
     h = prepare(sink, 0, 0, [1, 2])
     assert sink.commit(h).outcome is CommitOutcome.COMMITTED
-    before = os.stat(tmp_path / "part-00000000-00000.parquet")
+    before = os.stat(tmp_path / "part-00000000-00000-q.parquet")
     assert sink.commit(h).outcome is CommitOutcome.ALREADY_COMMITTED
-    assert os.stat(tmp_path / "part-00000000-00000.parquet").st_ino == before.st_ino
+    assert os.stat(tmp_path / "part-00000000-00000-q.parquet").st_ino == before.st_ino
 
 
 def test_crash_between_link_and_unlink_is_completed(tmp_path):
@@ -59,7 +59,7 @@ def test_crash_between_link_and_unlink_is_completed(tmp_path):
     h = prepare(sink, 0, 0, [1, 2])
     os.link(h["staging"], h["final"])  # what a crash right after the link leaves behind
     assert sink.commit(h).outcome is CommitOutcome.COMMITTED
-    assert not os.path.exists(h["staging"]) and visible(tmp_path) == ["part-00000000-00000.parquet"]
+    assert not os.path.exists(h["staging"]) and visible(tmp_path) == ["part-00000000-00000-q.parquet"]
 
 
 def test_lost_when_staging_and_target_are_gone(tmp_path):
@@ -73,10 +73,10 @@ def test_lost_when_staging_and_target_are_gone(tmp_path):
 def test_commit_never_overwrites_a_foreign_file(tmp_path):
     sink = FileSink(str(tmp_path))
     h = prepare(sink, 0, 0, [1, 2])
-    (tmp_path / "part-00000000-00000.parquet").write_bytes(b"someone else's data")
+    (tmp_path / "part-00000000-00000-q.parquet").write_bytes(b"someone else's data")
     with pytest.raises(TwoPhaseError, match="already exists and is another file"):
         sink.commit(h)
-    assert (tmp_path / "part-00000000-00000.parquet").read_bytes() == b"someone else's data"
+    assert (tmp_path / "part-00000000-00000-q.parquet").read_bytes() == b"someone else's data"
     assert os.path.exists(h["staging"])  # nothing lost: the staged file is kept
 
 
@@ -93,7 +93,7 @@ def test_abort_and_abort_lingering_remove_staging_except_kept(tmp_path):
     assert sink.commit(winner).done
     assert sink.abort_lingering("q", 3, intent, [winner]) == 1
     assert not os.path.exists(failed_attempt["staging"])
-    assert visible(tmp_path) == ["part-00000003-00000.parquet"]
+    assert visible(tmp_path) == ["part-00000003-00000-q.parquet"]
     assert sink.abort_lingering("q", 3, intent, []) == 0  # idempotent
 
 
@@ -164,7 +164,7 @@ def test_parquet_batches_are_gathered_into_row_groups(tmp_path):
     for start in range(0, 50_000, 10_000):
         sink.write(txn, batch(list(range(start, start + 10_000))))
     assert sink.commit(sink.pre_commit(txn)).done
-    f = pq.ParquetFile(tmp_path / "part-00000000-00000.parquet")
+    f = pq.ParquetFile(tmp_path / "part-00000000-00000-q.parquet")
     assert f.metadata.num_row_groups == 1
     assert f.read().column("id").to_pylist() == list(range(50_000))
 

@@ -128,7 +128,7 @@ def test_hdfs_precommit_invisible_commit_visible(hdfs_service, hdfs, hroot, fmt,
     assert hdfs.status(entry["staging"])["length"] == entry["size"]
     assert sink.commit(h).outcome is CommitOutcome.COMMITTED
     ext = {"parquet": "parquet", "jsonl": "jsonl", "csv": "csv"}[fmt] + (".gz" if compression == "gzip" else "")
-    assert hvisible(hdfs, path) == [f"part-00000007-00001.{ext}"]
+    assert hvisible(hdfs, path) == [f"part-00000007-00001-q.{ext}"]
     assert hstaged(hdfs, path) == []
     table = read_table(hread(hdfs, entry["final"]), entry["final"])
     assert table.column("id").to_pylist() == list(range(100))
@@ -147,7 +147,7 @@ def test_hdfs_commit_twice_is_a_no_op(hdfs_service, hdfs, hroot):
     after = hdfs.status(final)
     assert (after["fileId"], after["modificationTime"], after["length"]) == \
         (before["fileId"], before["modificationTime"], before["length"])
-    assert hvisible(hdfs, path) == ["part-00000000-00000.parquet"]
+    assert hvisible(hdfs, path) == ["part-00000000-00000-q.parquet"]
 
 
 @pytest.mark.hdfs
@@ -205,7 +205,7 @@ def test_hdfs_abort_and_abort_lingering(hdfs_service, hdfs, hroot):
     assert sink.abort_lingering("q", 3, intent, [winner]) == 2
     assert hdfs.status(failed["files"][0]["staging"], strict=False) is None
     assert hdfs.status(other["files"][0]["staging"], strict=False) is None
-    assert hvisible(hdfs, path) == ["part-00000003-00000.parquet"]
+    assert hvisible(hdfs, path) == ["part-00000003-00000-q.parquet"]
     assert hstaged(hdfs, path) == []
     assert sink.abort_lingering("q", 3, intent, []) == 0  # idempotent
 
@@ -222,7 +222,7 @@ def test_hdfs_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(
     assert sink.abort_lingering("q", 3, sink.plan_batch("q", 3, 1), [winner]) == 1
     assert hdfs.status(late["files"][0]["staging"], strict=False) is None
     assert hstaged(hdfs, path) == []
-    assert hvisible(hdfs, path) == ["part-00000003-00000.parquet"]
+    assert hvisible(hdfs, path) == ["part-00000003-00000-q.parquet"]
 
 
 @pytest.mark.hdfs
@@ -283,7 +283,7 @@ def test_hdfs_partition_by_escapes_unsafe_values_and_spark_reads_them_back(hdfs_
     assert sink.commit(roundtrip(sink, h)).outcome is CommitOutcome.COMMITTED
     files = hvisible(hdfs, path)
     assert all(f.count("/") == 2 and f.startswith("day=") for f in files), files
-    assert "day=2025-01-01/tag=..%2F..%2Fescape/part-00000005-00000.parquet" in files
+    assert "day=2025-01-01/tag=..%2F..%2Fescape/part-00000005-00000-q.parquet" in files
     assert hstaged(hdfs, path) == []
     assert hdfs.status("/twophase-test/escape", strict=False) is None
     rows = spark.read.parquet(url).select("id", "day", "tag").collect()
@@ -565,14 +565,15 @@ def test_s3_abort_lingering_finds_orphans_of_the_batch_only(s3_service, s3, sroo
     sink.write(aborted, batch([5], k=["c"]))
     sink.abort(aborted)  # an open (not pre-committed) file of a failing task: upload aborted
     intent = sink.plan_batch("q", 9, 2)
-    assert intent == {"fs": "s3", "bucket": bucket, "prefix": prefix + "/", "names": "part-00000009-"}
+    assert intent == {"fs": "s3", "bucket": bucket, "prefix": prefix + "/", "names": "part-00000009-",
+                      "scope": "q"}
     assert sink.commit(winner).done
     assert sink.abort_lingering("q", 9, intent, [winner]) == 2
     remaining = {k for k, _ in sopen(s3, bucket, prefix)}
     assert remaining == {other_batch["files"][0]["key"], f"{prefix}/k=a/notours-00000009.parquet"}
     assert not {f["key"] for f in orphan["files"]} & remaining  # the crashed attempt's 2 uploads went
     assert sink.abort_lingering("q", 9, intent, []) == 0
-    assert svisible(s3, bucket, prefix) == ["k=a/part-00000009-00000.parquet", "k=b/part-00000009-00000.parquet"]
+    assert svisible(s3, bucket, prefix) == ["k=a/part-00000009-00000-q.parquet", "k=b/part-00000009-00000-q.parquet"]
     assert [u for u in sopen(s3, bucket, prefix) if u[1] == foreign]
 
 
@@ -796,7 +797,7 @@ def test_cli_recover_on_hdfs(hdfs_service, hdfs, hroot):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["committed_batches"] == [0] and rep["handles_committed"] == 2 and rep["aborted"] == {"1": 2}
-    assert hvisible(hdfs, f"{path}/out") == ["part-00000000-00000.parquet", "part-00000000-00001.parquet"]
+    assert hvisible(hdfs, f"{path}/out") == ["part-00000000-00000-cli.parquet", "part-00000000-00001-cli.parquet"]
     assert hstaged(hdfs, f"{path}/out") == []
     r = _cli("recover", f"{url}/log", "--storage-options", json.dumps(opts), "--sink-config", cfg,
              "--takeover", "--json")
@@ -818,5 +819,5 @@ def test_cli_recover_on_s3(s3_service, s3, sroot, s3env, tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["committed_batches"] == [0] and rep["handles_committed"] == 2 and rep["aborted"] == {"1": 2}
-    assert svisible(s3, bucket, prefix) == ["part-00000000-00000.parquet", "part-00000000-00001.parquet"]
+    assert svisible(s3, bucket, prefix) == ["part-00000000-00000-cli.parquet", "part-00000000-00001-cli.parquet"]
     assert sopen(s3, bucket, prefix) == []

@@ -85,7 +85,9 @@ def test_coordinator_with_sparks_writer_on_local_disk(spark, tmp_path, fmt):
     files = local_visible(root)
     ext = {"parquet": "parquet", "jsonl": "jsonl", "csv": "csv"}[fmt]
     assert files and all(f.split("/")[0] in ("k=0", "k=1", "k=2") for f in files), files
-    assert {os.path.basename(f).rsplit("-", 1)[0] for f in files} == {"part-00000000", "part-00000001"}
+    # part-<batch>-<task>[-c<file>]-<scope>.<ext> (issue 25: scoped by the pipeline and generation)
+    assert {"-".join(os.path.basename(f).split("-")[:2]) for f in files} == {"part-00000000", "part-00000001"}
+    assert len({os.path.basename(f).rsplit("-", 1)[1] for f in files}) == 1
     assert all(f.endswith("." + ext) for f in files)
     reader = {"parquet": spark.read.parquet, "jsonl": spark.read.json,
               "csv": lambda p: spark.read.option("header", "true").csv(p)}[fmt]

@@ -80,7 +80,7 @@ def test_local_commit_refuses_a_handle_whose_paths_leave_the_sink(tmp_path):
     assert not (tmp_path / "elsewhere" / "part-00000001-00000.parquet").exists()
     assert local_visible(out) == []
     assert sink.commit(h).outcome is CommitOutcome.COMMITTED  # the genuine handle still commits
-    assert local_visible(out) == ["part-00000001-00000.parquet"]
+    assert local_visible(out) == ["part-00000001-00000-q.parquet"]
 
 
 def test_local_abort_lingering_refuses_an_intent_naming_another_folder(tmp_path):
@@ -281,8 +281,8 @@ def test_s3_sink_refuses_a_data_bucket_that_ignores_if_none_match(
     assert sink.commit(h2).outcome is CommitOutcome.COMMITTED
     assert sink.commit(h2).done  # a replay finds its own object
     assert svisible(s3, bucket, prefix) == [
-        "part-00000000-00000.parquet",
-        "part-00000000-00001.parquet",
+        "part-00000000-00000-q.parquet",
+        "part-00000000-00001-q.parquet",
     ]
 
 

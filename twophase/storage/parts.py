@@ -127,8 +127,12 @@ class PartFiles:
         batch_id: int,
         intent: dict[str, Any],
         keep: list[dict[str, Any]],
-        name_prefix: str,
+        names: re.Pattern[str],
     ) -> int:
+        """Abort/delete what attempts of ``batch_id`` of ``query_name`` left, except ``keep``:
+        local/HDFS, the batch's staging folder (the INTENT's) and this query's older ones;
+        S3, the open uploads under the sink's prefix whose name ``names`` matches in full
+        (this query's scope and batch only: another pipeline's uploads are never touched)."""
         raise NotImplementedError
 
     def describe(self, entry: dict[str, Any]) -> str:
@@ -205,7 +209,7 @@ class StagedPartFiles(PartFiles):
         """The last ``n`` bytes of a file Spark's writer left (``size`` bytes long)."""
         return self.storage.read_tail(path, size, n)
 
-    def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
+    def abort_lingering(self, query_name, batch_id, intent, keep, names):
         folder = self.staging_folder(intent, query_name, batch_id)
         n = self.storage.delete_under(folder, {e["staging"] for e in keep})
         return n + self._sweep_older(folder, batch_id)

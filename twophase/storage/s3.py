@@ -947,7 +947,7 @@ class S3PartFiles(PartFiles):
     def _list_uploads(self, prefix: str | None) -> list[dict[str, Any]]:
         return self.storage._list_uploads(prefix)
 
-    def abort_lingering(self, query_name, batch_id, intent, keep, name_prefix):
+    def abort_lingering(self, query_name, batch_id, intent, keep, names):
         self.check_intent(intent, batch_id)
         prefix = self.storage.prefix
         keep_ids = {e["upload_id"] for e in keep}
@@ -955,9 +955,10 @@ class S3PartFiles(PartFiles):
         for u in self.storage.open_uploads(prefix):
             rel = u["Key"][len(prefix) :]
             segs = rel.split("/")
-            # Only this batch's part files: <k=v/>*<name_prefix>..., never other batches or
-            # foreign keys.
-            if not segs[-1].startswith(name_prefix) or not all("=" in s for s in segs[:-1]):
+            # Only this query's (pipeline's, generation's) part files of this batch:
+            # <k=v/>*<a name ``names`` matches>, never other batches, other pipelines' uploads
+            # (decided ones among them) or foreign keys.
+            if not names.fullmatch(segs[-1]) or not all("=" in s for s in segs[:-1]):
                 continue
             if u["UploadId"] in keep_ids:
                 continue
