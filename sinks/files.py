@@ -652,6 +652,30 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         """After a restart: on S3, a file whose object is already there is not completed again."""
         return _combine([self._backend.recover_file(e) for e in self._entries(handle)])
 
+    def verify_prepared(
+        self, batch_id: int, handles: list[dict], *, prepare_started_at: float
+    ) -> None:
+        """Before the decision: every staged file of the batch is still there with the size its
+        handle records (S3: every upload is still open), else TwoPhaseError naming what is
+        missing, so that the batch fails undecided and its replay writes it again rather than
+        being decided and lost.  One listing per staging folder (S3: one ListMultipartUploads
+        per batch), not a request per file."""
+        entries = [e for h in handles for e in self._entries(h)]
+        if not entries:
+            return
+        problems = self._backend.verify_files(entries)
+        if problems:
+            shown = "; ".join(problems[:5])
+            if len(problems) > 5:
+                shown += f"; and {len(problems) - 5} more"
+            raise TwoPhaseError(
+                f"batch {batch_id}: not deciding the batch: {len(problems)} of its "
+                f"{len(entries)} pre-committed files are no longer staged ({shown}). Something "
+                "removed them after the tasks pre-committed them (a cleanup of the staging "
+                "folder, a bucket lifecycle rule aborting incomplete multipart uploads, another "
+                "pipeline's sweep); the batch fails undecided and its replay writes it again."
+            )
+
     def recover_and_abort(self, handle: dict) -> None:
         for e in self._entries(handle):
             self._backend.abort_entry(e)

@@ -315,6 +315,14 @@ class HdfsStorage:
             raise HdfsError(f"{folder!r} is not a directory")
         return [(st["pathSuffix"], st) for st in statuses]
 
+    def sizes(self, folder: str) -> dict[str, int] | None:
+        """The size of every file directly in ``folder`` by name (one LISTSTATUS); None if it
+        does not exist."""
+        entries = self._list_status(folder)
+        if entries is None:
+            return None
+        return {name: int(st["length"]) for name, st in entries if st.get("type") == "FILE"}
+
     def read(self, path: str) -> bytes | None:
         try:
             with self.reach(), self.client.read(path) as r:

@@ -147,6 +147,15 @@ class LocalStorage:
             return None
 
     @staticmethod
+    def sizes(folder: str) -> dict[str, int] | None:
+        """The size of every file directly in ``folder`` by name; None if it does not exist."""
+        try:
+            with os.scandir(folder) as it:
+                return {e.name: e.stat().st_size for e in it if e.is_file(follow_symlinks=False)}
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
     def hadoop_url(path: str) -> str:
         """``path`` as Spark (Hadoop) names it."""
         return "file://" + path

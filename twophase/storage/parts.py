@@ -135,6 +135,12 @@ class PartFiles:
         (this query's scope and batch only: another pipeline's uploads are never touched)."""
         raise NotImplementedError
 
+    def verify_files(self, entries: list[dict[str, Any]]) -> list[str]:
+        """What is wrong with the staged data of pre-committed handle entries, one line per
+        file ([] when every one is still there, with its size); cheap: a listing per staging
+        folder (S3: per batch), not a request per file.  Driver, before the decision."""
+        raise NotImplementedError
+
     def describe(self, entry: dict[str, Any]) -> str:
         return (
             f"{self.fs} file {entry.get('final')} (staged {entry.get('staging')}, "
@@ -213,6 +219,31 @@ class StagedPartFiles(PartFiles):
         folder = self.staging_folder(intent, query_name, batch_id)
         n = self.storage.delete_under(folder, {e["staging"] for e in keep})
         return n + self._sweep_older(folder, batch_id)
+
+    def verify_files(self, entries):
+        sep = "/" if self.fs == "hdfs" else os.sep
+        by_folder: dict[str, list[dict[str, Any]]] = {}
+        for e in entries:
+            by_folder.setdefault(e["staging"].rpartition(sep)[0], []).append(e)
+        folders = list(by_folder)
+        if len(folders) > 1 and self.fs == "hdfs":  # a round trip each: list them side by side
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(8, len(folders)), thread_name_prefix="twophase-verify") as pool:
+                listed = list(pool.map(self.storage.sizes, folders))
+        else:
+            listed = [self.storage.sizes(f) for f in folders]
+        problems = []
+        for folder, sizes in zip(folders, listed):
+            for e in by_folder[folder]:
+                actual = (sizes or {}).get(e["staging"][len(folder) + 1 :])
+                if actual is None:
+                    problems.append(f"staged file {e['staging']} is gone")
+                elif actual != int(e["size"]):
+                    problems.append(
+                        f"staged file {e['staging']} has {actual} bytes, expected {e['size']}"
+                    )
+        return problems
 
     def _sweep_older(self, folder: str, batch_id: int) -> int:
         """Delete the staging folders of this query's *older* batches.

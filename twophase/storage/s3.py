@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import json
 import logging
+import posixpath
 import threading
 import time
 import uuid
@@ -965,6 +966,21 @@ class S3PartFiles(PartFiles):
             self.storage.abort(u["Key"], u["UploadId"])
             n += 1
         return n
+
+    def verify_files(self, entries):
+        """Every entry's upload still open: one ListMultipartUploads (paged) under the keys'
+        common prefix (on an endpoint that lists only by whole key, as MinIO does, the bucket's
+        uploads, filtered).  An open upload keeps the parts the handle lists (only a holder of
+        its id can replace one, and completion checks their ETags), so its size is not asked."""
+        keys = [e["key"] for e in entries]
+        common = posixpath.commonprefix(keys)
+        alive = {(u["Key"], u["UploadId"]) for u in self.storage.open_uploads(common)}
+        return [
+            f"upload {str(e['upload_id'])[:16]}… of s3://{self.bucket}/{e['key']} is gone "
+            "(aborted, or expired by a bucket lifecycle rule)"
+            for e in entries
+            if (e["key"], e["upload_id"]) not in alive
+        ]
 
     def describe(self, entry):
         return (
