@@ -29,8 +29,10 @@ def run(args: argparse.Namespace) -> int:
 
     from twophase.coordinator import Coordinator
     from twophase.sinks.files import FileSink
+    from twophase.spark import bound_connect_retries
 
-    spark = SparkSession.builder.remote(args.remote).appName("twophase-connect").getOrCreate()
+    # A dead server ends this client's call within seconds (pyspark alone retries for minutes).
+    spark = bound_connect_retries(SparkSession.builder.remote(args.remote).appName("twophase-connect").getOrCreate())
 
     sink = FileSink(args.output, format="parquet")
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name="connect-copy")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import get, wait_until
+from tests.services import wait_until
 from twophase import chaos
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,16 +203,30 @@ def _start_client(cmd: list[str], log) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+@pytest.fixture
+def own_connect_server():
+    """A Connect server of this test's own (port 7191): the test kills it, never the shared one."""
+    from tests.services.spark_connect import KILL_TEST_PORT, SparkConnectService
+
+    server = SparkConnectService("spark_connect_kill", KILL_TEST_PORT)
+    info = server.start()
+    yield server, info
+    server.stop()
+
+
 @pytest.mark.timeout(900)
 def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_killed_apart(tmp_path,
-                                                                                             spark_connect_service):
+                                                                                             own_connect_server):
     """A Connect server that outlives its clients: the client is SIGKILLed while the server keeps
     running its query (an orphan run, whose coordinator goes on committing); a new client starts
     the query again (Spark stops the orphan run); then the server itself is SIGKILLed mid-batch
-    and started again, and that client is killed if it still waits; a last client finishes.  Every id is committed once, nothing is left staged."""
+    and started again: the client's call ends with an error within seconds (twophase bounds the
+    client's gRPC retries, issue 26); a last client finishes.  Every id is committed once, nothing is
+    left staged."""
     import signal
+    import time
 
-    server = get("spark_connect")
+    server, spark_connect_service = own_connect_server
     inp, out, ck = tmp_path / "in", tmp_path / "out", tmp_path / "ck"
     inp.mkdir()
     expected = []
@@ -249,17 +263,26 @@ def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_k
               f"before the second client's coordinator took the log (epoch {epoch()})")
         assert orphan >= 1, "the server did not run the query on after its client died"
         wait_until(lambda: _log_records(log_dir) > before + 1 or c2.poll() is not None, 240, "the log to move again")
-        # 3. The server dies mid-work (its driver, its foreachBatch worker, its tasks) and comes back.
-        # The client's gRPC retries outlast the restart; its session is gone with the old server,
-        # so it fails then, or an operator kills it (as here after 90 s).
+        # 3. The server dies mid-work (its driver, its foreachBatch worker, its tasks).  The client's
+        # call (awaitTermination) ends with an error within seconds (bound_connect_retries: about
+        # 10 s of retries; pyspark's own policy waits about ten minutes); then the server comes back.
+        done_before = c2.poll() is not None
         server.kill()
-        server.start()
+        killed_at = time.monotonic()
         try:
-            c2.wait(timeout=90)
+            c2.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(c2.pid, signal.SIGKILL)
             c2.wait()
-        assert c2.returncode != 0 or committed_batches() >= 14
+            pytest.fail("the client still waited 60 s after its Connect server died")
+        waited = time.monotonic() - killed_at
+        print(f"the client ended {waited:.1f} s after its server died, exit {c2.returncode}")
+        if not done_before:
+            assert c2.returncode != 0 or committed_batches() >= 14
+            if c2.returncode != 0:
+                said = (tmp_path / "clients.log").read_text(errors="replace")
+                assert "UNAVAILABLE" in said or "Connection refused" in said, said[-3000:]
+        server.start()
         # 4. Clients until the query has consumed everything.
         for _ in range(3):
             c3 = _start_client(cmd, log)
@@ -274,3 +297,50 @@ def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_k
     assert verdict.exactly_once, verdict.to_dict()
     staged = [p for p in (out / "_twophase").rglob("*") if p.is_file()] if (out / "_twophase").exists() else []
     assert staged == []
+
+
+_WAITS_ON_THE_SERVER = """
+import sys, time
+from pyspark.sql import SparkSession
+from twophase.spark import bound_connect_retries
+
+spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+if sys.argv[2] == "bounded":
+    bound_connect_retries(spark)
+print("READY", flush=True)
+t0 = time.monotonic()
+try:  # a call that waits on the server (a JVM-side sleep of ten minutes)
+    spark.range(0, 1, 1, 1).selectExpr("reflect('java.lang.Thread', 'sleep', CAST(600000 AS BIGINT))").collect()
+except Exception as e:
+    print("FAILED", round(time.monotonic() - t0, 1), type(e).__name__, str(e).replace(chr(10), " ")[:500], flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_client_whose_connect_server_died_fails_its_call_within_seconds(tmp_path, own_connect_server):
+    """Issue 26: pyspark retries an unreachable Connect server for about ten minutes; a session
+    through ``twophase.spark.bound_connect_retries`` ends the call with UNAVAILABLE within seconds."""
+    import signal
+    import time
+
+    server, info = own_connect_server
+    with open(tmp_path / "client.log", "w") as log:
+        client = _start_client([sys.executable, "-c", _WAITS_ON_THE_SERVER, info["url"], "bounded"], log)
+        wait_until(lambda: "READY" in (tmp_path / "client.log").read_text() or client.poll() is not None, 120,
+                   "the client's session")
+        time.sleep(3)  # the call is running on the server
+        assert client.poll() is None, (tmp_path / "client.log").read_text()[-3000:]
+        server.kill()
+        killed_at = time.monotonic()
+        try:
+            client.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(client.pid, signal.SIGKILL)
+            client.wait()
+            pytest.fail("the client still waited 60 s after its Connect server died")
+    waited = time.monotonic() - killed_at
+    said = (tmp_path / "client.log").read_text(errors="replace")
+    assert client.returncode == 3, said[-3000:]
+    assert "UNAVAILABLE" in said, said[-3000:]
+    assert waited < 40, waited

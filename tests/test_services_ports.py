@@ -18,7 +18,7 @@ SERVICES = {
     "s3": ("PORT",),
     "minio": ("PORT", "CONSOLE_PORT"),
     "spark_cluster": ("MASTER_PORT", "MASTER_UI_PORT"),
-    "spark_connect": ("PORT",),
+    "spark_connect": ("PORT", "KILL_TEST_PORT"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -55,7 +56,50 @@ def local_session(master: str = "local[2]", app_name: str = "twophase", conf: di
     for k, v in (conf or {}).items():
         builder = builder.config(k, v)
     builder = builder.config("spark.log.level", os.environ.get("TWOPHASE_SPARK_LOG_LEVEL", "ERROR"))
-    return builder.getOrCreate()
+    session = builder.getOrCreate()
+    return bound_connect_retries(session) if connect else session
+
+
+#: How long a Spark Connect client built by twophase retries an unreachable server before its call
+#: fails (seconds); ``TWOPHASE_CONNECT_RETRY_SECONDS`` overrides it.  pyspark's own policy waits
+#: about ten minutes (15 retries, backoff x4 up to 60 s) and up to an hour for a reattach.
+CONNECT_RETRY_SECONDS = 10.0
+
+
+def bound_connect_retries(spark: Any, seconds: float | None = None) -> Any:
+    """Make a Spark Connect session give up on an unreachable server within about ``seconds``
+    (default :data:`CONNECT_RETRY_SECONDS`, or ``TWOPHASE_CONNECT_RETRY_SECONDS``); returns ``spark``.
+
+    pyspark retries ``UNAVAILABLE`` for about ten minutes, so a client whose server died (or
+    restarted without its session) hangs in its current call, e.g. ``query.awaitTermination()``.
+    Bounded, that call raises pyspark's ``SparkConnectGrpcException`` (``UNAVAILABLE``, ``failed to
+    connect to all addresses``) within seconds; start the client again once the server is back.
+    A brief network outage longer than ``seconds`` now fails the call too.  A classic session is
+    returned unchanged.
+    """
+    client = getattr(spark, "client", None)
+    if client is None or not hasattr(client, "set_retry_policies"):
+        return spark
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    budget_ms = 1000.0 * (seconds if seconds is not None
+                          else float(os.environ.get("TWOPHASE_CONNECT_RETRY_SECONDS", CONNECT_RETRY_SECONDS)))
+    initial, multiplier, cap = 50.0, 2.0, 2000.0
+    retries, wait, total = 0, initial, 0.0
+    while total + wait <= budget_ms:  # backoffs 50, 100, ... 1600, then 2000 ms each
+        total += wait
+        retries += 1
+        wait = min(cap, wait * multiplier)
+    kwargs: dict[str, Any] = dict(max_retries=max(1, retries), initial_backoff=int(initial),
+                                  backoff_multiplier=multiplier,
+                                  max_backoff=int(cap), jitter=200, min_jitter_threshold=int(cap),
+                                  max_server_retry_delay=int(budget_ms))  # (a delay the server asks for: bounded too)
+    accepted = inspect.signature(DefaultPolicy).parameters  # max_server_retry_delay: pyspark 4.1+
+    client.set_retry_policies([DefaultPolicy(**{k: v for k, v in kwargs.items() if k in accepted})])
+    # Reattaching an execution (RetryException) is bounded apart, by default to one hour.
+    if hasattr(client, "_max_retry_exception_elapsed_time"):
+        client._max_retry_exception_elapsed_time = budget_ms / 1000.0
+    return spark
 
 
 def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str, Any] | None = None) -> list[str]:

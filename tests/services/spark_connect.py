@@ -25,6 +25,9 @@ from tests.services import Service, pid_alive, popen, port_open
 HOST = "127.0.0.1"
 PORT = 7190
 URL = f"sc://{HOST}:{PORT}"
+#: A second server of the kill test's own (tests/test_connect.py kills and restarts it, never the
+#: shared one on PORT that other tests may be using).
+KILL_TEST_PORT = 7191
 CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 CONF = {
     "spark.connect.grpc.binding.address": HOST,
@@ -51,10 +54,13 @@ class SparkConnectService(Service):
     name = "spark_connect"
     start_timeout = 180.0
 
+    def __init__(self, name: str = "spark_connect", port: int = PORT) -> None:
+        self.name, self.port = name, port
+
     def launch(self, log) -> subprocess.Popen | None:
         cmd = [str(spark_home() / "bin" / "spark-submit"), "--class", CLASS, "--name", "twophase-connect-server",
                "--master", "local[2]"]
-        for k, v in CONF.items():
+        for k, v in dict(CONF, **{"spark.connect.grpc.binding.port": str(self.port)}).items():
             cmd += ["--conf", f"{k}={v}"]
         cmd.append("spark-internal")
         bindir = str(Path(sys.executable).parent)
@@ -64,10 +70,10 @@ class SparkConnectService(Service):
         return popen(cmd, log, env=env, cwd=self.dir)
 
     def ready(self) -> bool:
-        return port_open(PORT, HOST)
+        return port_open(self.port, HOST)
 
     def info(self) -> dict[str, Any]:
-        return {"url": URL, "host": HOST, "port": PORT, "log": str(self.log_path)}
+        return {"url": f"sc://{HOST}:{self.port}", "host": HOST, "port": self.port, "log": str(self.log_path)}
 
     def kill(self) -> None:
         """SIGKILL the server's whole process group (a lost driver host) and wait until it is gone."""
@@ -79,7 +85,7 @@ class SparkConnectService(Service):
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 30
-        while (pid_alive(pid) or port_open(PORT, HOST)) and time.monotonic() < deadline:
+        while (pid_alive(pid) or port_open(self.port, HOST)) and time.monotonic() < deadline:
             time.sleep(0.2)
         self._proc = None
         self.pid_path.unlink(missing_ok=True)
