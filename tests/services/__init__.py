@@ -196,6 +196,28 @@ class Service:
         return st
 
 
+def ensure_python_packages(service: str, needs: dict[str, str]) -> None:
+    """Install into this interpreter's environment the Python packages a server needs that are
+    missing (``needs``: import name -> pip requirement), as moto's server is installed: so that
+    ``python -m tests.services start`` works in the venv ``bash scripts/demo.sh`` made (extras
+    ``all``, without the test extras).  A failed install says what to run instead."""
+    import importlib.util
+    import sys
+
+    missing = [req for mod, req in needs.items() if importlib.util.find_spec(mod) is None]
+    if not missing:
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *missing]
+    print(f"{service} needs {', '.join(missing)}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        tail = "\n".join((r.stdout + r.stderr).splitlines()[-20:])
+        raise ServiceError(f"{service} needs the Python packages {', '.join(missing)} and `{' '.join(cmd)}` "
+                           f"failed (exit {r.returncode}); install them into {sys.prefix}, or run "
+                           f"`bash scripts/setup.sh` (the test extras):\n{tail}")
+    importlib.invalidate_caches()
+
+
 def popen(cmd: list[str], log, env: dict[str, str] | None = None, cwd: str | Path | None = None) -> subprocess.Popen:
     """Start a server in its own process group (so ``stop`` can kill it and its children)."""
     full_env = dict(os.environ)

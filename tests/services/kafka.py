@@ -17,7 +17,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tests.services import JAR_CACHE, Service, ServiceError, pid_alive, popen, port_open
+from tests.services import (
+    JAR_CACHE,
+    Service,
+    ServiceError,
+    ensure_python_packages,
+    pid_alive,
+    popen,
+    port_open,
+)
 from tests.services.maven import resolve
 
 KAFKA_VERSION = "4.1.2"
@@ -153,7 +161,12 @@ class KafkaService(Service):
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
     # -- Service API --------------------------------------------------------------
+    #: Python packages this module needs besides the jars: the broker's TLS certificates (make_tls)
+    #: and the readiness probe's admin client.
+    PYTHON_NEEDS = {"cryptography": "cryptography>=42", "confluent_kafka": "confluent-kafka>=2.16.1,<2.17"}
+
     def install(self) -> None:
+        ensure_python_packages(self.name, self.PYTHON_NEEDS)
         self.jars()
 
     def _java(self, main: str, args: list[str], jars: list[Path]) -> list[str]:
