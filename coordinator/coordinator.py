@@ -22,9 +22,9 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from twophase import crash
-from twophase.errors import CommitError, ConfigurationError, LogOwnershipError, TwoPhaseError
-from twophase.log import COMMITTED, INTENT, PREPARED, LogStore, TransactionLog, open_store
-from twophase.recovery import Committer, pending_batches, recover_pending
+from twophase.errors import CommitError, ConfigurationError, TwoPhaseError
+from twophase.log import COMMITTED, INTENT, LogStore, TransactionLog, open_store
+from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
 from twophase.sink import TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.coordinator")
@@ -383,7 +383,8 @@ class Coordinator:
             tlog.write(b.batch_id, COMMITTED, {"recovered": True, "at": time.time()}, generation=b.generation)
             committed.add((b.generation, b.batch_id))
 
-        recover_pending(self.sink, pending, self._committer(), mark_committed=mark)
+        recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
+                        close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"))
         return committed
 
     def _committer(self) -> Committer:
@@ -568,7 +569,7 @@ class Coordinator:
                    streaming: bool) -> None:
         t0 = time.perf_counter()
         tlog.heartbeat(force=False)
-        recovered: set[tuple[int, int]] = set()
+        recovered: set[tuple[int, int]] | None = None
         if self._dirty:
             try:
                 recovered = self._recover(tlog)
@@ -576,51 +577,71 @@ class Coordinator:
                 raise CommitError(f"batch {batch_id} was not started: an earlier decided batch is not fully "
                                   f"committed, and a new batch could abort its transactions. {e}") from e
             self._dirty = False
-        state = tlog.state(batch_id)  # PrunedBatchError below the low-water mark
+        view = tlog.view(batch_id)
+        if not view.ballots and view.committed is None:
+            tlog.refuse_pruned(batch_id)  # PrunedBatchError below the low-water mark
         prog.log_ms += _ms(t0)
 
-        if state is not None and state.state == PREPARED:    # only if recovery was skipped: never leave it
+        if view.committed is None and view.decision is not None:  # only if recovery was skipped: never leave it
             recovered = self._recover(tlog)
-            state = tlog.state(batch_id)
-        if state is not None and state.state == COMMITTED:                         # steps 1-2
-            prog.action = "recommitted" if (tlog.generation, batch_id) in recovered else "skipped"
-            if prog.action == "recommitted":
-                prepared = tlog.record(batch_id, PREPARED)
-                prog.handles = len(prepared.handles) if prepared else 0
-                prog.rows = int(prepared.body.get("rows", 0)) if prepared else 0
+            view = tlog.view(batch_id)
+        if view.committed is not None:                                              # steps 1-2
+            prog.action = "recommitted" if (tlog.generation, batch_id) in (recovered or set()) else "skipped"
+            decision = view.decision
+            if prog.action == "recommitted" and decision is not None:
+                prog.handles = len(decision.handles)
+                prog.rows = int(decision.body.get("rows", 0))
             self._commit_state(df, query_id, streaming)
             return
 
-        # step 3: INTENT, then abort what a crashed attempt of this batch left open
+        # step 3: close what earlier ballots of this batch left open, then a ballot of our own
         t0 = time.perf_counter()
-        if state is not None:  # an INTENT from a crashed attempt: reuse it, so recovery fences exactly it
-            intent = state.body.get("intent", {})
-            qname = str(state.body.get("name") or self._scoped_name)
-            planned = state.body.get("num_partitions")
-            if planned and _batch_partitions(df, planned)[1]:
-                # The INTENT names the transactions of partitions 0..planned-1 only; stay inside it
-                # (coalesce never adds partitions).
-                df = df.coalesce(planned)
-            prog.aborted_lingering = self.sink.abort_lingering(qname, batch_id, intent, [])
-            if prog.aborted_lingering:
-                log.info("%s: batch %d: aborted %d transactions left by a crashed attempt",
-                         self.name, batch_id, prog.aborted_lingering)
+        closed_now = []
+        for ballot in view.ballots:
+            if ballot.open:
+                slot = tlog.close_ballot(batch_id, ballot.ballot, f"re-run by coordinator epoch {tlog.epoch}")
+                if not slot.aborted:
+                    # Decided while we looked (a paused coordinator's late decision): it stands.
+                    self._dirty = True
+                    raise CommitError(f"batch {batch_id}: ballot {ballot.ballot} was decided by another "
+                                      "coordinator while this one opened a new ballot; the replay commits it")
+                closed_now.append(ballot)
+        # Every earlier ballot is closed as aborted now: its names are garbage. Recovery (when it ran
+        # just now) already aborted those closed before.
+        for ballot in (closed_now if recovered is not None else view.ballots):
+            n = self.sink.abort_lingering(str(ballot.name or self._scoped_name), batch_id, ballot.plan, [])
+            prog.aborted_lingering += n
+        if prog.aborted_lingering:
+            log.info("%s: batch %d: aborted %d transactions left by earlier ballots", self.name, batch_id,
+                     prog.aborted_lingering)
+        qname = self._scoped_name
+        number = view.next_ballot
+        planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
+                        if b.intent is not None), None)
+        if planned and _batch_partitions(df, planned)[1]:
+            # A re-run stays inside the transactions its first ballot planned (coalesce never adds
+            # partitions), so that a sink's bounded pool of names keeps its size.
+            df, num_partitions = df.coalesce(planned), int(planned)
         else:
-            qname = self._scoped_name
             slots = self._slots(df.sparkSession)
             # Transactions per batch = writer slots, whatever the input partitioning (no shuffle);
             # a slot without rows opens none.
             num_partitions, coalesce = _batch_partitions(df, slots)
             if coalesce:
                 df = df.coalesce(slots)
-            intent = self.sink.plan_batch(qname, batch_id, num_partitions)
-            tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
-                                          "num_partitions": num_partitions})
+        intent = self.sink.plan_batch(qname, batch_id, num_partitions)
+        opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
+                                               "num_partitions": num_partitions}, ballot=number)
+        if not tlog.mine(opened):
+            self._dirty = True
+            raise TwoPhaseError(f"batch {batch_id}: another coordinator opened ballot {number} at the same time; "
+                                "this one stops without writing (the replay runs the batch)")
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
 
         t0 = time.perf_counter()
         run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
+        payload: dict[str, Any] = {}
         try:
             started_at = time.time()
             results = self._prepare(df, qname, batch_id, intent, run)
@@ -628,15 +649,15 @@ class Coordinator:
             # aborted on its own (Kafka's timeout) fails the batch now, while it is undecided.
             self.sink.verify_prepared(batch_id, [self.sink.decode_handle(r["handle"]) for r in results],
                                       prepare_started_at=started_at)
-        except BaseException:
-            # Nothing is decided: abort what the partitions that did pre-commit left open now,
+            source = self._source_offsets(batch_id)
+            if source is not None:
+                payload["source"] = source
+            tlog.check_fence()  # an early exit for a deposed coordinator; the slot below is the fence
+        except BaseException as e:
+            # Nothing is decided: close our ballot, then abort what its partitions left open now,
             # rather than at the replay (prepared transactions hold locks, open Kafka
             # transactions hold back read_committed consumers).
-            try:
-                self.sink.abort_lingering(qname, batch_id, intent, [])
-            except Exception:
-                log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
-                            "replay aborts them", self.name, batch_id, exc_info=True)
+            self._give_up(tlog, qname, batch_id, number, intent, e)
             raise
         prog.prepare_ms = _ms(t0)
         handles = [r["handle"] for r in results]
@@ -645,24 +666,16 @@ class Coordinator:
         crash.crash_point("before_prepared_logged", batch_id)
 
         t0 = time.perf_counter()                                                   # step 4: the decision
-        payload: dict[str, Any] = {"handles": handles, "rows": prog.rows,
-                                   "partitions": [r["partition"] for r in results]}
-        source = self._source_offsets(batch_id)
-        if source is not None:
-            payload["source"] = source
-        try:
-            decided = tlog.write(batch_id, PREPARED, payload)
-        except LogOwnershipError:
-            # Fenced: a newer coordinator owns the log and will run this batch itself. What our
-            # executors pre-committed is ours alone to abort (and would hold locks meanwhile).
-            self._abort_own(batch_id, handles, winner=[])
-            raise
-        if decided.body.get("epoch") != tlog.epoch:
-            # Another coordinator decided this batch first; ours are leftovers.
-            self._abort_own(batch_id, handles, winner=decided.handles)
-            raise TwoPhaseError(f"batch {batch_id} was decided by coordinator epoch {decided.body.get('epoch')} "
-                                f"while this one (epoch {tlog.epoch}) was preparing it; this one's "
-                                "transactions were aborted")
+        payload.update({"handles": handles, "rows": prog.rows, "partitions": [r["partition"] for r in results]})
+        decided = tlog.decide(batch_id, number, payload)
+        if not tlog.mine(decided):
+            # Our ballot was closed (aborted) by someone else first: the batch is theirs to re-run.
+            # What our executors pre-committed belongs to our ballot alone.
+            self._dirty = True
+            self._abort_own(batch_id, handles)
+            raise TwoPhaseError(f"batch {batch_id}: ballot {number} was closed by another coordinator "
+                                f"({decided.body.get('reason') or 'aborted'}) before this one (epoch {tlog.epoch}) "
+                                "decided it; its transactions were aborted and the batch is re-run by the owner")
         prog.log_ms += _ms(t0)
         crash.crash_point("after_prepared_logged", batch_id)
 
@@ -682,24 +695,45 @@ class Coordinator:
         crash.crash_point("after_committed_logged", batch_id)
         tlog.prune(batch_id)
 
-    def _abort_own(self, batch_id: int, envelopes: list[dict[str, Any]], winner: list[dict[str, Any]]) -> None:
-        """Abort this coordinator's pre-committed transactions after it lost the decision.
+    def _give_up(self, tlog: TransactionLog, qname: str, batch_id: int, ballot: int, intent: dict[str, Any],
+                 error: BaseException) -> None:
+        """A ballot of ours failed before its decision: close it as aborted, then abort its transactions.
 
-        Never one that the winning decision names (compared as logged): that one is the
-        winner's to commit.  Best effort: a failure is logged, and the winner's (or the next
-        replay's) ``abort_lingering`` finds what is left by the batch's INTENT.
+        Only after the slot says "abort" (ours or an earlier close) are its names aborted, and only
+        its own names: a later ballot, a newer owner's, is never touched.  Best effort: the replay
+        (or recovery) closes and aborts what is left.
         """
-        theirs = {json.dumps(e, sort_keys=True) for e in winner}
-        mine = [e for e in envelopes if json.dumps(e, sort_keys=True) not in theirs]
-        for env in mine:
+        try:
+            slot = tlog.close_ballot(batch_id, ballot, f"failed: {type(error).__name__}: {str(error)[:200]}")
+        except Exception:  # noqa: BLE001 - the log is unreachable: the replay closes the ballot
+            log.warning("%s: batch %d: could not close ballot %d after its failure; the replay closes it and "
+                        "aborts its transactions", self.name, batch_id, ballot, exc_info=True)
+            return
+        if not slot.aborted:  # cannot be: only this coordinator decides its ballot
+            log.error("%s: batch %d: ballot %d holds a commit decision after its failure: left as is",
+                      self.name, batch_id, ballot)
+            return
+        try:
+            self.sink.abort_lingering(qname, batch_id, intent, [])
+        except Exception:
+            log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
+                        "replay aborts them", self.name, batch_id, exc_info=True)
+
+    def _abort_own(self, batch_id: int, envelopes: list[dict[str, Any]]) -> None:
+        """Abort the pre-committed transactions of a ballot of ours that another coordinator closed.
+
+        Best effort: a failure is logged, and the closer's (or the next replay's)
+        ``abort_lingering`` finds what is left by the ballot's INTENT.
+        """
+        for env in envelopes:
             try:
                 self.sink.recover_and_abort(self.sink.decode_handle(env))
             except Exception as e:  # noqa: BLE001 - best effort, see above
                 log.warning("%s: batch %d: could not abort own transaction %s after losing the decision: %s",
                             self.name, batch_id, env, e)
-        if mine:
+        if envelopes:
             log.warning("%s: batch %d: lost the decision to another coordinator; aborted %d own transactions",
-                        self.name, batch_id, len(mine))
+                        self.name, batch_id, len(envelopes))
 
     def _slots(self, spark) -> int:
         """Writer tasks (= transactions) per batch: ``parallelism``, else Spark's default parallelism,
@@ -786,7 +820,7 @@ class Coordinator:
 
             tc = TaskContext.get()
             ctx = TransactionContext(name, batch_id, tc.partitionId(), tc.attemptNumber(), intent, run,
-                                     stage_attempt=tc.stageAttemptNumber(), task_attempt_id=tc.taskAttemptId())
+                                     task_attempt_id=tc.taskAttemptId())
             txn, rows = None, 0
             try:
                 for rb in batches:

@@ -336,7 +336,11 @@ def test_transaction_log_on_hdfs(hdfs_service, hdfs, hroot):
     other = TransactionLog(f"{url}/log", storage_options=opts)
     other.acquire("query-1", "t2", takeover=True)  # newer epoch fences the first
     with pytest.raises(Exception, match="fenced"):
-        tlog.write(4, COMMITTED, {})
+        tlog.check_fence()  # the early exit before a decision
+    with pytest.raises(Exception, match="fenced"):
+        tlog.heartbeat()    # never overwrites the successor's lease
+    slot = other.close_ballot(4, 0, "late close")
+    assert not other.mine(slot) and not slot.aborted  # the slot keeps the decision
     other.write(4, COMMITTED, {})
     assert TransactionLog(f"{url}/log", storage_options=opts).batches(1)[4].keys() == {INTENT, PREPARED, COMMITTED}
     assert rec.location.startswith(url)

@@ -111,8 +111,35 @@ def test_dead_owner_is_taken_over_and_old_owner_is_fenced(tmp_path):
     new.acquire("q-1", "b")  # same pid as `old`: an earlier coordinator object in this process
     assert new.epoch == old.epoch + 1
     with pytest.raises(LogOwnershipError, match="fenced"):
-        old.write(0, PREPARED, {"handles": []})
-    new.write(0, PREPARED, {"handles": []})  # the newer owner may decide
+        old.check_fence()  # the early exit before a decision; the ballot's slot is the fence
+    with pytest.raises(LogOwnershipError, match="fenced"):
+        old.heartbeat()    # and a deposed coordinator never overwrites its successor's lease
+    assert new.lease().epoch == new.epoch
+    new.decide(0, 0, {"handles": []})  # the newer owner may decide
+
+
+def test_a_ballot_is_decided_once_and_a_late_decision_loses_to_the_close(tmp_path):
+    """Scenario 2 at the log's level: a decision created after its ballot was closed as aborted
+    is refused by the storage (exclusive create), and the writer can tell."""
+    url = str(tmp_path / "log")
+    old = TransactionLog(url)
+    old.acquire("q-1", "a")
+    old.write(4, INTENT, {"intent": {}, "name": "a"})
+    new = TransactionLog(url)
+    new.acquire("q-1", "b", takeover=True)
+    closed = new.close_ballot(4, 0, "re-run")
+    assert new.mine(closed) and closed.aborted
+    late = old.decide(4, 0, {"handles": [{"sink": "x", "v": 1, "data": {}}]})  # the delayed PUT lands
+    assert not old.mine(late) and late.aborted
+    assert new.view(4).decision is None and new.state(4).state == INTENT
+    # The next ballot decides; closing it afterwards finds the decision and keeps it.
+    assert new.mine(new.write(4, INTENT, {"intent": {}, "name": "b"}, ballot=1))
+    assert new.mine(new.decide(4, 1, {"handles": [], "rows": 7}))
+    again = old.close_ballot(4, 1, "late close")
+    assert not again.aborted and again.body["rows"] == 7
+    view = new.view(4)
+    assert [b.ballot for b in view.ballots] == [0, 1] and view.decision.ballot == 1
+    assert new.state(4).state == PREPARED
 
 
 def test_log_of_another_query_is_refused_unless_new_generation(tmp_path):

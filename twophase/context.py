@@ -23,12 +23,13 @@ class TransactionContext:
     ``run`` so that two executions never share a name (and aborting one can never
     touch the other).  Empty when the caller does not know it.
 
-    ``stage_attempt`` is Spark's stage attempt number and ``task_attempt_id`` Spark's
-    ``taskAttemptId()`` (unique among the attempts of one SparkContext; -1 when unknown).
-    After a ``FetchFailed`` Spark resubmits the stage while the old stage attempt's tasks
-    keep running, and attempt numbers start again at 0 in the new one (SPARK-24589): only
-    ``(stage_attempt, attempt)`` names one attempt of a partition within a run, and an
-    attempt ``k > 0`` implies that attempts ``< k`` *of the same stage attempt* failed.
+    ``task_attempt_id`` is Spark's ``taskAttemptId()``: unique among the attempts of one
+    SparkContext (-1 when unknown).  After a ``FetchFailed`` Spark resubmits the stage while
+    the old stage attempt's tasks keep running, and attempt numbers start again at 0 in the
+    new one (SPARK-24589), so ``attempt`` alone does not name one attempt of a partition;
+    ``(run, task_attempt_id)`` does.  PySpark does not expose the stage attempt number, so an
+    attempt cannot tell a failed earlier attempt of its own stage attempt from a live one of
+    an older stage attempt that Spark may still accept.
     """
 
     query_name: str
@@ -37,7 +38,6 @@ class TransactionContext:
     attempt: int = 0
     intent: dict[str, Any] = field(default_factory=dict)
     run: str = ""
-    stage_attempt: int = 0
     task_attempt_id: int = -1
 
     def to_dict(self) -> dict[str, Any]:

@@ -11,13 +11,27 @@ Layout under the log URL::
     generations/0001.json          the streaming query id this generation belongs to
     epochs/0000000003.json         one per coordinator start; the highest epoch owns the log
     lease.json                     owner, host, pid and heartbeat of the current epoch
-    g0001/batch-000000000042.intent.json / .prepared.json / .committed.json
+    g0001/batch-000000000042.intent.json / .prepared.json      ballot 0 of batch 42
+    g0001/batch-000000000042.intent.1.json / .prepared.1.json  ballot 1 (a re-run of batch 42)
+    g0001/batch-000000000042.committed.json
 
-Ownership: a coordinator takes the next epoch by exclusive create.  Before
-writing a decision it checks that no newer epoch exists, so a coordinator that
-was taken over cannot commit.  A second coordinator is refused while the lease
-holder is alive (same host: its pid exists; other host: heartbeat younger than
-``lease_timeout``).
+Ballots: every execution of a batch is a *ballot* with an INTENT of its own (its own
+transaction names) and one decision slot, the PREPARED file of that ballot, which is
+filled exactly once by exclusive create: with the commit decision (handles, offsets)
+by the ballot's coordinator, or with an *abort* decision by whoever gives up on the
+ballot (its own coordinator after a failure, or a later owner that wants to re-run
+the batch).  A ballot's transactions are aborted only after its slot holds "abort",
+and a new ballot is opened only after every earlier one is closed, so at most one
+ballot of a batch is ever decided "commit", and a late decision (a paused
+coordinator, a request delayed on the wire) either lands before the abort and is
+committed by everyone, or is refused and knows it.  The storage's exclusive create
+is the fence; no check is followed by an act.
+
+Ownership: a coordinator takes the next epoch by exclusive create.  Before a decision
+it checks that no newer epoch exists (an early exit that saves useless work; the
+ballot's slot is what makes a late decision safe).  A second coordinator is refused
+while the lease holder is alive (judged by the holder's heartbeat against the
+holder's own ``lease_timeout``; on the same host also by its pid).
 """
 
 from __future__ import annotations
@@ -56,6 +70,8 @@ FORMAT_VERSION = 1
 INTENT, PREPARED, COMMITTED = "intent", "prepared", "committed"
 _LOW_WATER = "low-water.json"
 STATES = (INTENT, PREPARED, COMMITTED)
+#: The ``outcome`` of a PREPARED record (a ballot's decision slot).
+COMMIT, ABORT = "commit", "abort"
 
 
 # -------------------------------------------------------------------------- records
@@ -105,8 +121,22 @@ def _advice(state: str, batch_id: int | None) -> str:
     return "Restore it from a backup, or move the log aside and start a new log generation."
 
 
-def _batch_name(generation: int, batch_id: int, state: str) -> str:
+def _batch_name(generation: int, batch_id: int, state: str, ballot: int = 0) -> str:
+    if ballot:
+        return f"g{generation:04d}/batch-{batch_id:012d}.{state}.{ballot}.json"
     return f"g{generation:04d}/batch-{batch_id:012d}.{state}.json"
+
+
+def parse_batch_name(name: str) -> tuple[int, str, int] | None:
+    """(batch id, state, ballot) of a record's file name in a generation folder, else None."""
+    parts = name.split(".")
+    if parts[-1] != "json" or not parts[0].startswith("batch-") or not parts[0][6:].isdigit():
+        return None
+    if len(parts) == 3 and parts[1] in STATES:
+        return int(parts[0][6:]), parts[1], 0
+    if len(parts) == 4 and parts[1] in (INTENT, PREPARED) and parts[2].isdigit() and int(parts[2]) > 0:
+        return int(parts[0][6:]), parts[1], int(parts[2])
+    return None
 
 
 @dataclass
@@ -124,6 +154,63 @@ class BatchRecord:
     def written_at(self) -> float:
         return float(self.body.get("written_at", 0.0))
 
+    @property
+    def ballot(self) -> int:
+        return int(self.body.get("ballot", 0))
+
+    @property
+    def aborted(self) -> bool:
+        """A decision slot closed with "abort" (its ballot's transactions are garbage)."""
+        return self.state == PREPARED and self.body.get("outcome") == ABORT
+
+
+@dataclass
+class Ballot:
+    """One execution of a batch: its INTENT and its decision slot (None while open)."""
+
+    ballot: int
+    intent: BatchRecord | None
+    decision: BatchRecord | None
+
+    @property
+    def open(self) -> bool:
+        return self.decision is None
+
+    @property
+    def committed(self) -> bool:
+        return self.decision is not None and not self.decision.aborted
+
+    @property
+    def name(self) -> str | None:
+        return None if self.intent is None else self.intent.body.get("name")
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """The sink's INTENT payload (what the ballot's transactions are named)."""
+        return {} if self.intent is None else dict(self.intent.body.get("intent") or {})
+
+
+@dataclass
+class BatchView:
+    """Every record of one batch: its ballots (oldest first) and COMMITTED, if written."""
+
+    batch_id: int
+    generation: int
+    ballots: list[Ballot]
+    committed: BatchRecord | None
+
+    @property
+    def decision(self) -> BatchRecord | None:
+        """The commit decision (at most one ballot of a batch holds one), or None."""
+        for b in self.ballots:
+            if b.committed:
+                return b.decision
+        return None
+
+    @property
+    def next_ballot(self) -> int:
+        return (self.ballots[-1].ballot + 1) if self.ballots else 0
+
 
 @dataclass
 class Lease:
@@ -135,6 +222,24 @@ class Lease:
     query_id: str | None = None
     released: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    lease_timeout: float | None = None  # the holder's own; older leases: None (the reader's is used)
+    process_space: str | None = None    # see _process_space(); None on older leases
+
+
+def _process_space() -> str:
+    """Which processes a pid names here: the kernel's boot id and this pid namespace.
+
+    Two containers (or network namespaces with their own UTS name) may share a hostname, and
+    a pid in one names nothing, or another process, in the other: a lease holder's pid is
+    checked only by a reader in the same process space.
+    """
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(path) if path.endswith("/pid") else open(path).read().strip())
+        except OSError:
+            return ""
+    return "|".join(parts)
 
 
 # ------------------------------------------------------------------------------ log
@@ -245,12 +350,20 @@ class TransactionLog:
             return None
         return Lease(epoch=rec["epoch"], owner=rec["owner"], host=rec["host"], pid=rec["pid"],
                      heartbeat_at=rec["heartbeat_at"], query_id=rec.get("query_id"),
-                     released=bool(rec.get("released")))
+                     released=bool(rec.get("released")), lease_timeout=rec.get("lease_timeout"),
+                     process_space=rec.get("process_space"))
 
     def _holder_alive(self, lease: Lease) -> bool:
+        """Is the lease's holder alive?  Judged by its heartbeat against the holder's own
+        ``lease_timeout`` (the one it beats by), on every host.  A pid check can only shorten
+        that: a holder in this very process space whose pid is gone is dead at once."""
         if lease.owner == self.owner or lease.released:
             return False
-        if lease.host == socket.gethostname():
+        timeout = float(lease.lease_timeout or self.lease_timeout)
+        if time.time() - lease.heartbeat_at >= timeout:
+            return False
+        space = _process_space()
+        if space and lease.process_space == space and lease.host == socket.gethostname():
             if lease.pid == os.getpid():
                 return False  # an earlier coordinator object in this very process
             try:
@@ -259,8 +372,7 @@ class TransactionLog:
                 return False
             except PermissionError:
                 return True
-            return True
-        return time.time() - lease.heartbeat_at < self.lease_timeout
+        return True
 
     def acquire(self, query_id: str, name: str, *, new_generation: bool = False, takeover: bool = False) -> None:
         """Become the owner of this log for ``query_id`` (or refuse, naming the live owner)."""
@@ -297,13 +409,22 @@ class TransactionLog:
             now = time.time()
             if not force and now - self._heartbeat_written < self.lease_timeout / 4:
                 return
+            current = self.lease()
+            if current is not None and current.epoch is not None and self.epoch is not None \
+                    and int(current.epoch) > self.epoch:
+                # A deposed coordinator must not overwrite its successor's lease (a third driver
+                # would then judge the successor by the deposed one's heartbeat).
+                raise LogOwnershipError(
+                    f"this coordinator (epoch {self.epoch}) was fenced: coordinator epoch {current.epoch} "
+                    f"(host {current.host}) holds the lease of {self.url}; this one stops.")
             self._write_lease(now, released=False)
             self._heartbeat_written = now
 
     def _write_lease(self, now: float, released: bool) -> None:
         self.store.replace("lease.json", encode_record({
             "kind": "lease", "epoch": self.epoch, "owner": self.owner, "host": socket.gethostname(),
-            "pid": os.getpid(), "heartbeat_at": now, "query_id": self.query_id, "released": released}))
+            "pid": os.getpid(), "heartbeat_at": now, "query_id": self.query_id, "released": released,
+            "lease_timeout": self.lease_timeout, "process_space": _process_space()}))
 
     def start_heartbeat(self) -> None:
         """Refresh the lease every ``lease_timeout / 4`` from a daemon thread, until :meth:`close`.
@@ -328,6 +449,9 @@ class TransactionLog:
                                  self.url, self.epoch, latest[-1])
                         return
                     self.heartbeat(force=True)
+                except LogOwnershipError as e:
+                    log.info("transaction log %s: %s; heartbeat stops", self.url, e)
+                    return
                 except Exception as e:  # noqa: BLE001 - a missed beat is retried; the lease is a hint
                     log.warning("transaction log %s: lease heartbeat failed: %s", self.url, e)
 
@@ -364,15 +488,16 @@ class TransactionLog:
                 "finishes the batch.")
 
     # -- batches
-    def record(self, batch_id: int, state: str, generation: int | None = None) -> BatchRecord | None:
+    def record(self, batch_id: int, state: str, generation: int | None = None,
+               ballot: int = 0) -> BatchRecord | None:
         g = generation if generation is not None else self.generation
         if g is None:
             raise LogError("no log generation selected")
-        name = _batch_name(g, batch_id, state)
+        name = _batch_name(g, batch_id, state, ballot)
         body = self._read(name, state, batch_id)
         if body is None:
             return None
-        if body.get("batch_id") != batch_id or body.get("state") != state:
+        if body.get("batch_id") != batch_id or body.get("state") != state or int(body.get("ballot", 0)) != ballot:
             raise CorruptLogError(f"transaction log record {self.store.location(name)} names batch "
                                   f"{body.get('batch_id')} state {body.get('state')}: a file was moved or "
                                   f"renamed by hand. {_advice(state, batch_id)}")
@@ -384,14 +509,23 @@ class TransactionLog:
         Raises :class:`PrunedBatchError` for a batch without records at or below the
         low-water mark: it was committed and pruned, and must never be written again.
         """
-        for st in (COMMITTED, PREPARED, INTENT):
-            rec = self.record(batch_id, st)
-            if rec is not None:
-                if st == COMMITTED:
-                    prepared = self.record(batch_id, PREPARED)
-                    if prepared is not None:
-                        rec.body.setdefault("handles", prepared.handles)
-                return rec
+        view = self.view(batch_id)
+        if view.committed is not None:
+            decision = view.decision
+            if decision is not None:
+                view.committed.body.setdefault("handles", decision.handles)
+            return view.committed
+        if view.decision is not None:
+            return view.decision
+        for b in reversed(view.ballots):
+            if b.intent is not None:
+                return b.intent
+        if not view.ballots:
+            self.refuse_pruned(batch_id)
+        return None
+
+    def refuse_pruned(self, batch_id: int) -> None:
+        """Raise :class:`PrunedBatchError` if ``batch_id`` is at or below the low-water mark."""
         low = self.low_water()
         if low is not None and batch_id <= low:
             raise PrunedBatchError(
@@ -400,7 +534,36 @@ class TransactionLog:
                 f"(retain_batches={self.retain_batches}). Writing it again would duplicate it, so it is "
                 "refused. A re-run of an old job needs a batch id above the mark; a streaming query "
                 "restored from an old checkpoint needs a new log generation.")
-        return None
+
+    def view(self, batch_id: int, generation: int | None = None) -> BatchView:
+        """Every record of batch ``batch_id`` (one listing of the generation's folder)."""
+        g = generation if generation is not None else self.generation
+        if g is None:
+            raise LogError("no log generation selected")
+        return self.views(g, only=batch_id).get(batch_id) or BatchView(batch_id, g, [], None)
+
+    def views(self, generation: int, only: int | None = None,
+              skip_committed: bool = False) -> dict[int, BatchView]:
+        """Every batch of a generation as a :class:`BatchView` (``only``: just that batch;
+        ``skip_committed``: batches with a COMMITTED record are left out unread)."""
+        found: dict[int, dict[tuple[str, int], str]] = {}
+        for n in self.store.list(f"g{generation:04d}"):
+            parsed = parse_batch_name(n)
+            if parsed is None or (only is not None and parsed[0] != only):
+                continue
+            found.setdefault(parsed[0], {})[(parsed[1], parsed[2])] = n
+        out: dict[int, BatchView] = {}
+        for bid in sorted(found):
+            names = found[bid]
+            if skip_committed and (COMMITTED, 0) in names:
+                continue
+            committed = self.record(bid, COMMITTED, generation) if (COMMITTED, 0) in names else None
+            numbers = sorted({b for (st, b) in names if st != COMMITTED})
+            ballots = [Ballot(b, self.record(bid, INTENT, generation, b) if (INTENT, b) in names else None,
+                              self.record(bid, PREPARED, generation, b) if (PREPARED, b) in names else None)
+                       for b in numbers]
+            out[bid] = BatchView(bid, generation, ballots, committed)
+        return out
 
     def low_water(self, generation: int | None = None) -> int | None:
         """The highest batch id whose records were pruned after it was committed, or None."""
@@ -414,27 +577,53 @@ class TransactionLog:
         return None if low < 0 else low
 
     def write(self, batch_id: int, state: str, payload: dict[str, Any],
-              generation: int | None = None) -> BatchRecord:
-        """Atomically create a batch record.  If it already exists, return the existing one.
+              generation: int | None = None, ballot: int = 0) -> BatchRecord:
+        """Atomically create a batch record.  If it already exists, return the existing one
+        (compare :meth:`mine`).
 
-        PREPARED and COMMITTED are decisions and are written only after checking
-        that this coordinator was not fenced.  ``generation``: an older generation's
-        batch (recovery finishes decided batches of every generation).
+        ``ballot``: which execution of the batch (INTENT and PREPARED only).  A PREPARED
+        record is a ballot's decision slot: use :meth:`decide` and :meth:`close_ballot`.
+        ``generation``: an older generation's batch (recovery finishes decided batches
+        of every generation).
         """
         if state not in STATES:
             raise ValueError(state)
+        if ballot and state == COMMITTED:
+            raise ValueError("COMMITTED is per batch, not per ballot")
         self._require_owner()
-        if state in (PREPARED, COMMITTED):
-            self.check_fence()
         g = generation if generation is not None else self.generation
         body = dict(payload, batch_id=batch_id, state=state, epoch=self.epoch, generation=g,
-                    written_at=time.time())
-        name = _batch_name(g or 0, batch_id, state)
+                    written_at=time.time(), writer=self.owner)
+        if ballot:
+            body["ballot"] = ballot
+        name = _batch_name(g or 0, batch_id, state, ballot)
         if not self.store.create(name, encode_record(body)):
-            existing = self.record(batch_id, state, generation=g)
-            assert existing is not None
+            existing = self.record(batch_id, state, generation=g, ballot=ballot)
+            if existing is None:
+                raise LogError(f"{self.store.location(name)} exists but cannot be read back")
             return existing
         return BatchRecord(batch_id, state, body, self.store.location(name))
+
+    def mine(self, rec: BatchRecord) -> bool:
+        """Did this log object write ``rec`` (as opposed to finding another writer's record)?"""
+        return rec.body.get("writer") == self.owner
+
+    def decide(self, batch_id: int, ballot: int, payload: dict[str, Any]) -> BatchRecord:
+        """Fill ballot ``ballot``'s decision slot with the commit decision ``payload``.
+
+        Returns the record in the slot: this one, or one written first by someone else
+        (an abort that closed the ballot, when :meth:`mine` is False).
+        """
+        return self.write(batch_id, PREPARED, dict(payload, outcome=COMMIT), ballot=ballot)
+
+    def close_ballot(self, batch_id: int, ballot: int, reason: str, generation: int | None = None) -> BatchRecord:
+        """Close ballot ``ballot``'s decision slot with "abort" (before its transactions are aborted).
+
+        Returns the record in the slot: the abort (this one or an earlier one), or a commit
+        decision that was written first, which then stands and must be committed.
+        """
+        return self.write(batch_id, PREPARED, {"outcome": ABORT, "reason": reason[:500], "handles": []},
+                          generation=generation, ballot=ballot)
 
     def batches(self, generation: int | None = None) -> dict[int, dict[str, BatchRecord]]:
         """Every batch record of a generation, by batch id and state."""
@@ -445,14 +634,17 @@ class TransactionLog:
                 return {}
             g = int(gens[-1]["generation"])
         out: dict[int, dict[str, BatchRecord]] = {}
-        for n in self.store.list(f"g{g:04d}"):
-            parts = n.split(".")
-            if len(parts) != 3 or not parts[0].startswith("batch-") or parts[1] not in STATES:
-                continue
-            bid = int(parts[0][6:])
-            rec = self.record(bid, parts[1], generation=g)
-            if rec is not None:
-                out.setdefault(bid, {})[parts[1]] = rec
+        for bid, view in self.views(g).items():
+            states: dict[str, BatchRecord] = {}
+            if view.committed is not None:
+                states[COMMITTED] = view.committed
+            if view.decision is not None:
+                states[PREPARED] = view.decision
+            intents = [b.intent for b in view.ballots if b.intent is not None]
+            if intents:
+                states[INTENT] = intents[-1]
+            if states:
+                out[bid] = states
         return out
 
     def prune(self, committed_batch: int) -> int:

@@ -7,9 +7,12 @@ not all committed, and undecided batches whose attempts left transactions open.
 1. every decided, uncommitted batch, of every log generation, oldest first: commit
    all its handles (in parallel, transient failures retried).  If one cannot be
    committed now, stop there: nothing is aborted;
-2. then, per decided batch: abort what its failed task attempts left (keeping its
-   handles) and log COMMITTED;
-3. only then abort the leftovers of undecided batches.
+2. then, per decided batch: close its other ballots (an abort decision in each open
+   ballot's slot), abort what they and the decided ballot's failed task attempts left
+   (keeping its handles) and log COMMITTED;
+3. only then close the ballots of undecided batches and abort their leftovers.  A
+   close that finds a commit decision written first (a late coordinator) commits that
+   batch instead: a decision is never overruled.
 
 Sinks reuse transaction names across batches (KafkaSink's transactional-id pool), so
 fencing an undecided batch's names before a decided batch on the same names is
@@ -35,7 +38,7 @@ from typing import Any
 
 from twophase import crash
 from twophase.errors import CommitError, ConfigurationError, DataLossError, LogError
-from twophase.log import COMMITTED, INTENT, PREPARED, STATES, TransactionLog
+from twophase.log import ABORT, COMMIT, COMMITTED, INTENT, PREPARED, BatchView, TransactionLog
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.recovery")
@@ -43,8 +46,22 @@ log = logging.getLogger("twophase.recovery")
 
 # ------------------------------------------------------------------ what is pending
 @dataclass
+class BallotInfo:
+    """One ballot (execution) of a pending batch, as recovery needs it."""
+
+    ballot: int
+    name: str                          # the query name its transactions were opened under
+    intent: dict[str, Any]
+    outcome: str | None                # "commit", "abort", or None while open
+
+
+@dataclass
 class PendingBatch:
-    """A batch of the log that is not COMMITTED: decided (``handles`` set) or not (``None``)."""
+    """A batch of the log that is not COMMITTED: decided (``handles`` set) or not (``None``).
+
+    ``name``/``intent`` are the decided ballot's (else the latest ballot's); ``ballots`` lists
+    every ballot of the batch (empty for a harness' model, which has one implicit ballot).
+    """
 
     generation: int
     batch_id: int
@@ -53,6 +70,8 @@ class PendingBatch:
     sink_kind: str | None              # the INTENT's sink kind (None for records without one)
     handles: list[dict[str, Any]] | None = None  # the decision's handle envelopes
     decided_at: float | None = None
+    ballot: int = 0                    # the decided ballot (else the latest)
+    ballots: list[BallotInfo] = field(default_factory=list)
 
     @property
     def decided(self) -> bool:
@@ -73,24 +92,31 @@ def pending_batches(tlog: TransactionLog, generations: list[int] | None = None) 
         generations = [int(g["generation"]) for g in tlog.generations()]
     out: list[PendingBatch] = []
     for g in sorted(generations):
-        states: dict[int, set[str]] = {}
-        for n in tlog.store.list(f"g{g:04d}"):
-            parts = n.split(".")
-            if len(parts) == 3 and parts[0].startswith("batch-") and parts[1] in STATES and parts[0][6:].isdigit():
-                states.setdefault(int(parts[0][6:]), set()).add(parts[1])
         default_name = _generation_name(tlog, g)
-        for bid in sorted(states):
-            if COMMITTED in states[bid]:
-                continue
-            intent_rec = tlog.record(bid, INTENT, generation=g) if INTENT in states[bid] else None
-            prepared = tlog.record(bid, PREPARED, generation=g) if PREPARED in states[bid] else None
-            ib = intent_rec.body if intent_rec is not None else {}
-            out.append(PendingBatch(
-                generation=g, batch_id=bid, name=str(ib.get("name") or default_name),
-                intent=dict(ib.get("intent") or {}), sink_kind=ib.get("sink"),
-                handles=prepared.handles if prepared is not None else None,
-                decided_at=prepared.written_at if prepared is not None else None))
+        for view in tlog.views(g, skip_committed=True).values():
+            pb = pending_from_view(view, default_name)
+            if pb is not None:
+                out.append(pb)
     return out
+
+
+def pending_from_view(view: BatchView, default_name: str) -> PendingBatch | None:
+    """The :class:`PendingBatch` of a batch's records, or None when it is COMMITTED or has none."""
+    if view.committed is not None or not view.ballots:
+        return None
+    infos = []
+    for b in view.ballots:
+        outcome = None if b.decision is None else (ABORT if b.decision.aborted else COMMIT)
+        infos.append(BallotInfo(b.ballot, str(b.name or default_name), b.plan, outcome))
+    decided = next((b for b in view.ballots if b.committed), None)
+    main = decided or view.ballots[-1]
+    kinds = [b.intent.body.get("sink") for b in view.ballots if b.intent is not None]
+    return PendingBatch(
+        generation=view.generation, batch_id=view.batch_id, name=str(main.name or default_name),
+        intent=main.plan, sink_kind=kinds[-1] if kinds else None,
+        handles=decided.decision.handles if decided is not None and decided.decision is not None else None,
+        decided_at=decided.decision.written_at if decided is not None and decided.decision is not None else None,
+        ballot=main.ballot, ballots=infos)
 
 
 def _generation_name(tlog: TransactionLog, generation: int) -> str:
@@ -211,6 +237,7 @@ def recover_pending(
     mark_committed: Callable[[PendingBatch], None],
     abort_undecided: bool = True,
     after_commits: Callable[[PendingBatch, list[CommitResult]], None] | None = None,
+    close_ballot: Callable[[PendingBatch, int], dict[str, Any]] | None = None,
 ) -> RecoveryReport:
     """Finish ``batches`` (from :func:`pending_batches`, or a harness' model) in the safe order.
 
@@ -218,6 +245,13 @@ def recover_pending(
     committed and its failed attempts' leftovers aborted.  ``after_commits`` (optional) sees
     each decided batch's commit results.  ``abort_undecided=False`` leaves undecided
     batches alone (their replay aborts their leftovers).
+
+    ``close_ballot(batch, ballot)`` fills an open ballot's decision slot with "abort" by
+    exclusive create and returns the body that holds the slot (:func:`closer_for`).  No
+    ballot's transactions are aborted before its slot says "abort"; a slot found holding a
+    commit decision (written late by a paused coordinator) makes its batch decided, and
+    it is committed like the others.  Without it (a harness' model) open ballots are
+    aborted directly.
     Raises whatever the commit of a decided batch raised; then nothing was aborted.
     """
     report = RecoveryReport()
@@ -227,6 +261,12 @@ def recover_pending(
                 f"{b.label} was written by a {b.sink_kind!r} sink, but the sink given is {sink.kind!r}: "
                 "recover with the sink configuration the query used")
     ordered = sorted(batches, key=lambda b: (b.generation, b.batch_id))
+    if close_ballot is not None and abort_undecided:
+        # Close the open ballots of undecided batches first: a late commit decision found in a
+        # slot is committed in step 1 with the others, oldest first.
+        for b in ordered:
+            if not b.decided:
+                _close_open_ballots(b, close_ballot)
     decided = [b for b in ordered if b.decided]
     decoded: dict[tuple[int, int], list[Any]] = {}
     for b in decided:                                                        # 1. commit, oldest first
@@ -247,7 +287,13 @@ def recover_pending(
         if after_commits is not None:
             after_commits(b, results)
     for b in decided:                                                        # 2. leftovers, COMMITTED
-        n = sink.abort_lingering(b.name, b.batch_id, b.intent, decoded[(b.generation, b.batch_id)])
+        if close_ballot is not None:
+            _close_open_ballots(b, close_ballot)
+        n = 0
+        for other in b.ballots:
+            if other.ballot != b.ballot and other.outcome == ABORT:
+                n += sink.abort_lingering(other.name, b.batch_id, other.intent, [])
+        n += sink.abort_lingering(b.name, b.batch_id, b.intent, decoded[(b.generation, b.batch_id)])
         if n:
             report.aborted[b.batch_id] = report.aborted.get(b.batch_id, 0) + n
         mark_committed(b)
@@ -256,11 +302,43 @@ def recover_pending(
         for b in ordered:
             if b.decided:
                 continue
-            n = sink.abort_lingering(b.name, b.batch_id, b.intent, [])
+            n = 0
+            if not b.ballots:  # a harness' model: one implicit ballot, aborted directly
+                n = sink.abort_lingering(b.name, b.batch_id, b.intent, [])
+            for ballot in b.ballots:
+                if ballot.outcome == ABORT:
+                    n += sink.abort_lingering(ballot.name, b.batch_id, ballot.intent, [])
             if n:
                 log.warning("%s: aborted %d transactions left by undecided %s", committer.name, n, b.label)
                 report.aborted[b.batch_id] = report.aborted.get(b.batch_id, 0) + n
     return report
+
+
+def _close_open_ballots(b: PendingBatch, close_ballot: Callable[[PendingBatch, int], dict[str, Any]]) -> None:
+    """Close every open ballot of ``b``; a slot that holds a commit decision makes ``b`` decided."""
+    for ballot in b.ballots:
+        if ballot.outcome is not None:
+            continue
+        body = close_ballot(b, ballot.ballot)
+        if body.get("outcome") == ABORT:
+            ballot.outcome = ABORT
+            continue
+        ballot.outcome = COMMIT  # a decision written before our close: it stands
+        if b.decided and b.ballot != ballot.ballot:
+            raise LogError(f"{b.label} has commit decisions in ballots {b.ballot} and {ballot.ballot}: the "
+                           "log was edited by hand or written by two coordinators without exclusive create")
+        log.warning("%s: ballot %d was decided while recovery closed it (a late coordinator): it is "
+                    "committed", b.label, ballot.ballot)
+        b.handles = list(body.get("handles") or [])
+        b.decided_at = float(body.get("written_at", time.time()))
+        b.ballot, b.name, b.intent = ballot.ballot, ballot.name, ballot.intent
+
+
+def closer_for(tlog: TransactionLog, reason: str) -> Callable[[PendingBatch, int], dict[str, Any]]:
+    """A ``close_ballot`` for :func:`recover_pending` that closes slots in ``tlog``."""
+    def close(b: PendingBatch, ballot: int) -> dict[str, Any]:
+        return tlog.close_ballot(b.batch_id, ballot, reason, generation=b.generation).body
+    return close
 
 
 def mark_committed_in(tlog: TransactionLog, how: dict[str, Any]) -> Callable[[PendingBatch], None]:
@@ -278,6 +356,8 @@ def _open(log_url: str, storage_options: dict[str, Any] | None, takeover: bool) 
     if not gens:
         raise LogError(f"{log_url} holds no log generation: nothing was ever written there")
     tlog.acquire(gens[-1]["query_id"], "twophase-recover", takeover=takeover)
+    # A long recovery (many handles, a slow target) must not look dead to a driver started meanwhile.
+    tlog.start_heartbeat()
     return tlog
 
 
@@ -304,7 +384,8 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
         committer = Committer(sink, parallelism=parallelism, ignore_lost=ignore_lost, where=log_url,
                               name="twophase recover")
         return recover_pending(sink, pending, committer,
-                               mark_committed=mark_committed_in(tlog, {"recovered_by": "twophase recover"}))
+                               mark_committed=mark_committed_in(tlog, {"recovered_by": "twophase recover"}),
+                               close_ballot=closer_for(tlog, "closed by twophase recover"))
     finally:
         tlog.close()
 
