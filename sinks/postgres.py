@@ -49,6 +49,7 @@ log = logging.getLogger("twophase.sinks.postgres")
 MODES = ("insert", "upsert")
 MAX_GID_BYTES = 199  # PostgreSQL: "transaction identifier ... is too long" at 200 bytes
 MAX_RUN_CHARS = 16  # a longer (or not gid-safe) TransactionContext.run goes in as a digest
+MAX_TASK_ATTEMPT_ID = 2 ** 63 - 1  # Spark's taskAttemptId() is a Long
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 # Keys of a libpq connection string that hold secrets: never stored in the config, handles or messages.
 _SECRET_DSN_KEYS = ("password", "sslpassword")
@@ -609,15 +610,22 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         """``{gid_prefix}:{query}:{batch}:`` — every gid of any attempt of this batch starts so."""
         return f"{self.gid_prefix}:{_safe(query_name)}:{int(batch_id)}:"
 
-    def make_gid(self, intent_prefix: str, partition_id: int, attempt: int, run: str = "") -> str:
+    def make_gid(self, intent_prefix: str, partition_id: int, attempt: int, run: str = "", *,
+                 task_attempt_id: int | None = None) -> str:
         """The gid of one task attempt of one execution of a batch.  < 200 bytes or refused.
 
-        ``{prefix}{partition}:{attempt}:{run}``, or ``{prefix}{partition}:{attempt}``
-        when ``run`` (:attr:`TransactionContext.run`) is empty — the form of old logs.
-        Spark numbers attempts from 0 in every job, so only ``run`` keeps a replay's
-        gids apart from those of the execution before it.
+        ``{prefix}{partition}:{attempt}.{task_attempt_id}:{run}``, without ``:{run}`` when
+        ``run`` (:attr:`TransactionContext.run`) is empty.  Spark numbers attempts from 0
+        in every job, so only ``run`` keeps a replay's gids apart from those of the
+        execution before it; and from 0 again in every stage attempt (SPARK-24589), so
+        only Spark's ``taskAttemptId()`` (unique in its SparkContext) keeps an attempt of
+        a resubmitted stage apart from the attempt of the same number in the stage
+        attempt before it, which may be the result Spark accepts.  Without a task attempt
+        id (``None`` or negative: not known) the old form ``{prefix}{partition}:{attempt}[:{run}]``.
         """
-        gid = f"{intent_prefix}{int(partition_id)}:{int(attempt)}"
+        a = f"{int(attempt)}" if task_attempt_id is None or task_attempt_id < 0 \
+            else f"{int(attempt)}.{int(task_attempt_id)}"
+        gid = f"{intent_prefix}{int(partition_id)}:{a}"
         if run:
             gid += f":{_run_token(run)}"
         n = len(gid.encode())
@@ -635,8 +643,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         ids restart at 0, can never reuse the gid (and marker row) of an old batch.
         """
         prefix = f"{self.batch_prefix(query_name, batch_id)}{uuid.uuid4().hex[:8]}:"
-        # Longest gid this batch may use (attempt numbers up to 9999, the longest run token).
-        self.make_gid(prefix, max(num_partitions - 1, 0), 9999, "r" * MAX_RUN_CHARS)
+        # Longest gid this batch may use (attempt numbers up to 9999, any task attempt id, the longest run).
+        self.make_gid(prefix, max(num_partitions - 1, 0), 9999, "r" * MAX_RUN_CHARS,
+                      task_attempt_id=MAX_TASK_ATTEMPT_ID)
         if self._max_prepared is not None and num_partitions > self._max_prepared:
             raise ConfigurationError(
                 f"batch {batch_id} runs {num_partitions} partitions, each a prepared transaction, but "
@@ -739,20 +748,45 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 f"{self.describe_handle(handle)} was prepared in database {handle['database']!r} but this "
                 f"sink connects to {db!r}; point the sink's dsn at the database of the log's handles")
 
+    def _marker_schemas(self, cur: Any, handle: dict) -> list[str]:
+        """Where to look for a handle's marker row: the schema recorded in the handle, else the
+        configured (or opened) one; for a handle without one and a sink never opened (an old
+        log, read by ``twophase recover``), every schema with a table of that name this role
+        may read — never the session's search_path, which may not be the pipeline's.  A
+        marker row is keyed by the gid, which names its query and batch: found anywhere, it
+        was committed."""
+        schema = handle.get("marker_schema") or self._marker_home
+        if schema:
+            return [schema]
+        cur.execute("SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.relname = %s AND c.relkind IN ('r', 'p') AND has_table_privilege(c.oid, 'SELECT') "
+                    "ORDER BY n.nspname", (self.marker_table,))
+        return [r[0] for r in cur.fetchall()]
+
     def _resolve_missing(self, handle: dict) -> CommitResult:
         pg = _pg()
         gid = handle["gid"]
+        found, schemas = False, []
         try:
             with self._driver_cursor() as cur:
-                cur.execute(pg.sql.SQL("SELECT 1 FROM {} WHERE gid = %s").format(self._marker), (gid,))
-                found = cur.fetchone() is not None
+                schemas = self._marker_schemas(cur, handle)
+                for schema in schemas:
+                    cur.execute(pg.sql.SQL("SELECT 1 FROM {} WHERE gid = %s").format(
+                        self._ident(schema, self.marker_table)), (gid,))
+                    if cur.fetchone() is not None:
+                        found = True
+                        break
         except _ConnectError as e:
             return CommitResult.retry_later(str(e))
         except pg.errors.UndefinedTable:
-            return CommitResult.lost(f"prepared transaction {gid} does not exist and the marker table "
-                                     f"{self.marker_table!r} is missing, so it cannot be proven committed")
+            schemas = []
         except pg.Error as e:
             return CommitResult.retry_later(_describe_pg_error(e))
+        if not found and not schemas:
+            where = handle.get("marker_schema") or self._marker_home
+            name = f"{where}.{self.marker_table}" if where else self.marker_table
+            return CommitResult.lost(f"prepared transaction {gid} does not exist and the marker table "
+                                     f"{name!r} is missing, so it cannot be proven committed")
         if found:
             return CommitResult.already_committed(f"marker row of {gid} present")
         return CommitResult.lost(
@@ -763,7 +797,10 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         """``ROLLBACK PREPARED`` the handle's gid if it still exists (driver)."""
         self._rollback_prepared([handle["gid"]])
 
-    def _rollback_prepared(self, gids: list[str]) -> int:
+    def _rollback_prepared(self, gids: list[str], strict: bool = True) -> int:
+        """``ROLLBACK PREPARED`` each gid; one already gone is fine.  Other failures raise, or
+        with ``strict=False`` only log (a late leftover of a finished batch must not stop
+        the batch that found it: the next cleanup tries again)."""
         pg = _pg()
         n = 0
         for gid in gids:
@@ -772,14 +809,44 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                     cur.execute("ROLLBACK PREPARED %s", (gid,))
                 n += 1
             except pg.Error as e:
-                if e.pgcode != _UNDEFINED_OBJECT:  # gone already: someone else finished it
-                    raise TwoPhaseError(f"ROLLBACK PREPARED {gid} at {self.where} failed: "
-                                        f"{_describe_pg_error(e)}") from None
+                if e.pgcode == _UNDEFINED_OBJECT:  # gone already: someone else finished it
+                    continue
+                msg = f"ROLLBACK PREPARED {gid} at {self.where} failed: {_describe_pg_error(e)}"
+                if strict:
+                    raise TwoPhaseError(msg) from None
+                log.warning("%s; the next batch's cleanup tries again", msg)
         return n
+
+    def query_prefix(self, query_name: str) -> str:
+        """``{gid_prefix}:{query}:`` — every gid of every batch of this query starts so."""
+        return f"{self.gid_prefix}:{_safe(query_name)}:"
+
+    def _gid_batch(self, query_name: str, gid: str) -> int | None:
+        """The batch number of a gid of this query, or None for a gid of anything else.
+
+        The query part is matched whole, up to its ``:`` (``_safe`` names hold no ``:``),
+        so ``q.1`` never reads as query ``q``; the batch is the digits before the next ``:``.
+        """
+        head = self.query_prefix(query_name)
+        if not gid.startswith(head):
+            return None
+        m = re.match(r"([0-9]+):", gid[len(head):])
+        return int(m.group(1)) if m else None
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
                         keep: list[dict]) -> int:
-        """Roll back this batch's prepared transactions (gid prefix from the INTENT) except ``keep`` (driver).
+        """Roll back this batch's prepared transactions (gid prefix from the INTENT) except ``keep``,
+        and every prepared transaction of an *earlier* batch of this query (driver).
+
+        Earlier batches: by the time batch N is written, replayed or cleaned up, the
+        coordinator has committed every decided batch before it (its recovery commits
+        decided batches before anything else runs), so a gid of this query with a batch
+        number below N that is still prepared belongs to a late actor (a task attempt of
+        a finished job that prepared after its batch's cleanup) and is in no decision
+        still to commit.  It holds its row locks and a ``max_prepared_transactions`` slot
+        until someone rolls it back: the next batch's cleanup does, so a batch that meets
+        its locks fails after ``lock_timeout`` and its replay finds them gone.  Gids of
+        later batches, of other queries and in ``keep`` are never touched.
 
         Only this database's ``pg_prepared_xacts`` are looked at.  Also deletes marker
         rows of this query older than ``marker_retention_batches`` batches (by then
@@ -788,25 +855,47 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         prefix = self._intent_prefix(query_name, batch_id, intent)
         keep_gids = {h["gid"] for h in keep}
         try:
-            gids = [p["gid"] for p in self.prepared(prefix) if p["gid"] not in keep_gids]
+            gids, late = [], []
+            for p in self.prepared(self.query_prefix(query_name)):
+                gid = p["gid"]
+                if gid in keep_gids:
+                    continue
+                if gid.startswith(prefix):
+                    gids.append(gid)
+                else:
+                    b = self._gid_batch(query_name, gid)
+                    if b is not None and b < int(batch_id):
+                        late.append(gid)
             n = self._rollback_prepared(gids)
             if n:
                 log.info("batch %d: rolled back %d prepared transactions under %s", batch_id, n, prefix)
-            self._prune_markers(query_name, batch_id)
+            n_late = self._rollback_prepared(late, strict=False)
+            if n_late:
+                log.warning("batch %d: rolled back %d prepared transactions of earlier, finished batches "
+                            "of %s, prepared late (after their batch's cleanup): %s", batch_id, n_late,
+                            query_name, ", ".join(late[:5]) + (", ..." if len(late) > 5 else ""))
+            n += n_late
+            self._prune_markers(query_name, batch_id, keep)
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover prepared transactions: {e}") \
                 from None
         return n
 
-    def _prune_markers(self, query_name: str, batch_id: int) -> int:
+    def _prune_markers(self, query_name: str, batch_id: int, keep: list[dict]) -> int:
+        """Delete this query's marker rows older than the retention, in the marker table's own
+        schema (from the handles, or fixed by :meth:`open`); not knowing it (a sink never
+        opened, no handle), nothing is pruned rather than a table of the session's search_path."""
         pg = _pg()
         below = batch_id - self.marker_retention_batches
         if below <= 0:
             return 0
+        schema = next((h["marker_schema"] for h in keep if h.get("marker_schema")), None) or self._marker_home
+        if not schema:
+            return 0
         try:
             with self._driver_cursor() as cur:
                 cur.execute(pg.sql.SQL("DELETE FROM {} WHERE query_name = %s AND batch_id < %s").format(
-                    self._marker), (query_name, below))
+                    self._ident(schema, self.marker_table)), (query_name, below))
                 return cur.rowcount
         except pg.errors.UndefinedTable:
             return 0
@@ -825,7 +914,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         """
         pg = _pg()
         prefix = self._intent_prefix(ctx.query_name, ctx.batch_id, ctx.intent)
-        gid = self.make_gid(prefix, ctx.partition_id, ctx.attempt, ctx.run)
+        gid = self.make_gid(prefix, ctx.partition_id, ctx.attempt, ctx.run, task_attempt_id=ctx.task_attempt_id)
         try:
             conn = self._connect(autocommit=ctx.attempt > 0 and bool(ctx.run))
         except _ConnectError as e:
@@ -838,8 +927,14 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             with conn.cursor() as cur:
                 if self.lock_timeout:
                     cur.execute("SELECT set_config('lock_timeout', %s, true)", (self.lock_timeout,))
-                cur.execute("SELECT to_regclass(%s)::oid, current_database()", (self._quoted(cur, self._target),))
-                oid, database = cur.fetchone()
+                # The marker table's schema goes into the handle: recovery, in any session, on any
+                # search_path, looks for the marker row exactly there.  open() fixed it on the
+                # driver; without open(), it is the schema this session's search path finds it in.
+                cur.execute("SELECT to_regclass(%s)::oid, current_database(), (SELECT n.nspname FROM "
+                            "pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = "
+                            "to_regclass(%s))", (self._quoted(cur, self._target),
+                                                 self._quoted(cur, self._marker)))
+                oid, database, marker_schema = cur.fetchone()
                 if oid is None:
                     raise PostgresWriteError(f"{ctx.label}: table {self._quoted(cur, self._target)} does not "
                                              f"exist in database {database!r}")
@@ -850,29 +945,60 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 raise PostgresWriteError(f"{ctx.label} (gid {gid}): cannot begin: {_describe_pg_error(e)}",
                                          sqlstate=e.pgcode) from None
             raise
-        return PostgresTransaction(ctx, gid, conn, database, oid, columns)
+        txn = PostgresTransaction(ctx, gid, conn, database, oid, columns)
+        txn.extra["marker_schema"] = self._marker_home or marker_schema
+        return txn
 
     def _roll_back_earlier_attempts(self, conn: Any, ctx: TransactionContext, prefix: str) -> int:
-        """``ROLLBACK PREPARED`` the gids of this partition, run and a lower attempt (executor).
+        """``ROLLBACK PREPARED`` what earlier attempts of this task left prepared (executor).
 
         Such an attempt prepared and then was lost with its executor; Spark discards the
-        result of a failed attempt, so its transaction is in no decision.  Gids of other
-        runs are never touched — another coordinator racing on the batch may have one in
-        its decision — nor gids without run (old logs), nor other partitions': those
-        are the coordinator's ``abort_lingering``.  Failures only log: the write then
-        waits on the leftover's locks and fails after ``lock_timeout``.
+        result of a failed attempt, so its transaction is in no decision.  But attempt
+        numbers restart at 0 in a resubmitted stage (SPARK-24589) while the old stage
+        attempt's tasks keep running, and Spark accepts the first result of a partition from
+        either; PySpark does not tell which stage attempt a task belongs to.  What it does
+        tell is ``taskAttemptId()``, drawn from one increasing counter: a stage attempt is
+        submitted after the one before it stopped launching tasks, so every attempt of an
+        older stage attempt has a lower id than every attempt of this task's own.  Attempt
+        ``k`` of this task exists only once its attempts ``0 .. k-1`` failed, one each,
+        with increasing ids below this attempt's: so for each number ``j < k`` only the
+        gid of attempt ``j`` with the highest task attempt id below this one's can be
+        this task's own, and only that one is rolled back.  Lower ids with the same
+        number (attempts of older stage attempts, maybe the accepted result), higher ids,
+        gids of other runs (another coordinator racing on the batch may have one in its
+        decision), of other partitions, without run or without task attempt id (old logs),
+        are never touched: those leftovers are the coordinator's ``abort_lingering``.
+        (Not knowing its own task attempt id, an attempt rolls back the lower attempts of
+        the old form, as before task attempt ids were in gids.)
+
+        The residual case: if this task's own attempt ``j`` failed *before* it prepared and
+        an attempt ``j`` of an older stage attempt is prepared, that one is taken for
+        this task's own.  If Spark accepts it, the driver's check before the decision
+        (:meth:`verify_prepared`) finds it gone and fails the batch while undecided.
+        Failures only log: the write then waits on the leftover's locks and fails after
+        ``lock_timeout``.
         """
         pg = _pg()
         run = _run_token(ctx.run)
         head = f"{prefix}{int(ctx.partition_id)}:"
+        own_id = ctx.task_attempt_id if ctx.task_attempt_id is not None else -1
         n = 0
         with conn.cursor() as cur:
             cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
                         "AND left(gid, length(%s)) = %s", (head, head))
+            old_form: list[str] = []
+            latest: dict[int, tuple[int, str]] = {}  # attempt number -> (task attempt id, gid)
             for (gid,) in cur.fetchall():
-                m = re.fullmatch(r"([0-9]+):(.+)", gid[len(head):])
-                if not m or m.group(2) != run or int(m.group(1)) >= ctx.attempt:
+                m = re.fullmatch(r"([0-9]+)(?:\.([0-9]+))?:(.+)", gid[len(head):])
+                if not m or m.group(3) != run or int(m.group(1)) >= ctx.attempt:
                     continue
+                number, tid = int(m.group(1)), None if m.group(2) is None else int(m.group(2))
+                if own_id < 0:
+                    if tid is None:
+                        old_form.append(gid)
+                elif tid is not None and tid < own_id and (number not in latest or latest[number][0] < tid):
+                    latest[number] = (tid, gid)
+            for gid in sorted(old_form + [g for _, g in latest.values()]):
                 try:
                     cur.execute("ROLLBACK PREPARED %s", (gid,))
                     n += 1
@@ -1016,9 +1142,10 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                                                           oc=on_conflict))
                     cur.execute(sql.SQL("DROP TABLE {}").format(stage))
                 action = "marker row"
+                marker = self._ident(txn.extra.get("marker_schema"), self.marker_table)
                 cur.execute(sql.SQL(
                     "INSERT INTO {m} (gid, query_name, batch_id, partition_id, attempt, target_table, "
-                    "row_count) VALUES (%s, %s, %s, %s, %s, %s, %s)").format(m=self._marker),
+                    "row_count) VALUES (%s, %s, %s, %s, %s, %s, %s)").format(m=marker),
                     (txn.gid, ctx.query_name, ctx.batch_id, ctx.partition_id, ctx.attempt, self.target_name,
                      txn.rows))
             action = "PREPARE TRANSACTION"  # deferred constraints are checked here
@@ -1029,7 +1156,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         _close_quietly(txn.conn)
         txn.closed = True
         return {"gid": txn.gid, "database": txn.database, "table": self.target_name, "rows": txn.rows,
-                "batch": ctx.batch_id, "partition": ctx.partition_id}
+                "batch": ctx.batch_id, "partition": ctx.partition_id,
+                "marker_schema": txn.extra.get("marker_schema")}
 
     def abort(self, txn: PostgresTransaction) -> None:
         """Roll back the open (or already prepared) transaction (executor; best effort, idempotent)."""
