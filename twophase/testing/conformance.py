@@ -160,23 +160,35 @@ class BatchModel:
 
 class _HarnessCommitter(Committer):
     """The coordinator's committer, which also tells the model what was committed and can make the
-    driver die after a given number of commits (crash points ``mid_commit`` and during recovery)."""
+    driver die part-way through the commits (crash points ``mid_commit`` and during recovery).
 
-    def __init__(self, machine: SinkConformanceMachine, parallelism: int, die_after: int | None):
+    Commits still run ``parallelism`` at once, but nothing the model keeps (and so nothing a later
+    precondition or draw sees) depends on which thread got there first, so that hypothesis replays
+    an example exactly:
+
+    - which handles are committed before the driver dies is decided up front by the draws
+      (``survivors``: positions in the order the handles were tracked); the others never reach
+      the sink, whatever the timing;
+    - every commit of a call is awaited, then the results are applied to the model, noted and,
+      for failures, raised in that fixed order (a failure of the sink before the driver's death).
+    """
+
+    def __init__(self, machine: SinkConformanceMachine, parallelism: int, survivors: set[int] | None):
         super().__init__(machine.sink, parallelism=parallelism, retries=machine.commit_retries,
                          backoff=0.01, max_backoff=0.5, name=machine.query_name,
                          where="the harness' model of the log")
         self.machine = machine
-        self.die_after = die_after
+        self.survivors = survivors  # None: the driver does not die, every handle is committed
         self.done = 0
-        self.dead = False
         self.lock = threading.Lock()
-        self.index: dict[str, tuple[BatchModel, int]] = {}
-        self.notes: list[str] = []  # commits run in pool threads; hypothesis notes only in the test's
+        self.index: dict[str, tuple[BatchModel, int, int]] = {}  # key -> (batch, handle index, position)
+        self.tracked = 0
+        # Per commit() call, filled by the pool threads: position -> (handle, its result or exception).
+        self.outcomes: dict[int, tuple[Any, CommitResult | BaseException]] = {}
+        self.notes: list[str] = []  # hypothesis notes only in the test's thread
 
     def flush(self) -> None:
-        with self.lock:
-            notes, self.notes = self.notes, []
+        notes, self.notes = self.notes, []
         for n in notes:
             note(n)
 
@@ -184,34 +196,78 @@ class _HarnessCommitter(Committer):
         return json.dumps(self.sink.encode_handle(handle), sort_keys=True)
 
     def track_all(self, pairs: list[tuple[BatchModel, list[Any]]], offset: int = 0) -> None:
-        """Which decided handle (batch, index) each handle object is, to keep the model exact."""
+        """Which decided handle (batch, index) each handle object is, to keep the model exact; its
+        position (the order of tracking) is what ``survivors`` names."""
         for b, handles in pairs:
             for i, h in enumerate(handles):
-                self.index[self._key(h)] = (b, offset + i)
+                self.index.setdefault(self._key(h), (b, offset + i, self.tracked))
+                self.tracked += 1
+
+    def commit(self, batch_id: int, handles: list[Any], *, recovering: bool) -> list[CommitResult]:
+        self.outcomes = {}
+        try:
+            results = super().commit(batch_id, handles, recovering=recovering)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, chosen in a fixed order
+            if not self.outcomes:
+                raise
+            self._settle(batch_id, recovering)  # raises the call's first failure, in position order
+            raise e  # nothing commit_one recorded failed: a BaseException of the sink, or the harness' bug
+        self._settle(batch_id, recovering)
+        return results
 
     def commit_one(self, batch_id: int, handle: Any, recovering: bool) -> CommitResult:
+        """Runs in the commit pool: never touches the model, only records what happened."""
+        _, _, pos = self.index[self._key(handle)]
+        out: CommitResult | BaseException
+        if self.survivors is not None and pos not in self.survivors:
+            out = _DriverDied()
+        else:
+            try:
+                out = super().commit_one(batch_id, handle, recovering)
+            except Exception as e:  # noqa: BLE001 - recorded; _settle raises it in order
+                out = e
         with self.lock:
-            if self.dead or (self.die_after is not None and self.done >= self.die_after):
-                self.dead = True
-                raise _DriverDied()
-        try:
-            res = super().commit_one(batch_id, handle, recovering)
-        except DataLossError as e:
-            raise ConformanceError(f"{e} (last crash point: {self.machine.crash_point or 'none yet'})") from None
-        except CommitError as e:
-            raise ConformanceError(f"{e} (the harness retried like the coordinator)") from None
-        except TypeError as e:
-            raise ConformanceError(str(e)) from None
-        b, i = self.index[self._key(handle)]
-        with self.lock:
-            self.notes.append(f"  batch {batch_id}: {'recover_and_commit' if recovering else 'commit'}"
-                              f"({self.sink.describe_handle(handle)}) -> {res.outcome.value}")
-            if i in b.committed_handles and res.outcome is CommitOutcome.COMMITTED:
-                self.notes.append(f"  (commit of {self.sink.describe_handle(handle)} again said COMMITTED, "
-                                  "not ALREADY_COMMITTED: allowed, the output check decides)")
-            b.committed_handles.add(i)
-            self.done += 1
-        return res
+            self.outcomes[pos] = (handle, out)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _settle(self, batch_id: int, recovering: bool) -> None:
+        """Apply the call's outcomes to the model in position order; raise its first failure."""
+        how = "recover_and_commit" if recovering else "commit"
+        failure: BaseException | None = None
+        died = False
+        for pos in sorted(self.outcomes):
+            handle, out = self.outcomes[pos]
+            b, i, _ = self.index[self._key(handle)]
+            desc = self.sink.describe_handle(handle)
+            if isinstance(out, _DriverDied):
+                died = True
+                self.notes.append(f"  batch {batch_id}: {how}({desc}) never issued: the driver died first")
+            elif isinstance(out, BaseException):
+                self.notes.append(f"  batch {batch_id}: {how}({desc}) failed: {type(out).__name__}: {out}")
+                failure = failure or self._conformance_error(out)
+            else:
+                self.notes.append(f"  batch {batch_id}: {how}({desc}) -> {out.outcome.value}")
+                if i in b.committed_handles and out.outcome is CommitOutcome.COMMITTED:
+                    self.notes.append(f"  (commit of {desc} again said COMMITTED, not ALREADY_COMMITTED: "
+                                      "allowed, the output check decides)")
+                b.committed_handles.add(i)
+                self.done += 1
+        self.outcomes = {}
+        if failure is not None:
+            raise failure
+        if died:
+            raise _DriverDied()
+
+    def _conformance_error(self, e: BaseException) -> BaseException:
+        if isinstance(e, DataLossError):
+            return ConformanceError(f"{e} (last crash point: {self.machine.crash_point or 'none yet'})")
+        if isinstance(e, CommitError):
+            return ConformanceError(f"{e} (the harness retried like the coordinator)")
+        if isinstance(e, TypeError):
+            return ConformanceError(str(e))
+        return e
 
 
 class SinkConformanceMachine(stateful.RuleBasedStateMachine):
@@ -470,10 +526,15 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
 
         handles = self._decided_handles(b)
         concurrent = self._draw(data, st.booleans(), "commit concurrently", True) and len(handles) > 1
-        die_after = 1 if crash_at == "mid_commit" and len(handles) > 1 else None
-        if die_after is not None:
-            die_after = self._draw(data, st.integers(1, len(handles) - 1), "commits before the crash", 1)
-        committer = _HarnessCommitter(self, self.commit_parallelism if concurrent else 1, die_after)
+        survivors = None  # the handles committed before the driver dies (None: it does not die here)
+        if crash_at == "mid_commit" and len(handles) > 1:
+            k = self._draw(data, st.integers(1, len(handles) - 1), "commits before the crash", 1)
+            # One after another, the first k land; at once, any k of them (which ones is drawn,
+            # never left to the threads' timing, so that hypothesis can replay the example).
+            order = self._draw(data, st.permutations(range(len(handles))), "commits that land first",
+                               list(range(len(handles)))) if concurrent else range(len(handles))
+            survivors = set(list(order)[:k])
+        committer = _HarnessCommitter(self, self.commit_parallelism if concurrent else 1, survivors)
         committer.track_all([(b, handles)])
         if concurrent:
             self.stats["concurrent_commits"] += 1
@@ -617,12 +678,14 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         unfinished = [b for _, b in sorted(self.batches.items()) if not b.committed_logged]
         decided = [b for b in unfinished if b.decided]
         n_handles = sum(len(b.handle_ids) for b in decided)
-        die_after = None
+        survivors = None
         if n_handles and self.crashes_left > 0 and \
                 self._draw(data, st.booleans(), "crash again during recovery", False):
-            die_after = self._draw(data, st.integers(0, n_handles - 1), "recovery commits before the crash", 0)
+            # Handles are committed batch by batch, oldest first: the first k of them land.
+            k = self._draw(data, st.integers(0, n_handles - 1), "recovery commits before the crash", 0)
+            survivors = set(range(k))
         concurrent = self._draw(data, st.booleans(), "commit concurrently", True)
-        committer = _HarnessCommitter(self, self.commit_parallelism if concurrent else 1, die_after)
+        committer = _HarnessCommitter(self, self.commit_parallelism if concurrent else 1, survivors)
         committer.track_all([(b, self._decided_handles(b)) for b in decided])
         pending = [PendingBatch(generation=1, batch_id=b.batch_id, name=self.query_name,
                                 intent=json.loads(b.intent_json), sink_kind=self.sink.kind,
@@ -969,6 +1032,7 @@ def run_sink_conformance(
     query_prefix: str = "conformance",
     rebuild_from_config: bool = True,
     min_useful_share: float = 0.3,
+    seed: int | None = None,
 ) -> dict[str, int]:
     """Prove (by search) that a sink is exactly-once under the twophase coordinator; raise if not.
 
@@ -1015,9 +1079,14 @@ def run_sink_conformance(
 
     ``settings`` is a ``hypothesis.settings`` (default: :func:`default_settings`);
     ``max_examples`` and ``steps`` (steps per example) override it.  Each example
-    uses its own query name, ids and batch ids ``example * 100 + k``.
+    uses its own query name, ids and batch ids ``example * 1000 + k``.
     ``settle_timeout`` re-reads for that many seconds while decided rows are
     missing (for stores whose committed data becomes readable with a lag).
+
+    ``seed`` fixes hypothesis' random seed (``hypothesis.seed``): the same seed, sink and
+    arguments run the same examples again.  Every choice the harness makes is a hypothesis
+    draw, commits run concurrently but which of them land before a crash is drawn too, so
+    an example replays exactly as long as the sink answers the same calls the same way.
     """
     machine = make_state_machine(
         sink_factory, read_committed, make_batch=make_batch, id_of=id_of, reset=reset, pending=pending,
@@ -1032,6 +1101,8 @@ def run_sink_conformance(
         overrides["stateful_step_count"] = steps
     if overrides:
         s = hypothesis.settings(s, **overrides)
+    if seed is not None:
+        machine = hypothesis.seed(seed)(machine)
     try:
         stateful.run_state_machine_as_test(machine, settings=s)
     except hypothesis.errors.Flaky as e:
@@ -1090,6 +1161,7 @@ class SinkConformanceTests:
     max_partitions: int = 3
     check_every_step: bool = True
     settle_timeout: float = 0.0
+    conformance_seed: int | None = None
 
     def make_sink(self) -> TwoPhaseCommitSink:
         raise NotImplementedError("override make_sink() to return a new sink on the test's storage")
@@ -1118,7 +1190,8 @@ class SinkConformanceTests:
             pending=self.pending if overridden else None,
             settings=self.conformance_settings, max_examples=self.max_examples, steps=self.steps,
             max_rows=self.max_rows, max_partitions=self.max_partitions,
-            check_every_step=self.check_every_step, settle_timeout=self.settle_timeout)
+            check_every_step=self.check_every_step, settle_timeout=self.settle_timeout,
+            seed=self.conformance_seed)
 
 
 def _overrides(cls: type, name: str) -> bool:
