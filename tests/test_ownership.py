@@ -20,6 +20,7 @@ import pytest
 from twophase.coordinator import Coordinator
 from twophase.errors import LogOwnershipError, TwoPhaseError
 from twophase.log import TransactionLog, _process_space
+from twophase.sinks.files import FileSink
 from twophase.sinks.postgres import PostgresSink
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -44,21 +45,36 @@ def _prepared(db, prefix: str) -> list[str]:
         return [r[0] for r in cur.fetchall()]
 
 
-class _Hooked(PostgresSink):
-    """A PostgresSink with driver-side test hooks (events, threads) that never travel to executors."""
+class _HookMixin:
+    """Driver-side test hooks (events, threads) on a sink; they never travel to executors."""
 
-    def __init__(self, *args, hooks: dict | None = None, **kw):
-        super().__init__(*args, **kw)
-        self.hooks = hooks or {}
+    hooks: dict
 
     def __getstate__(self):
-        state = dict(super().__getstate__())
+        parent = getattr(super(), "__getstate__", None)
+        state = dict(parent() if parent is not None else self.__dict__)
         state.pop("hooks", None)
         return state
 
     def __setstate__(self, state):
-        super().__setstate__(state)
+        parent = getattr(super(), "__setstate__", None)
+        if parent is not None:
+            parent(state)
+        else:
+            self.__dict__.update(state)
         self.hooks = {}
+
+
+class _Hooked(_HookMixin, PostgresSink):
+    def __init__(self, *args, hooks: dict | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.hooks = hooks or {}
+
+
+class _HookedFiles(_HookMixin, FileSink):
+    def __init__(self, *args, hooks: dict | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.hooks = hooks or {}
 
 
 def _in_thread(fn) -> tuple[threading.Thread, list[BaseException]]:
@@ -83,6 +99,7 @@ def test_deposed_coordinators_failure_cleanup_never_aborts_the_new_owners_decide
     A wakes up, its executors' failure surfaces, and A cleans up what it owns.  Before: A's cleanup
     aborted everything the batch's one INTENT named, B's decided transactions included."""
     table, log_url = _table(db), str(tmp_path / "log")
+    name = f"ballot{uuid.uuid4().hex[:6]}"  # unique: other tests look for their own marker rows by name
     prefix = f"o{uuid.uuid4().hex[:6]}"
     hooks = {"paused": threading.Event(), "wakes": threading.Event(), "lock": threading.Lock(),
              "woken": []}
@@ -104,12 +121,12 @@ def test_deposed_coordinators_failure_cleanup_never_aborts_the_new_owners_decide
 
     df = spark.range(0, 40, numPartitions=2)
     a = Coordinator(PausedA(postgres_service["dsn"], table, gid_prefix=prefix, hooks=hooks),
-                    log_location=log_url, name="own", parallelism=2)
+                    log_location=log_url, name=name, parallelism=2)
     a_thread, a_errors = _in_thread(lambda: a.write(df, batch_id=0))
     hooks["a_thread"] = a_thread
     assert hooks["paused"].wait(300), a_errors
     b = Coordinator(OwnerB(postgres_service["dsn"], table, gid_prefix=prefix, hooks=hooks),
-                    log_location=log_url, name="own", parallelism=2, takeover=True)
+                    log_location=log_url, name=name, parallelism=2, takeover=True)
     b.write(df, batch_id=0)  # was: DataLossError, B's prepared transactions rolled back by A
     a_thread.join(300)
     assert not a_thread.is_alive() and len(a_errors) == 1 and isinstance(a_errors[0], TwoPhaseError)
@@ -132,6 +149,7 @@ def test_a_decision_delayed_on_the_wire_past_a_takeover_is_refused_and_the_batch
     Before: the late decision named transactions B had rolled back (DataLossError at every
     restart); now B's close of A's ballot occupies the decision slot first and A's write fails."""
     table, log_url = _table(db), str(tmp_path / "log")
+    name = f"ballot{uuid.uuid4().hex[:6]}"  # unique: other tests look for their own marker rows by name
     prefix = f"d{uuid.uuid4().hex[:6]}"
     hooks: dict = {"sent": threading.Event(), "deliver": threading.Event(), "landed": threading.Event()}
 
@@ -160,12 +178,12 @@ def test_a_decision_delayed_on_the_wire_past_a_takeover_is_refused_and_the_batch
 
     df = spark.range(0, 50, numPartitions=2)
     a = Coordinator(DelayedA(postgres_service["dsn"], table, gid_prefix=prefix, hooks=hooks),
-                    log_location=log_url, name="own", parallelism=2)
+                    log_location=log_url, name=name, parallelism=2)
     hooks["coordinator"] = a
     a_thread, a_errors = _in_thread(lambda: a.write(df, batch_id=0))
     assert hooks["sent"].wait(300), a_errors
     b = Coordinator(OwnerB(postgres_service["dsn"], table, gid_prefix=prefix, hooks=hooks),
-                    log_location=log_url, name="own", parallelism=2, takeover=True)
+                    log_location=log_url, name=name, parallelism=2, takeover=True)
     b.write(df, batch_id=0)  # was: TwoPhaseError "decided by coordinator epoch 1", then DataLossError
     a_thread.join(300)
     assert len(a_errors) == 1 and isinstance(a_errors[0], TwoPhaseError)
@@ -246,3 +264,48 @@ def test_a_dead_holder_in_this_process_space_is_taken_over_at_once(tmp_path):
                    check=True)
     assert TransactionLog(url, readonly=True).lease().process_space == _process_space()
     TransactionLog(url).acquire("q-1", "next")  # its pid is gone: no wait for the heartbeat to age
+
+
+@pytest.mark.spark
+def test_deposed_coordinators_late_cleanup_never_deletes_the_new_owners_staged_files(spark, tmp_path):
+    """Scenario 1 for FileSink (local disk): A's late cleanup of batch 0 ran between B's decision
+    and B's renames.  Before: both executions staged in one batch folder, A's sweep emptied it,
+    and B's decided files were lost."""
+    import pyarrow.parquet as pq
+
+    out, log_url = tmp_path / "out", str(tmp_path / "log")
+    name = f"ballot{uuid.uuid4().hex[:6]}"
+    hooks = {"paused": threading.Event(), "wakes": threading.Event(), "lock": threading.Lock(),
+             "woken": []}
+
+    class PausedA(_HookedFiles):
+        def verify_prepared(self, batch_id, handles, *, prepare_started_at):
+            self.hooks["paused"].set()
+            assert self.hooks["wakes"].wait(300)
+            raise TwoPhaseError("A's executors failed while A was paused")
+
+    class OwnerB(_HookedFiles):
+        def commit(self, handle):
+            with self.hooks["lock"]:
+                if not self.hooks["woken"]:
+                    self.hooks["woken"].append(True)
+                    self.hooks["wakes"].set()
+                    self.hooks["a_thread"].join(300)
+            return super().commit(handle)
+
+    df = spark.range(0, 60, numPartitions=2)
+    a = Coordinator(PausedA(str(out), writer="arrow", hooks=hooks), log_location=log_url, name=name,
+                    parallelism=2)
+    a_thread, a_errors = _in_thread(lambda: a.write(df, batch_id=0))
+    hooks["a_thread"] = a_thread
+    assert hooks["paused"].wait(300), a_errors
+    b = Coordinator(OwnerB(str(out), writer="arrow", hooks=hooks), log_location=log_url, name=name,
+                    parallelism=2, takeover=True)
+    b.write(df, batch_id=0)  # was: DataLossError, B's staged files deleted by A's sweep
+    a_thread.join(300)
+    assert len(a_errors) == 1 and isinstance(a_errors[0], TwoPhaseError)
+    ids = [i for p in sorted(out.glob("*.parquet")) for i in pq.read_table(p).column("id").to_pylist()]
+    assert Counter(ids) == Counter(range(60))
+    assert not [p for p in (out / "_twophase").rglob("*") if p.is_file()]  # nothing left staged
+    a.close()
+    b.close()
