@@ -25,13 +25,15 @@ def pending_log(tmp_path):
     tlog = TransactionLog(str(tmp_path / "log"))
     tlog.acquire("query-1", "app")
 
-    def prep(b, p):
-        txn = sink.begin_transaction(TransactionContext("app", b, p, 0, {}))
+    intents = {b: sink.plan_batch("app", b, 2) for b in (0, 1, 2)}  # one execution (ballot) each
+
+    def prep(b, p):  # a task of batch b's execution: it stages where that INTENT says
+        txn = sink.begin_transaction(TransactionContext("app", b, p, 0, intents[b]))
         sink.write(txn, pa.RecordBatch.from_pydict({"id": [b * 10 + p]}))
         return sink.encode_handle(sink.pre_commit(txn))
 
     for b in (0, 1, 2):
-        tlog.write(b, INTENT, {"intent": sink.plan_batch("app", b, 2), "name": "app"})
+        tlog.write(b, INTENT, {"intent": intents[b], "name": "app"})
     h0 = [prep(0, 0)]
     tlog.write(0, PREPARED, {"handles": h0, "rows": 1})
     sink.commit(sink.decode_handle(h0[0]))

@@ -23,8 +23,10 @@ def visible(root) -> list[str]:
     return sorted(p for p in os.listdir(root) if not p.startswith(("_", ".")))
 
 
-def prepare(sink, batch_id, partition, ids, attempt=0):
-    ctx = TransactionContext("q", batch_id, partition, attempt, {})
+def prepare(sink, batch_id, partition, ids, attempt=0, intent=None):
+    """One task attempt of one execution (ballot) of the batch: ``intent`` is that ballot's INTENT
+    (``sink.plan_batch``, once per execution); without one, the batch's default staging folder."""
+    ctx = TransactionContext("q", batch_id, partition, attempt, intent or {})
     txn = sink.begin_transaction(ctx)
     half = max(1, len(ids) // 2)  # two Arrow batches per transaction, neither empty
     for part in (ids[:half], ids[half:]):
@@ -82,14 +84,16 @@ def test_commit_never_overwrites_a_foreign_file(tmp_path):
 
 def test_abort_and_abort_lingering_remove_staging_except_kept(tmp_path):
     sink = FileSink(str(tmp_path))
-    ctx = TransactionContext("q", 3, 0, 0, {})
+    intent = sink.plan_batch("q", 3, 2)  # one execution (ballot) of batch 3: every task below is its
+    ctx = TransactionContext("q", 3, 0, 0, intent)
     txn = sink.begin_transaction(ctx)
     sink.write(txn, batch([1]))
     sink.abort(txn)
     assert not os.path.exists(txn.staging)
-    failed_attempt = prepare(sink, 3, 0, [1, 2], attempt=0)
-    winner = prepare(sink, 3, 0, [1, 2], attempt=1)
-    intent = sink.plan_batch("q", 3, 2)
+    failed_attempt = prepare(sink, 3, 0, [1, 2], attempt=0, intent=intent)
+    winner = prepare(sink, 3, 0, [1, 2], attempt=1, intent=intent)
+    assert os.path.dirname(failed_attempt["staging"]) == intent["staging"]  # staged in the ballot's folder
+    assert os.path.dirname(winner["staging"]) == intent["staging"]
     assert sink.commit(winner).done
     assert sink.abort_lingering("q", 3, intent, [winner]) == 1
     assert not os.path.exists(failed_attempt["staging"])
@@ -102,17 +106,18 @@ def test_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(tmp_p
     the DataNode closes the file of a broken upload asynchronously); the next batch's cleanup
     removes the older batches' staging folders, never the current batch's kept files."""
     sink = FileSink(str(tmp_path))
-    late = prepare(sink, 2, 0, [7], attempt=0)        # batch 2's cleanup already ran; this appeared later
+    # batch 2's cleanup already ran; this appeared later (in its ballot's folder)
+    late = prepare(sink, 2, 0, [7], attempt=0, intent=sink.plan_batch("q", 2, 1))
     assert sink.abort_lingering("q", 1, sink.plan_batch("q", 1, 1), []) == 0  # older batch: not touched
     assert os.path.exists(late["staging"])
-    winner = prepare(sink, 3, 0, [1, 2])
-    intent = sink.plan_batch("q", 3, 1)
+    intent = sink.plan_batch("q", 3, 1)  # batch 3's execution: its task and its cleanup
+    winner = prepare(sink, 3, 0, [1, 2], intent=intent)
     assert sink.commit(winner).done
     assert sink.abort_lingering("q", 3, intent, [winner]) == 1
     assert not os.path.exists(os.path.dirname(late["staging"]))
-    other = prepare(sink, 2, 0, [8], attempt=0)
+    other = prepare(sink, 2, 0, [8], attempt=0, intent=sink.plan_batch("q", 2, 1))
     other_query = FileSink(str(tmp_path))           # another query's batch 2 is not this query's
-    ctx = TransactionContext("q2", 2, 0, 0, {})
+    ctx = TransactionContext("q2", 2, 0, 0, other_query.plan_batch("q2", 2, 1))
     t2 = other_query.begin_transaction(ctx)
     other_query.write(t2, batch([9]))
     h2 = other_query.pre_commit(t2)

@@ -14,6 +14,7 @@ import http.server
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -40,8 +41,13 @@ def batch(ids, **extra):
     return pa.RecordBatch.from_pydict(cols)
 
 
-def prepare(sink, batch_id, partition, ids, attempt=0, query="q", **extra):
-    ctx = TransactionContext(query, batch_id, partition, attempt, sink.plan_batch(query, batch_id, 4))
+def prepare(sink, batch_id, partition, ids, attempt=0, query="q", intent=None, **extra):
+    """One task attempt of one execution (ballot) of the batch.  ``intent``: that ballot's INTENT
+    (``sink.plan_batch``, once per execution, shared by all its tasks and by its cleanup); without
+    one, a ballot of its own is planned for this task alone."""
+    if intent is None:
+        intent = sink.plan_batch(query, batch_id, 4)
+    ctx = TransactionContext(query, batch_id, partition, attempt, intent)
     txn = sink.begin_transaction(ctx)
     half = len(ids) // 2
     sink.write(txn, batch(ids[:half], **{k: v[:half] for k, v in extra.items()}))
@@ -120,10 +126,13 @@ def test_hdfs_precommit_invisible_commit_visible(hdfs_service, hdfs, hroot, fmt,
     url, path = hroot
     sink = FileSink(url, fmt, compression=compression, storage_options=hopts(hdfs_service))
     sink.open()
-    h = roundtrip(sink, prepare(sink, 7, 1, list(range(100))))
+    intent = sink.plan_batch("q", 7, 4)
+    # The ballot's staging folder: the batch's, with the ballot's token.
+    assert re.fullmatch(rf"{re.escape(path)}/_twophase/q/b00000007\.[0-9a-f]{{6}}", intent["staging"])
+    h = roundtrip(sink, prepare(sink, 7, 1, list(range(100)), intent=intent))
     assert h["fs"] == "hdfs" and len(h["files"]) == 1
     (entry,) = h["files"]
-    assert entry["staging"].startswith(f"{path}/_twophase/q/b00000007/")
+    assert entry["staging"].startswith(f"{intent['staging']}/")
     assert hvisible(hdfs, path) == []
     assert hdfs.status(entry["staging"])["length"] == entry["size"]
     assert sink.commit(h).outcome is CommitOutcome.COMMITTED
@@ -192,15 +201,15 @@ def test_hdfs_commit_outcomes_after_a_crash(hdfs_service, hdfs, hroot):
 def test_hdfs_abort_and_abort_lingering(hdfs_service, hdfs, hroot):
     url, path = hroot
     sink = FileSink(url, storage_options=hopts(hdfs_service))
-    ctx = TransactionContext("q", 3, 0, 0, sink.plan_batch("q", 3, 2))
+    intent = sink.plan_batch("q", 3, 2)  # one execution (ballot) of batch 3: every task below is its
+    ctx = TransactionContext("q", 3, 0, 0, intent)
     txn = sink.begin_transaction(ctx)
     sink.write(txn, batch(list(range(1000))))
     sink.abort(txn)  # mid-write: the open WebHDFS upload is cancelled and the file deleted
     assert hdfs.status(txn.staging, strict=False) is None
-    failed = prepare(sink, 3, 0, [1, 2], attempt=0)
-    other = prepare(sink, 3, 1, [3], attempt=0)
-    winner = prepare(sink, 3, 0, [1, 2], attempt=1)
-    intent = sink.plan_batch("q", 3, 2)
+    failed = prepare(sink, 3, 0, [1, 2], attempt=0, intent=intent)
+    other = prepare(sink, 3, 1, [3], attempt=0, intent=intent)
+    winner = prepare(sink, 3, 0, [1, 2], attempt=1, intent=intent)
     assert sink.commit(winner).done
     assert sink.abort_lingering("q", 3, intent, [winner]) == 2
     assert hdfs.status(failed["files"][0]["staging"], strict=False) is None
@@ -217,9 +226,10 @@ def test_hdfs_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(
     url, path = hroot
     sink = FileSink(url, storage_options=hopts(hdfs_service))
     late = prepare(sink, 2, 0, [7], attempt=0)
-    winner = prepare(sink, 3, 0, [1, 2])
+    intent = sink.plan_batch("q", 3, 1)  # batch 3's execution: its task and its cleanup
+    winner = prepare(sink, 3, 0, [1, 2], intent=intent)
     assert sink.commit(winner).done
-    assert sink.abort_lingering("q", 3, sink.plan_batch("q", 3, 1), [winner]) == 1
+    assert sink.abort_lingering("q", 3, intent, [winner]) == 1
     assert hdfs.status(late["files"][0]["staging"], strict=False) is None
     assert hstaged(hdfs, path) == []
     assert hvisible(hdfs, path) == ["part-00000003-00000-q.parquet"]
@@ -232,13 +242,14 @@ def test_hdfs_writer_abandoned_right_after_opening_leaves_nothing_after_cleanup(
     The staged file exists when begin_transaction returns, so the cleanup sees and removes it."""
     url, path = hroot
     sink = FileSink(url, storage_options=hopts(hdfs_service))
-    for attempt in range(5):
-        ctx = TransactionContext("q", 4, 0, attempt, sink.plan_batch("q", 4, 1))
+    for attempt in range(5):  # five executions (ballots) of batch 4, each cleaned up by its own INTENT
+        intent = sink.plan_batch("q", 4, 1)
+        ctx = TransactionContext("q", 4, 0, attempt, intent)
         txn = sink.begin_transaction(ctx)
         staged = txn.files[()].staging
         assert hdfs.status(staged, strict=False) is not None, "begin_transaction returned before the file existed"
         del txn  # no write, no abort: the executor is gone
-        assert sink.abort_lingering("q", 4, sink.plan_batch("q", 4, 1), []) == 1
+        assert sink.abort_lingering("q", 4, intent, []) == 1
         assert hstaged(hdfs, path) == []
 
 
@@ -560,24 +571,32 @@ def test_s3_abort_lingering_finds_orphans_of_the_batch_only(s3_service, s3, sroo
     url, prefix = sroot
     bucket = s3_service["bucket"]
     sink = FileSink(url, storage_options=s3env, partition_by=["k"])
-    orphan = prepare(sink, 9, 0, [1, 2, 3], k=["a", "b", "a"])         # a crashed attempt: 2 uploads
-    winner = prepare(sink, 9, 0, [1, 2, 3], attempt=1, k=["a", "b", "a"])
-    other_batch = prepare(sink, 10, 0, [7], k=["a"])
+    intent = sink.plan_batch("q", 9, 2)  # one execution (ballot) of batch 9: its tasks below share it
+    ballot = intent["ballot"]
+    assert re.fullmatch(r"[0-9a-f]{6}", ballot)
+    assert intent == {"fs": "s3", "bucket": bucket, "prefix": prefix + "/", "names": "part-00000009-",
+                      "scope": "q", "ballot": ballot}
+    orphan = prepare(sink, 9, 0, [1, 2, 3], k=["a", "b", "a"], intent=intent)  # a crashed attempt: 2 uploads
+    winner = prepare(sink, 9, 0, [1, 2, 3], attempt=1, k=["a", "b", "a"], intent=intent)
+    # Batch 10 under the same ballot token: only the batch number in the names keeps it apart.
+    other_batch = prepare(sink, 10, 0, [7], k=["a"], intent=dict(sink.plan_batch("q", 10, 2), ballot=ballot))
+    # Another execution of batch 9 (a ballot of its own, e.g. the re-run after this one was closed):
+    # this ballot's cleanup, however late, must not touch it.
+    other_ballot = prepare(sink, 9, 0, [8], k=["a"])
     foreign = s3.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/k=a/notours-00000009.parquet")["UploadId"]
-    ctx = TransactionContext("q", 9, 1, 0, sink.plan_batch("q", 9, 2))
+    ctx = TransactionContext("q", 9, 1, 0, intent)
     aborted = sink.begin_transaction(ctx)
     sink.write(aborted, batch([5], k=["c"]))
     sink.abort(aborted)  # an open (not pre-committed) file of a failing task: upload aborted
-    intent = sink.plan_batch("q", 9, 2)
-    assert intent == {"fs": "s3", "bucket": bucket, "prefix": prefix + "/", "names": "part-00000009-",
-                      "scope": "q"}
     assert sink.commit(winner).done
     assert sink.abort_lingering("q", 9, intent, [winner]) == 2
     remaining = {k for k, _ in sopen(s3, bucket, prefix)}
-    assert remaining == {other_batch["files"][0]["key"], f"{prefix}/k=a/notours-00000009.parquet"}
+    assert remaining == {other_batch["files"][0]["key"], other_ballot["files"][0]["key"],
+                         f"{prefix}/k=a/notours-00000009.parquet"}
     assert not {f["key"] for f in orphan["files"]} & remaining  # the crashed attempt's 2 uploads went
     assert sink.abort_lingering("q", 9, intent, []) == 0
-    assert svisible(s3, bucket, prefix) == ["k=a/part-00000009-00000-q.parquet", "k=b/part-00000009-00000-q.parquet"]
+    assert svisible(s3, bucket, prefix) == [f"k=a/part-00000009-00000-q-{ballot}.parquet",
+                                            f"k=b/part-00000009-00000-q-{ballot}.parquet"]
     assert [u for u in sopen(s3, bucket, prefix) if u[1] == foreign]
 
 
@@ -760,9 +779,9 @@ def _pending_log(sink, log_url, log_opts):
     written by this process as a crashed driver would have left it."""
     tlog = TransactionLog(log_url, storage_options=log_opts)
     tlog.acquire("query-cli", "cli")
-    decided = []
+    decided, intents = [], {}
     for b, ids in ((0, [[1, 2], [3]]), (1, [[4], [5, 6]])):
-        intent = sink.plan_batch("cli", b, 2)
+        intent = intents[b] = sink.plan_batch("cli", b, 2)
         tlog.write(b, INTENT, {"intent": intent, "sink": "files", "name": "cli", "num_partitions": 2})
         handles = []
         for p, part in enumerate(ids):
@@ -773,7 +792,7 @@ def _pending_log(sink, log_url, log_opts):
         if b == 0:
             tlog.write(b, PREPARED, {"handles": handles, "rows": 3})
             decided = handles
-    return decided
+    return decided, intents
 
 
 def _cli(*args, env=None):
@@ -813,7 +832,8 @@ def test_cli_recover_on_s3(s3_service, s3, sroot, s3env, tmp_path):
     url, prefix = sroot
     bucket = s3_service["bucket"]
     sink = FileSink(url, storage_options=s3env)
-    _pending_log(sink, str(tmp_path / "log"), None)
+    _, intents = _pending_log(sink, str(tmp_path / "log"), None)
+    ballot = intents[0]["ballot"]  # batch 0's (decided) ballot names its part files
     assert len(sopen(s3, bucket, prefix)) == 4
     cfg_file = tmp_path / "sink.json"
     cfg_file.write_text(json.dumps(sink.to_config()))
@@ -823,5 +843,6 @@ def test_cli_recover_on_s3(s3_service, s3, sroot, s3env, tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["committed_batches"] == [0] and rep["handles_committed"] == 2 and rep["aborted"] == {"1": 2}
-    assert svisible(s3, bucket, prefix) == ["part-00000000-00000-cli.parquet", "part-00000000-00001-cli.parquet"]
+    assert svisible(s3, bucket, prefix) == [f"part-00000000-00000-cli-{ballot}.parquet",
+                                            f"part-00000000-00001-cli-{ballot}.parquet"]
     assert sopen(s3, bucket, prefix) == []

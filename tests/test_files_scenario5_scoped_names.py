@@ -136,10 +136,11 @@ def test_scenario5_hdfs_new_generation_reuses_batch_ids_without_meeting_the_old_
     sink = FileSink(url, storage_options=hopts(hdfs_service))
     old = prepare(sink, 0, 0, [1, 2, 3], query=GEN1)
     assert sink.commit(old).outcome is CommitOutcome.COMMITTED
-    new = prepare(sink, 0, 0, [4, 5], query=GEN2)
+    gen2 = sink.plan_batch(GEN2, 0, 1)  # the new generation's execution of batch 0
+    new = prepare(sink, 0, 0, [4, 5], query=GEN2, intent=gen2)
     assert sink.commit(new).outcome is CommitOutcome.COMMITTED  # was: TwoPhaseError "already exists"
     other = prepare(sink, 0, 0, [6], query=OTHER)
-    assert sink.abort_lingering(GEN2, 0, sink.plan_batch(GEN2, 0, 1), [new]) == 0
+    assert sink.abort_lingering(GEN2, 0, gen2, [new]) == 0
     assert sink.commit(other).outcome is CommitOutcome.COMMITTED
     assert hvisible(hdfs, path) == ["part-00000000-00000-3f9a2b1cg1.parquet", "part-00000000-00000-3f9a2b1cg2.parquet",
                                     "part-00000000-00000-77e0c4d2g1.parquet"]
@@ -151,12 +152,16 @@ def test_scenario5_s3_new_generation_reuses_batch_ids_without_meeting_the_old_ob
                                                                                      s3env):
     url, prefix = sroot
     sink = FileSink(url, storage_options=s3env)
-    old = prepare(sink, 0, 0, [1, 2, 3], query=GEN1)
+    old_intent = sink.plan_batch(GEN1, 0, 1)
+    # The new generation's ballot token is the old one's: only the scope keeps their names apart.
+    new_intent = dict(sink.plan_batch(GEN2, 0, 1), ballot=old_intent["ballot"])
+    old = prepare(sink, 0, 0, [1, 2, 3], query=GEN1, intent=old_intent)
     assert sink.commit(old).outcome is CommitOutcome.COMMITTED
-    new = prepare(sink, 0, 0, [4, 5], query=GEN2)
+    new = prepare(sink, 0, 0, [4, 5], query=GEN2, intent=new_intent)
     assert sink.commit(new).outcome is CommitOutcome.COMMITTED  # was: TwoPhaseError "already exists"
-    assert svisible(s3, s3_service["bucket"], prefix) == ["part-00000000-00000-3f9a2b1cg1.parquet",
-                                                          "part-00000000-00000-3f9a2b1cg2.parquet"]
+    ballot = old_intent["ballot"]
+    assert svisible(s3, s3_service["bucket"], prefix) == [f"part-00000000-00000-3f9a2b1cg1-{ballot}.parquet",
+                                                          f"part-00000000-00000-3f9a2b1cg2-{ballot}.parquet"]
 
 
 @pytest.mark.s3
@@ -166,12 +171,15 @@ def test_scenario5_s3_cleanup_of_one_pipeline_never_aborts_anothers_uploads(s3_s
     url, prefix = sroot
     bucket = s3_service["bucket"]
     sink_a, sink_b = FileSink(url, storage_options=s3env), FileSink(url, storage_options=s3env)
-    decided_b = prepare(sink_b, 3, 0, [1, 2, 3], query=OTHER)   # B logged PREPARED, commit pending
-    pending_b = prepare(sink_b, 4, 0, [4], query=OTHER)         # B's batch 4, still preparing
-    intent3, intent4 = sink_a.plan_batch(GEN1, 3, 1), sink_a.plan_batch(GEN1, 4, 1)
+    intent3, intent4 = sink_a.plan_batch(GEN1, 3, 1), sink_a.plan_batch(GEN1, 4, 1)  # A's ballots
+    # B's ballots carry A's ballot tokens: only the scope keeps B's uploads out of A's cleanup.
+    b_intent3 = dict(sink_b.plan_batch(OTHER, 3, 1), ballot=intent3["ballot"])
+    b_intent4 = dict(sink_b.plan_batch(OTHER, 4, 1), ballot=intent4["ballot"])
+    decided_b = prepare(sink_b, 3, 0, [1, 2, 3], query=OTHER, intent=b_intent3)  # B logged PREPARED, commit pending
+    pending_b = prepare(sink_b, 4, 0, [4], query=OTHER, intent=b_intent4)        # B's batch 4, still preparing
     assert sink_a.abort_lingering(GEN1, 3, intent3, []) == 0    # A starts batch 3
-    won = prepare(sink_a, 3, 0, [10, 11], query=GEN1)
-    lost = prepare(sink_a, 3, 0, [10, 11], attempt=1, query=GEN1)  # A's failed task attempt
+    won = prepare(sink_a, 3, 0, [10, 11], query=GEN1, intent=intent3)
+    lost = prepare(sink_a, 3, 0, [10, 11], attempt=1, query=GEN1, intent=intent3)  # A's failed task attempt
     assert sink_a.commit(won).outcome is CommitOutcome.COMMITTED
     assert sink_a.abort_lingering(GEN1, 3, intent3, [won]) == 1  # was: 2 (B's decided upload too)
     assert sink_a.abort_lingering(GEN1, 4, intent4, []) == 0     # was: 1 (B's pending upload)
@@ -180,9 +188,9 @@ def test_scenario5_s3_cleanup_of_one_pipeline_never_aborts_anothers_uploads(s3_s
     assert lost["files"][0]["upload_id"] not in {u for _, u in sopen(s3, bucket, prefix)}
     assert sink_b.commit(decided_b).outcome is CommitOutcome.COMMITTED  # was: LOST
     assert sink_b.commit(pending_b).outcome is CommitOutcome.COMMITTED
-    assert svisible(s3, bucket, prefix) == ["part-00000003-00000-3f9a2b1cg1.parquet",
-                                            "part-00000003-00000-77e0c4d2g1.parquet",
-                                            "part-00000004-00000-77e0c4d2g1.parquet"]
+    assert svisible(s3, bucket, prefix) == [f"part-00000003-00000-3f9a2b1cg1-{intent3['ballot']}.parquet",
+                                            f"part-00000003-00000-77e0c4d2g1-{intent3['ballot']}.parquet",
+                                            f"part-00000004-00000-77e0c4d2g1-{intent4['ballot']}.parquet"]
 
 
 @pytest.mark.s3

@@ -74,7 +74,9 @@ def test_scenario9_verify_prepared_on_local_disk_names_a_removed_or_truncated_st
 def test_scenario9_verify_prepared_on_hdfs_names_a_removed_staged_file(hdfs_service, hdfs, hroot):
     url, path = hroot
     sink = FileSink(url, storage_options=hopts(hdfs_service))
-    hs = [prepare(sink, 4, p, [1, 2, 3, p]) for p in range(2)]
+    intent = sink.plan_batch("q", 4, 2)  # one execution (ballot) of batch 4: both tasks share its folder
+    hs = [prepare(sink, 4, p, [1, 2, 3, p], intent=intent) for p in range(2)]
+    assert {posixdir(e["staging"]) for h in hs for e in h["files"]} == {intent["staging"]}
     sink.verify_prepared(4, hs, prepare_started_at=time.time())
     gone = hs[0]["files"][0]["staging"]
     hdfs.delete(gone)

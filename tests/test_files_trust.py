@@ -90,12 +90,15 @@ def test_local_abort_lingering_refuses_an_intent_naming_another_folder(tmp_path)
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "keep-me.txt").write_text("x")
-    later = prepare(sink, 4, 0, [7])  # batch 4's staged file, pre-committed
+    intent4 = sink.plan_batch("q", 4, 1)  # one execution (ballot) of batch 4
+    later = prepare(sink, 4, 0, [7], intent=intent4)  # batch 4's staged file, pre-committed
     for intent in (
         {"staging": str(precious)},
         {"staging": str(out / "_twophase")},  # every query's staging
         {"staging": str(out / "_twophase" / "q" / "b00000004")},  # another batch's folder
+        {"staging": intent4["staging"]},  # another batch's ballot folder (where `later` is staged)
         {"staging": str(out / "_twophase" / "q" / "b00000003" / ".." / "b00000004")},
+        {"staging": str(out / "_twophase" / "q" / "b00000003.abcdef" / ".." / os.path.basename(intent4["staging"]))},
     ):
         with pytest.raises(HandleError, match="INTENT of batch 3"):
             sink.abort_lingering("q", 3, intent, [])
@@ -103,10 +106,10 @@ def test_local_abort_lingering_refuses_an_intent_naming_another_folder(tmp_path)
     assert os.path.exists(later["staging"])
     # A kept handle outside the sink is refused too, and the right intent still works.
     with pytest.raises(HandleError):
-        sink.abort_lingering(
-            "q", 4, sink.plan_batch("q", 4, 1), [dict(later, staging=str(precious))]
-        )
-    assert sink.abort_lingering("q", 4, sink.plan_batch("q", 4, 1), []) == 1
+        sink.abort_lingering("q", 4, intent4, [dict(later, staging=str(precious))])
+    assert os.path.exists(later["staging"])
+    assert sink.abort_lingering("q", 4, intent4, []) == 1
+    assert not os.path.exists(later["staging"])
 
 
 @pytest.mark.hdfs
@@ -271,18 +274,19 @@ def test_s3_sink_refuses_a_data_bucket_that_ignores_if_none_match(
     # Opted in: HEAD before completing keeps an existing object (the race is documented).
     sink = FileSink(url, storage_options=opts, s3_if_none_match="head-check")
     sink.open()
-    h = prepare(sink, 0, 0, [1, 2])
+    intent = sink.plan_batch("q", 0, 2)  # one execution (ballot) of batch 0: both tasks below
+    h = prepare(sink, 0, 0, [1, 2], intent=intent)
     e = h["files"][0]
     s3.put_object(Bucket=bucket, Key=e["key"], Body=b"someone else's data")
     with pytest.raises(TwoPhaseError, match="already exists"):
         sink.commit(h)
     assert s3.get_object(Bucket=bucket, Key=e["key"])["Body"].read() == b"someone else's data"
-    h2 = prepare(sink, 0, 1, [3, 4])
+    h2 = prepare(sink, 0, 1, [3, 4], intent=intent)
     assert sink.commit(h2).outcome is CommitOutcome.COMMITTED
     assert sink.commit(h2).done  # a replay finds its own object
     assert svisible(s3, bucket, prefix) == [
-        "part-00000000-00000-q.parquet",
-        "part-00000000-00001-q.parquet",
+        f"part-00000000-00000-q-{intent['ballot']}.parquet",
+        f"part-00000000-00001-q-{intent['ballot']}.parquet",
     ]
 
 
