@@ -366,11 +366,16 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def _name_prefix(self, batch_id: int) -> str:
         return f"{self.prefix}-{batch_id:08d}-"
 
-    def final_name(self, batch_id: int, partition_id: int, query_name: str | None = None) -> str:
-        """``{prefix}-{batch:08d}-{partition:05d}-{scope}.{ext}``: the scope token of the query
-        name (:func:`name_scope`) keeps two pipelines, or two generations of one, apart in one
-        folder or prefix; without a query name, the unscoped name older versions wrote."""
+    def final_name(self, batch_id: int, partition_id: int, query_name: str | None = None,
+                   ballot: str | None = None) -> str:
+        """``{prefix}-{batch:08d}-{partition:05d}-{scope}[-{ballot}].{ext}``: the scope token of
+        the query name (:func:`name_scope`) keeps two pipelines, or two generations of one, apart
+        in one folder or prefix; without a query name, the unscoped name older versions wrote.
+        ``ballot`` (S3: the INTENT's token) keeps two executions of one batch apart: their open
+        uploads are their staging, and a late cleanup of one must never abort the other's."""
         scope = "" if query_name is None else f"-{name_scope(query_name)}"
+        if ballot:
+            scope += f"-{ballot}"
         return f"{self.prefix}-{batch_id:08d}-{partition_id:05d}{scope}.{self._ext()}"
 
     def _batch_names(self, batch_id: int, query_name: str, intent: dict[str, Any]) -> re.Pattern[str]:
@@ -380,7 +385,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         head = re.escape(f"{self.prefix}-{batch_id:08d}-")
         tail = r"\d{5,}(?:-c\d{3,})?"
         ext = re.escape(f".{self._ext()}")
-        alts = [tail + re.escape(f"-{name_scope(query_name)}") + ext]
+        ballot = f"-{intent['ballot']}" if intent.get("ballot") else ""
+        alts = [tail + re.escape(f"-{name_scope(query_name)}{ballot}") + ext]
         if "scope" not in intent:
             alts.append(tail + ext)
         return re.compile(f"{head}(?:{'|'.join(alts)})")
@@ -397,6 +403,13 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         return [self.root] if self.fs == "local" else []
 
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        """INTENT: where this execution (ballot) of the batch stages its files (driver).
+
+        A token drawn per INTENT names the staging folder (local, HDFS) or goes into the upload
+        keys (S3), so that aborting a closed ballot's leftovers, however late, never touches a
+        later ballot of the same batch.
+        """
+        token = uuid.uuid4().hex[:6]
         if self.fs == "s3":
             b = self._backend
             return {
@@ -405,8 +418,9 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                 "prefix": b.storage.prefix,
                 "names": self._name_prefix(batch_id),
                 "scope": name_scope(query_name),
+                "ballot": token,
             }
-        intent = {"staging": self._batch_staging(query_name, batch_id)}
+        intent = {"staging": f"{self._batch_staging(query_name, batch_id)}.{token}"}
         if self.fs != "local":
             intent["fs"] = self.fs
         return intent
@@ -519,7 +533,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def _open_file(self, txn: FileTransaction, key: tuple) -> _OpenFile:
         ctx = txn.ctx
         b = self._backend
-        name = self.final_name(ctx.batch_id, ctx.partition_id, ctx.query_name)
+        name = self.final_name(ctx.batch_id, ctx.partition_id, ctx.query_name, ctx.intent.get("ballot"))
         if self.partition_by:
             final = b.join(b.root, *key, name)  # key: the partition directory names
         else:

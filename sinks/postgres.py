@@ -638,9 +638,11 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         """INTENT: the gid prefix of this batch (driver).
 
-        The prefix carries a random token, drawn once per INTENT: a replay of the
-        batch reuses the INTENT (same gids), while a new log generation, whose batch
-        ids restart at 0, can never reuse the gid (and marker row) of an old batch.
+        The prefix carries a random token, drawn once per INTENT (one ballot, one execution
+        of the batch): a re-run of the batch is a new ballot with gids of its own, so aborting
+        a closed ballot's gids, however late, never touches a later one; and a new log
+        generation, whose batch ids restart at 0, can never reuse an old batch's gid (and
+        marker row).
         """
         prefix = f"{self.batch_prefix(query_name, batch_id)}{uuid.uuid4().hex[:8]}:"
         # Longest gid this batch may use (attempt numbers up to 9999, any task attempt id, the longest run).

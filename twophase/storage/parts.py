@@ -156,7 +156,8 @@ class PartFiles:
         """HandleError unless the INTENT's locations are this sink's, for batch ``batch_id``."""
 
 
-_BATCH_DIR = re.compile(r"b(\d{8,})")
+#: A batch's staging folder: ``b<batch>``, with ``.<token>`` for one ballot of it.
+_BATCH_DIR = re.compile(r"b(\d{8,})(?:\.[0-9a-f]{6})?")
 
 TAMPERED = (
     "The transaction log record was changed, or belongs to another sink; nothing was touched. "
@@ -296,7 +297,8 @@ class StagedPartFiles(PartFiles):
             return
         record = f"the INTENT of batch {batch_id}"
         rel = self._under(staging, self.join(self.root, STAGING_DIR), "staging folder", record)
-        if len(rel) != 2 or rel[1] != f"b{batch_id:08d}":
+        m = _BATCH_DIR.fullmatch(rel[1]) if len(rel) == 2 else None
+        if m is None or int(m.group(1)) != batch_id:
             raise HandleError(
                 f"{record} names staging folder {staging!r}, which is not under "
                 f"{self.join(self.root, STAGING_DIR, '<query>', f'b{batch_id:08d}')!r}: not this "
