@@ -110,3 +110,37 @@ def test_packaging_installs_no_top_level_sinks_or_coordinator(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import twophase.sinks.files, twophase.coordinator"],
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_parallel_commits_report_the_first_failure_in_handle_order_not_the_first_to_finish():
+    """Found by the harness (issue 30): which error a batch's failed commits raised depended on
+    the threads' timing. Handle 0 fails slowly, handle 1 fast: handle 0's error is the one raised."""
+    import time
+
+    from twophase.errors import CommitError
+    from twophase.recovery import Committer
+    from twophase.sink import TwoPhaseCommitSink
+
+    class Failing(TwoPhaseCommitSink):
+        kind = "failing"
+
+        def commit(self, handle):
+            time.sleep(handle["delay"])
+            raise RuntimeError(f"handle {handle['i']} failed")
+
+        def begin_transaction(self, ctx):
+            raise NotImplementedError
+
+        def write(self, txn, batch):
+            raise NotImplementedError
+
+        def pre_commit(self, txn):
+            raise NotImplementedError
+
+        def abort(self, txn):
+            raise NotImplementedError
+
+    committer = Committer(Failing(), parallelism=2, retries=0)
+    for _ in range(3):
+        with pytest.raises(CommitError, match="handle 0 failed"):
+            committer.commit(7, [{"i": 0, "delay": 0.2}, {"i": 1, "delay": 0.0}], recovering=False)

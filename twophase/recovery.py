@@ -159,7 +159,7 @@ class Committer:
         # Armed crash points commit one at a time, so mid_commit really leaves some uncommitted.
         workers = 1 if crash.armed() else min(self.parallelism, len(handles))
         results: list[CommitResult | None] = [None] * len(handles)
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []
         done = 0
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="twophase-commit") as pool:
             futures = {pool.submit(self.commit_one, batch_id, h, recovering): i for i, h in enumerate(handles)}
@@ -167,14 +167,17 @@ class Committer:
                 try:
                     results[futures[fut]] = fut.result()
                 except Exception as e:  # noqa: BLE001 - raised below, after the others were tried
-                    errors.append(e)
+                    errors.append((futures[fut], e))
                     continue
                 done += 1
                 if done < len(handles):
                     crash.crash_point("mid_commit", batch_id)
         if errors:
-            lost = [e for e in errors if isinstance(e, DataLossError)]
-            raise (lost or errors)[0]
+            # The first in the handles' order (data loss before anything else), not the first to
+            # finish: the same failure reads the same whatever the threads' timing.
+            ordered = [e for _, e in sorted(errors, key=lambda ie: ie[0])]
+            lost = [e for e in ordered if isinstance(e, DataLossError)]
+            raise (lost or ordered)[0]
         return [r for r in results if r is not None]
 
     def commit_one(self, batch_id: int, handle: Any, recovering: bool) -> CommitResult:
