@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from tests.test_files_remote import (  # noqa: F401 - fixtures
@@ -33,18 +32,11 @@ from tests.test_files_remote import (  # noqa: F401 - fixtures
     sroot,
     svisible,
 )
+from tests.test_recovery import output_ids
 from twophase import CommitOutcome
 from twophase.sinks.files import FileSink
 
 GEN1, GEN2, OTHER = "p.3f9a2b1cg1", "p.3f9a2b1cg2", "p.77e0c4d2g1"
-
-
-def output_ids(folder: Path) -> list[int]:
-    ids: list[int] = []
-    for p in sorted(folder.rglob("*.parquet")):
-        if "_twophase" not in p.parts:
-            ids.extend(pq.read_table(p).column("id").to_pylist())
-    return ids
 
 
 def frame(spark, lo, hi, parts=2):

@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from tests.test_files_remote import (  # noqa: F401 - fixtures
@@ -29,6 +27,7 @@ from tests.test_files_remote import (  # noqa: F401 - fixtures
     s3env,
     sroot,
 )
+from tests.test_recovery import output_ids
 from twophase import CommitOutcome, TransactionContext
 from twophase.errors import TwoPhaseError
 from twophase.sinks.files import FileSink
@@ -36,14 +35,6 @@ from twophase.sinks.files import FileSink
 
 def entries(handle: dict) -> list[dict]:
     return list(handle["files"]) if "files" in handle else [handle]
-
-
-def output_ids(folder: Path) -> list[int]:
-    ids: list[int] = []
-    for p in sorted(folder.rglob("*.parquet")):
-        if "_twophase" not in p.parts:
-            ids.extend(pq.read_table(p).column("id").to_pylist())
-    return ids
 
 
 # ------------------------------------------------------------------------ the sink, per backend
