@@ -309,7 +309,7 @@ def recover_pending(
             if not b.ballots:  # a harness' model: one implicit ballot, aborted directly
                 n = sink.abort_lingering(b.name, b.batch_id, b.intent, [])
             for ballot in b.ballots:
-                if ballot.outcome == ABORT:
+                if ballot.outcome == ABORT or (close_ballot is None and ballot.outcome is None):
                     n += sink.abort_lingering(ballot.name, b.batch_id, ballot.intent, [])
             if n:
                 log.warning("%s: aborted %d transactions left by undecided %s", committer.name, n, b.label)
