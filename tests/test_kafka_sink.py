@@ -290,7 +290,14 @@ def test_open_validates_timeout_topic_and_reachability(kafka_service):
 
 # ----------------------------------------------------------- through the coordinator
 def _prepared_in_log(log_dir: Path) -> list[str]:
-    return sorted(p.name for p in log_dir.rglob("*.prepared.json"))
+    """The commit decisions in a log (a failed ballot's slot holds an abort, which is none)."""
+    from twophase.log import TransactionLog
+
+    if not (log_dir / "log.json").exists():
+        return []
+    tlog = TransactionLog(str(log_dir), readonly=True)
+    return sorted(view.decision.location for g in tlog.generations()
+                  for view in tlog.views(int(g["generation"])).values() if view.decision is not None)
 
 
 @pytest.mark.kafka

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from tests.test_kafka_sink import _ctx, _topic, read_committed
+from tests.test_kafka_sink import _ctx, _prepared_in_log, _topic, read_committed
 from twophase.errors import ConfigurationError, TwoPhaseError
 from twophase.sink import CommitOutcome
 from twophase.sinks import _kafka_protocol as kp
@@ -154,4 +154,4 @@ def test_batch_outliving_the_timeout_fails_undecided_and_replays_once(kafka_serv
 
 
 def _prepared(log_dir: Path) -> list[str]:
-    return sorted(p.name for p in log_dir.rglob("*.prepared.json"))
+    return _prepared_in_log(log_dir)
