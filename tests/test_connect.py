@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -65,6 +67,19 @@ def test_files_exactly_once_over_spark_connect_with_client_server_and_worker_kil
     driver_log = (workdir / "driver.log").read_text(errors="replace")
     assert "Streaming ForeachBatch worker Started batch" in driver_log
     assert "over Spark Connect the coordinator cannot inspect the streaming query" in driver_log
+
+
+def _kill_server_and_time_the_client(server, client) -> float:
+    """SIGKILL the Connect server; seconds until its client's call ended (fails after 60 s)."""
+    server.kill()
+    killed_at = time.monotonic()
+    try:
+        client.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(client.pid, signal.SIGKILL)
+        client.wait()
+        pytest.fail("the client still waited 60 s after its Connect server died")
+    return time.monotonic() - killed_at
 
 
 @pytest.mark.kafka
@@ -223,8 +238,6 @@ def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_k
     and started again: the client's call ends with an error within seconds (twophase bounds the
     client's gRPC retries, issue 26); a last client finishes.  Every id is committed once, nothing is
     left staged."""
-    import signal
-    import time
 
     server, spark_connect_service = own_connect_server
     inp, out, ck = tmp_path / "in", tmp_path / "out", tmp_path / "ck"
@@ -267,15 +280,7 @@ def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_k
         # call (awaitTermination) ends with an error within seconds (bound_connect_retries: about
         # 10 s of retries; pyspark's own policy waits about ten minutes); then the server comes back.
         done_before = c2.poll() is not None
-        server.kill()
-        killed_at = time.monotonic()
-        try:
-            c2.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(c2.pid, signal.SIGKILL)
-            c2.wait()
-            pytest.fail("the client still waited 60 s after its Connect server died")
-        waited = time.monotonic() - killed_at
+        waited = _kill_server_and_time_the_client(server, c2)
         print(f"the client ended {waited:.1f} s after its server died, exit {c2.returncode}")
         if not done_before:
             assert c2.returncode != 0 or committed_batches() >= 14
@@ -321,8 +326,6 @@ except Exception as e:
 def test_a_client_whose_connect_server_died_fails_its_call_within_seconds(tmp_path, own_connect_server):
     """Issue 26: pyspark retries an unreachable Connect server for about ten minutes; a session
     through ``twophase.spark.bound_connect_retries`` ends the call with UNAVAILABLE within seconds."""
-    import signal
-    import time
 
     server, info = own_connect_server
     with open(tmp_path / "client.log", "w") as log:
@@ -331,15 +334,7 @@ def test_a_client_whose_connect_server_died_fails_its_call_within_seconds(tmp_pa
                    "the client's session")
         time.sleep(3)  # the call is running on the server
         assert client.poll() is None, (tmp_path / "client.log").read_text()[-3000:]
-        server.kill()
-        killed_at = time.monotonic()
-        try:
-            client.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(client.pid, signal.SIGKILL)
-            client.wait()
-            pytest.fail("the client still waited 60 s after its Connect server died")
-    waited = time.monotonic() - killed_at
+        waited = _kill_server_and_time_the_client(server, client)
     said = (tmp_path / "client.log").read_text(errors="replace")
     assert client.returncode == 3, said[-3000:]
     assert "UNAVAILABLE" in said, said[-3000:]
