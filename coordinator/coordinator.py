@@ -1,12 +1,11 @@
 """Driver-side two-phase-commit coordinator hooked to Spark micro-batch completion.
 
-For batch N (DESIGN §2): COMMITTED in the log -> skip; PREPARED -> commit the logged
-handles again (idempotent) and mark COMMITTED; otherwise log INTENT, abort what an
-earlier attempt of N left open, run the executors (each partition begins, writes
-Arrow batches, pre-commits and returns its handle), log PREPARED (the decision),
-commit every handle in parallel with retry, log COMMITTED.  Spark writes
-``commits/N`` only after this returns, and replays N with the same rows after a
-crash anywhere before that.
+The Spark glue around the protocol (``twophase/protocol.py``, which imports no Spark):
+environment checks (speculation, checkpoint, Spark Connect), executor probes, how many
+transactions a batch gets, running each partition's transaction on the executors (begin,
+write Arrow batches, pre-commit, return the handle), Spark's source offsets, and a
+replayed batch's state stores.  Spark writes ``commits/N`` only after a batch returns,
+and replays N with the same rows after a crash anywhere before that.
 """
 
 from __future__ import annotations
@@ -17,14 +16,14 @@ import os
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from twophase import crash
-from twophase.errors import CommitError, ConfigurationError, TwoPhaseError
-from twophase.log import COMMITTED, INTENT, LogStore, TransactionLog, open_store
-from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
+from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.log import LogStore, TransactionLog, open_store
+from twophase.protocol import BatchProgress, TwoPhaseProtocol
+from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.coordinator")
@@ -35,28 +34,6 @@ _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Physical operators that keep state across micro-batches (their state stores must commit each batch).
 _STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "StreamingSymmetricHashJoin",
                      "StreamingGlobalLimit")
-
-
-@dataclass
-class BatchProgress:
-    """Figures of one batch, as logged and kept in :attr:`Coordinator.last_progress`."""
-
-    name: str
-    batch_id: int
-    query_id: str | None
-    action: str  # "committed" | "recommitted" | "skipped"
-    rows: int = 0
-    handles: int = 0
-    aborted_lingering: int = 0
-    intent_ms: float = 0.0
-    prepare_ms: float = 0.0
-    log_ms: float = 0.0
-    commit_ms: float = 0.0
-    total_ms: float = 0.0
-    timestamp: float = field(default_factory=time.time)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _job_failure(e: BaseException) -> str:
@@ -273,7 +250,7 @@ class Coordinator:
         self._query_id: str | None = None
         self._stateful: bool | None = None
         self._scoped_name = name       # the name sinks see: name + the log's identity (set at start)
-        self._dirty = True             # run the recovery routine before the next batch
+        self._protocol: TwoPhaseProtocol | None = None  # the protocol's steps, on the log we hold
         self._slots_capped = False
         self.last_progress: dict[str, Any] | None = None
         self.recent_progress: list[dict[str, Any]] = []
@@ -343,7 +320,9 @@ class Coordinator:
             self.log.close()
         self.log, self._query_id = tlog, query_id
         self._scoped_name = f"{self.name}.{tlog.scope()}"
-        self._dirty = True
+        # A new protocol instance starts dirty: recovery runs before its first batch.
+        self._protocol = TwoPhaseProtocol(self.sink, tlog, name=self.name, query_name=self._scoped_name,
+                                          committer=self._committer)
         tlog.start_heartbeat()
         return tlog
 
@@ -365,27 +344,6 @@ class Coordinator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _recover(self, tlog: TransactionLog) -> set[tuple[int, int]]:
-        """The shared recovery routine (twophase/recovery.py): decided batches of every generation
-        are committed first, oldest first; only then are undecided batches' leftovers aborted.
-
-        Runs before the first batch and again after any batch failed, so that a new batch never
-        opens transactions while an older decided batch is not fully committed.  Returns the
-        (generation, batch) pairs it committed.
-        """
-        committed: set[tuple[int, int]] = set()
-        pending = pending_batches(tlog)
-        if not pending:
-            return committed
-
-        def mark(b) -> None:
-            tlog.write(b.batch_id, COMMITTED, {"recovered": True, "at": time.time()}, generation=b.generation)
-            committed.add((b.generation, b.batch_id))
-
-        recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
-                        close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"))
-        return committed
 
     def _committer(self) -> Committer:
         return Committer(self.sink, parallelism=self.commit_parallelism, retries=self.commit_retries,
@@ -556,184 +514,15 @@ class Coordinator:
     # ----------------------------------------------------------------- a batch
     def _run(self, df, batch_id: int, query_id: str, streaming: bool) -> None:
         t_start = time.perf_counter()
-        tlog = self._start(df.sparkSession, query_id, streaming)
+        self._start(df.sparkSession, query_id, streaming)
+        assert self._protocol is not None
         prog = BatchProgress(self.name, batch_id, query_id, "committed")
-        try:
-            self._run_batch(tlog, prog, df, batch_id, query_id, streaming)
-        except BaseException:
-            self._dirty = True  # before the next batch: finish (or report) whatever this one left
-            raise
-        self._finish(prog, t_start)
-
-    def _run_batch(self, tlog: TransactionLog, prog: BatchProgress, df, batch_id: int, query_id: str,
-                   streaming: bool) -> None:
-        t0 = time.perf_counter()
-        tlog.heartbeat(force=False)
-        recovered: set[tuple[int, int]] | None = None
-        if self._dirty:
-            try:
-                recovered = self._recover(tlog)
-            except CommitError as e:
-                raise CommitError(f"batch {batch_id} was not started: an earlier decided batch is not fully "
-                                  f"committed, and a new batch could abort its transactions. {e}") from e
-            self._dirty = False
-        view = tlog.view(batch_id)
-        if not view.ballots and view.committed is None:
-            tlog.refuse_pruned(batch_id)  # PrunedBatchError below the low-water mark
-        prog.log_ms += _ms(t0)
-
-        if view.committed is None and view.decision is not None:  # only if recovery was skipped: never leave it
-            recovered = self._recover(tlog)
-            view = tlog.view(batch_id)
-        if view.committed is not None:                                              # steps 1-2
-            prog.action = "recommitted" if (tlog.generation, batch_id) in (recovered or set()) else "skipped"
-            decision = view.decision
-            if prog.action == "recommitted" and decision is not None:
-                prog.handles = len(decision.handles)
-                prog.rows = int(decision.body.get("rows", 0))
+        self._protocol.run_batch(batch_id, _SparkBatch(self, df), prog)
+        if prog.action != "committed":
+            # Decided before (a replay): the batch is not written again, but a stateful query's
+            # state stores must still commit this batch.
             self._commit_state(df, query_id, streaming)
-            return
-
-        # step 3: close what earlier ballots of this batch left open, then a ballot of our own
-        t0 = time.perf_counter()
-        closed_now = []
-        for ballot in view.ballots:
-            if ballot.open:
-                slot = tlog.close_ballot(batch_id, ballot.ballot, f"re-run by coordinator epoch {tlog.epoch}")
-                if not slot.aborted:
-                    # Decided while we looked (a paused coordinator's late decision): it stands.
-                    self._dirty = True
-                    raise CommitError(f"batch {batch_id}: ballot {ballot.ballot} was decided by another "
-                                      "coordinator while this one opened a new ballot; the replay commits it")
-                closed_now.append(ballot)
-        # Every earlier ballot is closed as aborted now: its names are garbage. Recovery (when it ran
-        # just now) already aborted those closed before.
-        for ballot in (closed_now if recovered is not None else view.ballots):
-            n = self.sink.abort_lingering(str(ballot.name or self._scoped_name), batch_id, ballot.plan, [])
-            prog.aborted_lingering += n
-        if prog.aborted_lingering:
-            log.info("%s: batch %d: aborted %d transactions left by earlier ballots", self.name, batch_id,
-                     prog.aborted_lingering)
-        qname = self._scoped_name
-        number = view.next_ballot
-        planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
-                        if b.intent is not None), None)
-        if planned and _batch_partitions(df, planned)[1]:
-            # A re-run stays inside the transactions its first ballot planned (coalesce never adds
-            # partitions), so that a sink's bounded pool of names keeps its size.
-            df, num_partitions = df.coalesce(planned), int(planned)
-        else:
-            slots = self._slots(df.sparkSession)
-            # Transactions per batch = writer slots, whatever the input partitioning (no shuffle);
-            # a slot without rows opens none.
-            num_partitions, coalesce = _batch_partitions(df, slots)
-            if coalesce:
-                df = df.coalesce(slots)
-        intent = self.sink.plan_batch(qname, batch_id, num_partitions)
-        opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
-                                               "num_partitions": num_partitions}, ballot=number)
-        if not tlog.mine(opened):
-            self._dirty = True
-            raise TwoPhaseError(f"batch {batch_id}: another coordinator opened ballot {number} at the same time; "
-                                "this one stops without writing (the replay runs the batch)")
-        prog.intent_ms = _ms(t0)
-        crash.crash_point("after_intent", batch_id)
-
-        t0 = time.perf_counter()
-        run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
-        payload: dict[str, Any] = {}
-        try:
-            started_at = time.time()
-            results = self._prepare(df, qname, batch_id, intent, run)
-            # Before the decision: a pre-committed transaction the target may already have
-            # aborted on its own (Kafka's timeout) fails the batch now, while it is undecided.
-            self.sink.verify_prepared(batch_id, [self.sink.decode_handle(r["handle"]) for r in results],
-                                      prepare_started_at=started_at)
-            source = self._source_offsets(batch_id)
-            if source is not None:
-                payload["source"] = source
-            tlog.check_fence()  # an early exit for a deposed coordinator; the slot below is the fence
-        except BaseException as e:
-            # Nothing is decided: close our ballot, then abort what its partitions left open now,
-            # rather than at the replay (prepared transactions hold locks, open Kafka
-            # transactions hold back read_committed consumers).
-            self._give_up(tlog, qname, batch_id, number, intent, e)
-            raise
-        prog.prepare_ms = _ms(t0)
-        handles = [r["handle"] for r in results]
-        prog.rows = sum(r["rows"] for r in results)
-        prog.handles = len(handles)
-        crash.crash_point("before_prepared_logged", batch_id)
-
-        t0 = time.perf_counter()                                                   # step 4: the decision
-        payload.update({"handles": handles, "rows": prog.rows, "partitions": [r["partition"] for r in results]})
-        decided = tlog.decide(batch_id, number, payload)
-        if not tlog.mine(decided):
-            # Our ballot was closed (aborted) by someone else first: the batch is theirs to re-run.
-            # What our executors pre-committed belongs to our ballot alone.
-            self._dirty = True
-            self._abort_own(batch_id, handles)
-            raise TwoPhaseError(f"batch {batch_id}: ballot {number} was closed by another coordinator "
-                                f"({decided.body.get('reason') or 'aborted'}) before this one (epoch {tlog.epoch}) "
-                                "decided it; its transactions were aborted and the batch is re-run by the owner")
-        prog.log_ms += _ms(t0)
-        crash.crash_point("after_prepared_logged", batch_id)
-
-        t0 = time.perf_counter()                                                   # steps 5-6
-        decoded = [self.sink.decode_handle(e) for e in handles]
-        self._committer().commit(batch_id, decoded, recovering=False)
-        # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
-        aborted = self.sink.abort_lingering(qname, batch_id, intent, decoded)
-        if aborted:
-            log.info("%s: batch %d: aborted %d transactions of failed task attempts", self.name, batch_id,
-                     aborted)
-        prog.commit_ms = _ms(t0)
-        crash.crash_point("after_commit", batch_id)
-        t0 = time.perf_counter()
-        tlog.write(batch_id, COMMITTED, {"rows": prog.rows, "handles_committed": len(handles)})
-        prog.log_ms += _ms(t0)
-        crash.crash_point("after_committed_logged", batch_id)
-        tlog.prune(batch_id)
-
-    def _give_up(self, tlog: TransactionLog, qname: str, batch_id: int, ballot: int, intent: dict[str, Any],
-                 error: BaseException) -> None:
-        """A ballot of ours failed before its decision: close it as aborted, then abort its transactions.
-
-        Only after the slot says "abort" (ours or an earlier close) are its names aborted, and only
-        its own names: a later ballot, a newer owner's, is never touched.  Best effort: the replay
-        (or recovery) closes and aborts what is left.
-        """
-        try:
-            slot = tlog.close_ballot(batch_id, ballot, f"failed: {type(error).__name__}: {str(error)[:200]}")
-        except Exception:  # noqa: BLE001 - the log is unreachable: the replay closes the ballot
-            log.warning("%s: batch %d: could not close ballot %d after its failure; the replay closes it and "
-                        "aborts its transactions", self.name, batch_id, ballot, exc_info=True)
-            return
-        if not slot.aborted:  # cannot be: only this coordinator decides its ballot
-            log.error("%s: batch %d: ballot %d holds a commit decision after its failure: left as is",
-                      self.name, batch_id, ballot)
-            return
-        try:
-            self.sink.abort_lingering(qname, batch_id, intent, [])
-        except Exception:
-            log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
-                        "replay aborts them", self.name, batch_id, exc_info=True)
-
-    def _abort_own(self, batch_id: int, envelopes: list[dict[str, Any]]) -> None:
-        """Abort the pre-committed transactions of a ballot of ours that another coordinator closed.
-
-        Best effort: a failure is logged, and the closer's (or the next replay's)
-        ``abort_lingering`` finds what is left by the ballot's INTENT.
-        """
-        for env in envelopes:
-            try:
-                self.sink.recover_and_abort(self.sink.decode_handle(env))
-            except Exception as e:  # noqa: BLE001 - best effort, see above
-                log.warning("%s: batch %d: could not abort own transaction %s after losing the decision: %s",
-                            self.name, batch_id, env, e)
-        if envelopes:
-            log.warning("%s: batch %d: lost the decision to another coordinator; aborted %d own transactions",
-                        self.name, batch_id, len(envelopes))
+        self._finish(prog, t_start)
 
     def _slots(self, spark) -> int:
         """Writer tasks (= transactions) per batch: ``parallelism``, else Spark's default parallelism,
@@ -945,3 +734,33 @@ class Coordinator:
         log.info("%s: batch %d %s: %d rows, %d handles, prepare %.0f ms, commit %.0f ms, log %.0f ms",
                  prog.name, prog.batch_id, prog.action, prog.rows, prog.handles, prog.prepare_ms,
                  prog.commit_ms, prog.log_ms)
+
+
+class _SparkBatch:
+    """One batch's work on Spark, for :class:`~twophase.protocol.TwoPhaseProtocol`: how many
+    transactions (coalescing the DataFrame to them), the executors' tasks, Spark's offsets."""
+
+    def __init__(self, coordinator: Coordinator, df):
+        self.coordinator = coordinator
+        self.df = df
+
+    def partitions(self, planned: int | None) -> int:
+        df = self.df
+        if planned and _batch_partitions(df, planned)[1]:
+            # A re-run stays inside the transactions its first ballot planned (coalesce never adds
+            # partitions), so that a sink's bounded pool of names keeps its size.
+            self.df = df.coalesce(planned)
+            return int(planned)
+        slots = self.coordinator._slots(df.sparkSession)
+        # Transactions per batch = writer slots, whatever the input partitioning (no shuffle);
+        # a slot without rows opens none.
+        num_partitions, coalesce = _batch_partitions(df, slots)
+        if coalesce:
+            self.df = df.coalesce(slots)
+        return num_partitions
+
+    def prepare(self, query_name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
+        return self.coordinator._prepare(self.df, query_name, batch_id, intent, run)
+
+    def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
+        return self.coordinator._source_offsets(batch_id)

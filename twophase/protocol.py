@@ -1,0 +1,296 @@
+"""The commit protocol of one batch, without Spark: docs/design.md's protocol section as code.
+
+For batch N, as the owner of the transaction log (twophase/log.py) sees it:
+
+1-2. N COMMITTED: nothing to do.  N decided (a ballot's slot holds a commit decision) but
+     not COMMITTED: commit its handles again (idempotent), log COMMITTED.
+3.   Otherwise close every open ballot of N (its slot gets an *abort*, by the same exclusive
+     create a late commit decision would need: whichever lands first wins, and a late commit
+     found here is committed, never overruled), abort what the closed ballots named, and open
+     a ballot of our own: INTENT (the sink's plan for this ballot's transaction names).
+4.   Run the tasks (:meth:`BatchWork.prepare`: each partition begins, writes and pre-commits),
+     check the handles are still pre-committed, read the source offsets, then the decision:
+     fill our ballot's slot with the handles.  Refused (someone closed our ballot first): abort
+     our own handles only and stop; the owner re-runs N.  A failure before the decision closes
+     our ballot first and aborts only its names.
+5-6. Commit every handle (in parallel, with retries; a commit that can never succeed raises
+     :class:`~twophase.errors.DataLossError`), abort the batch's failed task attempts, log
+     COMMITTED.
+
+Nothing here imports Spark: :class:`BatchWork` is what an engine supplies (the coordinator's
+Spark glue in ``twophase.coordinator``, or a test harness that runs tasks in-process, late and
+twice).  Recovery before a batch (after a start or a failure) is
+:func:`twophase.recovery.recover_pending`, which closes open ballots the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from twophase import crash
+from twophase.errors import CommitError, TwoPhaseError
+from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog
+from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
+from twophase.sink import TwoPhaseCommitSink
+
+log = logging.getLogger("twophase.protocol")
+
+
+@dataclass
+class BatchProgress:
+    """Figures of one batch, as logged and kept in ``Coordinator.last_progress``."""
+
+    name: str
+    batch_id: int
+    query_id: str | None
+    action: str  # "committed" | "recommitted" | "skipped"
+    rows: int = 0
+    handles: int = 0
+    aborted_lingering: int = 0
+    intent_ms: float = 0.0
+    prepare_ms: float = 0.0
+    log_ms: float = 0.0
+    commit_ms: float = 0.0
+    total_ms: float = 0.0
+    timestamp: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BatchWork(Protocol):
+    """What the engine does for one batch; the protocol decides when."""
+
+    def partitions(self, planned: int | None) -> int:
+        """How many transactions (partitions) this ballot writes.  ``planned``: what the batch's
+        last ballot planned (a re-run stays inside it, so a sink's bounded pool of transaction
+        names keeps its size), or ``None`` for a batch's first ballot."""
+
+    def prepare(self, query_name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
+        """Run every partition's transaction; return one result per pre-committed partition:
+        ``{"partition", "attempt", "rows", "handle"}`` (the handle as the sink encoded it)."""
+
+    def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
+        """The source offsets to record in the decision (``None``: none known)."""
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
+class TwoPhaseProtocol:
+    """One log owner's protocol: the steps of a batch, and recovery between batches.
+
+    ``name`` labels logs and errors; ``query_name`` is what the sink sees (the coordinator's
+    name scoped by the log's identity and generation).  ``committer`` commits a batch's handles.
+    ``dirty`` means: run the recovery routine before the next batch (at the start, and after
+    any batch failed).
+    """
+
+    def __init__(self, sink: TwoPhaseCommitSink[Any, Any], tlog: TransactionLog, *, name: str,
+                 query_name: str, committer: Callable[[], Committer]):
+        self.sink = sink
+        self.tlog = tlog
+        self.name = name
+        self.query_name = query_name
+        self._committer = committer
+        self.dirty = True
+
+    # ------------------------------------------------------------------ recovery
+    def recover(self) -> set[tuple[int, int]]:
+        """Decided batches of every generation are committed first, oldest first; only then are
+        undecided batches' open ballots closed and their leftovers aborted.  Returns the
+        (generation, batch) pairs it committed."""
+        tlog = self.tlog
+        committed: set[tuple[int, int]] = set()
+        pending = pending_batches(tlog)
+        if not pending:
+            return committed
+
+        def mark(b) -> None:
+            tlog.write(b.batch_id, COMMITTED, {"recovered": True, "at": time.time()}, generation=b.generation)
+            committed.add((b.generation, b.batch_id))
+
+        recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
+                        close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"))
+        return committed
+
+    # ------------------------------------------------------------------ a batch
+    def run_batch(self, batch_id: int, work: BatchWork, prog: BatchProgress) -> None:
+        """Make batch ``batch_id`` visible exactly once; fills ``prog`` (its ``action`` says what
+        happened: committed now, recommitted from an earlier decision, or skipped)."""
+        try:
+            self._run_batch(batch_id, work, prog)
+        except BaseException:
+            self.dirty = True  # before the next batch: finish (or report) whatever this one left
+            raise
+
+    def _run_batch(self, batch_id: int, work: BatchWork, prog: BatchProgress) -> None:
+        tlog = self.tlog
+        t0 = time.perf_counter()
+        tlog.heartbeat(force=False)
+        recovered: set[tuple[int, int]] | None = None
+        if self.dirty:
+            try:
+                recovered = self.recover()
+            except CommitError as e:
+                raise CommitError(f"batch {batch_id} was not started: an earlier decided batch is not fully "
+                                  f"committed, and a new batch could abort its transactions. {e}") from e
+            self.dirty = False
+        view = tlog.view(batch_id)
+        if not view.ballots and view.committed is None:
+            tlog.refuse_pruned(batch_id)  # PrunedBatchError below the low-water mark
+        prog.log_ms += _ms(t0)
+
+        if view.committed is None and view.decision is not None:  # only if recovery was skipped: never leave it
+            recovered = self.recover()
+            view = tlog.view(batch_id)
+        if view.committed is not None:                                              # steps 1-2
+            prog.action = "recommitted" if (tlog.generation, batch_id) in (recovered or set()) else "skipped"
+            decision = view.decision
+            if prog.action == "recommitted" and decision is not None:
+                prog.handles = len(decision.handles)
+                prog.rows = int(decision.body.get("rows", 0))
+            return
+
+        t0 = time.perf_counter()                                                    # step 3
+        number = self._close_earlier_ballots(batch_id, view, prog, after_recovery=recovered is not None)
+        planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
+                        if b.intent is not None), None)
+        num_partitions = work.partitions(int(planned) if planned else None)
+        qname = self.query_name
+        intent = self.sink.plan_batch(qname, batch_id, num_partitions)
+        opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
+                                               "num_partitions": num_partitions}, ballot=number)
+        if not tlog.mine(opened):
+            self.dirty = True
+            raise TwoPhaseError(f"batch {batch_id}: another coordinator opened ballot {number} at the same time; "
+                                "this one stops without writing (the replay runs the batch)")
+        prog.intent_ms = _ms(t0)
+        crash.crash_point("after_intent", batch_id)
+
+        t0 = time.perf_counter()                                                    # step 4
+        run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
+        payload: dict[str, Any] = {}
+        try:
+            started_at = time.time()
+            results = work.prepare(qname, batch_id, intent, run)
+            # Before the decision: a pre-committed transaction the target may already have
+            # aborted on its own (Kafka's timeout) fails the batch now, while it is undecided.
+            self.sink.verify_prepared(batch_id, [self.sink.decode_handle(r["handle"]) for r in results],
+                                      prepare_started_at=started_at)
+            source = work.source_offsets(batch_id)
+            if source is not None:
+                payload["source"] = source
+            tlog.check_fence()  # an early exit for a deposed coordinator; the slot below is the fence
+        except BaseException as e:
+            # Nothing is decided: close our ballot, then abort what its partitions left open now,
+            # rather than at the replay (prepared transactions hold locks, open Kafka
+            # transactions hold back read_committed consumers).
+            self._give_up(batch_id, number, intent, e)
+            raise
+        prog.prepare_ms = _ms(t0)
+        handles = [r["handle"] for r in results]
+        prog.rows = sum(r["rows"] for r in results)
+        prog.handles = len(handles)
+        crash.crash_point("before_prepared_logged", batch_id)
+
+        t0 = time.perf_counter()                                                    # the decision
+        payload.update({"handles": handles, "rows": prog.rows, "partitions": [r["partition"] for r in results]})
+        decided = tlog.decide(batch_id, number, payload)
+        if not tlog.mine(decided):
+            # Our ballot was closed (aborted) by someone else first: the batch is theirs to re-run.
+            # What our tasks pre-committed belongs to our ballot alone.
+            self.dirty = True
+            self._abort_own(batch_id, handles)
+            raise TwoPhaseError(f"batch {batch_id}: ballot {number} was closed by another coordinator "
+                                f"({decided.body.get('reason') or 'aborted'}) before this one (epoch {tlog.epoch}) "
+                                "decided it; its transactions were aborted and the batch is re-run by the owner")
+        prog.log_ms += _ms(t0)
+        crash.crash_point("after_prepared_logged", batch_id)
+
+        t0 = time.perf_counter()                                                    # steps 5-6
+        decoded = [self.sink.decode_handle(e) for e in handles]
+        self._committer().commit(batch_id, decoded, recovering=False)
+        # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
+        aborted = self.sink.abort_lingering(qname, batch_id, intent, decoded)
+        if aborted:
+            log.info("%s: batch %d: aborted %d transactions of failed task attempts", self.name, batch_id,
+                     aborted)
+        prog.commit_ms = _ms(t0)
+        crash.crash_point("after_commit", batch_id)
+        t0 = time.perf_counter()
+        tlog.write(batch_id, COMMITTED, {"rows": prog.rows, "handles_committed": len(handles)})
+        prog.log_ms += _ms(t0)
+        crash.crash_point("after_committed_logged", batch_id)
+        tlog.prune(batch_id)
+
+    def _close_earlier_ballots(self, batch_id: int, view: BatchView, prog: BatchProgress, *,
+                               after_recovery: bool) -> int:
+        """Close what earlier ballots of this batch left open, abort their names; return the number
+        of the ballot to open.  A ballot found decided while we closed it stands: CommitError (the
+        replay commits it)."""
+        tlog = self.tlog
+        closed_now = []
+        for ballot in view.ballots:
+            if ballot.open:
+                slot = tlog.close_ballot(batch_id, ballot.ballot, f"re-run by coordinator epoch {tlog.epoch}")
+                if not slot.aborted:
+                    # Decided while we looked (a paused coordinator's late decision): it stands.
+                    self.dirty = True
+                    raise CommitError(f"batch {batch_id}: ballot {ballot.ballot} was decided by another "
+                                      "coordinator while this one opened a new ballot; the replay commits it")
+                closed_now.append(ballot)
+        # Every earlier ballot is closed as aborted now: its names are garbage. Recovery (when it ran
+        # just now) already aborted those closed before.
+        for ballot in (closed_now if after_recovery else view.ballots):
+            n = self.sink.abort_lingering(str(ballot.name or self.query_name), batch_id, ballot.plan, [])
+            prog.aborted_lingering += n
+        if prog.aborted_lingering:
+            log.info("%s: batch %d: aborted %d transactions left by earlier ballots", self.name, batch_id,
+                     prog.aborted_lingering)
+        return view.next_ballot
+
+    def _give_up(self, batch_id: int, ballot: int, intent: dict[str, Any], error: BaseException) -> None:
+        """A ballot of ours failed before its decision: close it as aborted, then abort its transactions.
+
+        Only after the slot says "abort" (ours or an earlier close) are its names aborted, and only
+        its own names: a later ballot, a newer owner's, is never touched.  Best effort: the replay
+        (or recovery) closes and aborts what is left.
+        """
+        try:
+            slot = self.tlog.close_ballot(batch_id, ballot, f"failed: {type(error).__name__}: {str(error)[:200]}")
+        except Exception:  # noqa: BLE001 - the log is unreachable: the replay closes the ballot
+            log.warning("%s: batch %d: could not close ballot %d after its failure; the replay closes it and "
+                        "aborts its transactions", self.name, batch_id, ballot, exc_info=True)
+            return
+        if not slot.aborted:  # cannot be: only this coordinator decides its ballot
+            log.error("%s: batch %d: ballot %d holds a commit decision after its failure: left as is",
+                      self.name, batch_id, ballot)
+            return
+        try:
+            self.sink.abort_lingering(self.query_name, batch_id, intent, [])
+        except Exception:
+            log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
+                        "replay aborts them", self.name, batch_id, exc_info=True)
+
+    def _abort_own(self, batch_id: int, envelopes: list[dict[str, Any]]) -> None:
+        """Abort the pre-committed transactions of a ballot of ours that another coordinator closed.
+
+        Best effort: a failure is logged, and the closer's (or the next replay's)
+        ``abort_lingering`` finds what is left by the ballot's INTENT.
+        """
+        for env in envelopes:
+            try:
+                self.sink.recover_and_abort(self.sink.decode_handle(env))
+            except Exception as e:  # noqa: BLE001 - best effort, see above
+                log.warning("%s: batch %d: could not abort own transaction %s after losing the decision: %s",
+                            self.name, batch_id, env, e)
+        if envelopes:
+            log.warning("%s: batch %d: lost the decision to another coordinator; aborted %d own transactions",
+                        self.name, batch_id, len(envelopes))
