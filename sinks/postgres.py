@@ -791,9 +791,12 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                                      f"{name!r} is missing, so it cannot be proven committed")
         if found:
             return CommitResult.already_committed(f"marker row of {gid} present")
+        # The marker row is written in the same transaction as the rows: absent, none of its rows is
+        # visible, and a gid that no longer exists can never commit.
         return CommitResult.lost(
             f"prepared transaction {gid} does not exist and its marker row is absent: it was rolled back "
-            "(ROLLBACK PREPARED by someone else, or the database was restored from an older backup)")
+            "(ROLLBACK PREPARED by someone else, or the database was restored from an older backup)",
+            never_visible=True)
 
     def recover_and_abort(self, handle: dict) -> None:
         """``ROLLBACK PREPARED`` the handle's gid if it still exists (driver)."""

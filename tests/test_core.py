@@ -144,3 +144,44 @@ def test_parallel_commits_report_the_first_failure_in_handle_order_not_the_first
     for _ in range(3):
         with pytest.raises(CommitError, match="handle 0 failed"):
             committer.commit(7, [{"i": 0, "delay": 0.2}, {"i": 1, "delay": 0.0}], recovering=False)
+
+
+def test_a_batch_is_vanished_only_when_every_handle_is_lost_and_never_visible():
+    """The committer's side of re-running a vanished batch (the real-server twin is
+    tests/test_vanished_batches.py): all handles lost and never visible -> BatchVanishedError,
+    even with ignore_lost (which would drop the batch); one of them visible -> data loss."""
+    from twophase.errors import BatchVanishedError, DataLossError
+    from twophase.recovery import Committer
+    from twophase.sink import CommitResult, TwoPhaseCommitSink
+
+    class Gone(TwoPhaseCommitSink):
+        kind = "gone"
+
+        def commit(self, handle):
+            if handle["visible"]:
+                return CommitResult.already_committed("it is there")
+            return CommitResult.lost(f"handle {handle['i']} rolled back", never_visible=True)
+
+        def begin_transaction(self, ctx):
+            raise NotImplementedError
+
+        def write(self, txn, batch):
+            raise NotImplementedError
+
+        def pre_commit(self, txn):
+            raise NotImplementedError
+
+        def abort(self, txn):
+            raise NotImplementedError
+
+    gone = [{"i": 0, "visible": False}, {"i": 1, "visible": False}]
+    for ignore in (False, True):
+        with pytest.raises(BatchVanishedError, match="every one of its 2 transactions is gone") as e:
+            Committer(Gone(), retries=0, ignore_lost=ignore).commit(3, gone, recovering=True)
+        assert e.value.batch_id == 3
+    partly = [{"i": 0, "visible": True}, {"i": 1, "visible": False}]
+    with pytest.raises(DataLossError, match="handle 1 rolled back") as e:
+        Committer(Gone(), retries=0).commit(3, partly, recovering=True)
+    assert not isinstance(e.value, BatchVanishedError)
+    results = Committer(Gone(), retries=0, ignore_lost=True).commit(3, partly, recovering=True)
+    assert [r.outcome.value for r in results] == ["already_committed", "lost"]

@@ -56,3 +56,16 @@ class DataLossError(TwoPhaseError):
         self.batch_id = batch_id
         self.handle = handle
         self.reason = reason
+
+
+class BatchVanishedError(DataLossError):
+    """Every transaction of a decided batch is gone and the target proves none of it ever became
+    visible (each one aborted or rolled back by the target, none committed).
+
+    Nothing of the batch is visible, so it can run again instead of being lost: the coordinator
+    voids the decision and re-runs the batch when Spark replays it (the batch it is running);
+    elsewhere (an older batch, ``twophase recover``) it is reported like any data loss, with
+    that advice."""
+
+    generation: int | None = None  # the decided ballot, when known
+    ballot: int | None = None

@@ -68,8 +68,12 @@ FORMAT = "twophase-log"
 FORMAT_VERSION = 1
 
 INTENT, PREPARED, COMMITTED = "intent", "prepared", "committed"
+#: A decided ballot proved void: every transaction it named is gone and none ever became visible
+#: (see :meth:`TransactionLog.void_ballot`).  Its batch runs again in a new ballot.
+VOID = "void"
 _LOW_WATER = "low-water.json"
 STATES = (INTENT, PREPARED, COMMITTED)
+_BALLOT_STATES = (INTENT, PREPARED, VOID)
 #: The ``outcome`` of a PREPARED record (a ballot's decision slot).
 COMMIT, ABORT = "commit", "abort"
 
@@ -132,9 +136,9 @@ def parse_batch_name(name: str) -> tuple[int, str, int] | None:
     parts = name.split(".")
     if parts[-1] != "json" or not parts[0].startswith("batch-") or not parts[0][6:].isdigit():
         return None
-    if len(parts) == 3 and parts[1] in STATES:
+    if len(parts) == 3 and (parts[1] in STATES or parts[1] == VOID):
         return int(parts[0][6:]), parts[1], 0
-    if len(parts) == 4 and parts[1] in (INTENT, PREPARED) and parts[2].isdigit() and int(parts[2]) > 0:
+    if len(parts) == 4 and parts[1] in _BALLOT_STATES and parts[2].isdigit() and int(parts[2]) > 0:
         return int(parts[0][6:]), parts[1], int(parts[2])
     return None
 
@@ -171,6 +175,7 @@ class Ballot:
     ballot: int
     intent: BatchRecord | None
     decision: BatchRecord | None
+    void: BatchRecord | None = None  # a commit decision proved void (nothing of it exists or was seen)
 
     @property
     def open(self) -> bool:
@@ -178,7 +183,8 @@ class Ballot:
 
     @property
     def committed(self) -> bool:
-        return self.decision is not None and not self.decision.aborted
+        """Holds the batch's commit decision (not an abort, not a decision proved void)."""
+        return self.decision is not None and not self.decision.aborted and self.void is None
 
     @property
     def name(self) -> str | None:
@@ -560,7 +566,8 @@ class TransactionLog:
             committed = self.record(bid, COMMITTED, generation) if (COMMITTED, 0) in names else None
             numbers = sorted({b for (st, b) in names if st != COMMITTED})
             ballots = [Ballot(b, self.record(bid, INTENT, generation, b) if (INTENT, b) in names else None,
-                              self.record(bid, PREPARED, generation, b) if (PREPARED, b) in names else None)
+                              self.record(bid, PREPARED, generation, b) if (PREPARED, b) in names else None,
+                              self.record(bid, VOID, generation, b) if (VOID, b) in names else None)
                        for b in numbers]
             out[bid] = BatchView(bid, generation, ballots, committed)
         return out
@@ -586,7 +593,7 @@ class TransactionLog:
         ``generation``: an older generation's batch (recovery finishes decided batches
         of every generation).
         """
-        if state not in STATES:
+        if state not in STATES and state != VOID:
             raise ValueError(state)
         if ballot and state == COMMITTED:
             raise ValueError("COMMITTED is per batch, not per ballot")
@@ -624,6 +631,16 @@ class TransactionLog:
         """
         return self.write(batch_id, PREPARED, {"outcome": ABORT, "reason": reason[:500], "handles": []},
                           generation=generation, ballot=ballot)
+
+    def void_ballot(self, batch_id: int, ballot: int, reason: str) -> BatchRecord:
+        """Record that ballot ``ballot``'s commit decision is void: the sink proved every
+        transaction it names gone, none of it visible (:class:`~twophase.errors.BatchVanishedError`).
+
+        The ballot then counts as closed, and the batch is run again in a new ballot.  Safe
+        against a late committer of the same decision: a transaction the target aborted can
+        never commit.  Idempotent (exclusive create; an existing record is returned).
+        """
+        return self.write(batch_id, VOID, {"reason": reason[:500]}, ballot=ballot)
 
     def batches(self, generation: int | None = None) -> dict[int, dict[str, BatchRecord]]:
         """Every batch record of a generation, by batch id and state."""

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from twophase import crash
-from twophase.errors import CommitError, TwoPhaseError
+from twophase.errors import BatchVanishedError, CommitError, TwoPhaseError
 from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog
 from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
 from twophase.sink import TwoPhaseCommitSink
@@ -77,6 +77,11 @@ class BatchWork(Protocol):
 
     def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
         """The source offsets to record in the decision (``None``: none known)."""
+
+
+#: Decisions of one batch proved void in one call before the batch fails (each void means the
+#: target aborted a whole decided batch: something is wrong beyond a one-off timeout).
+_MAX_VOIDS = 2
 
 
 def _ms(t0: float) -> float:
@@ -125,10 +130,32 @@ class TwoPhaseProtocol:
         """Make batch ``batch_id`` visible exactly once; fills ``prog`` (its ``action`` says what
         happened: committed now, recommitted from an earlier decision, or skipped)."""
         try:
-            self._run_batch(batch_id, work, prog)
+            for voided in range(_MAX_VOIDS + 1):
+                try:
+                    self._run_batch(batch_id, work, prog)
+                    return
+                except BatchVanishedError as e:
+                    if voided == _MAX_VOIDS or not self._void(batch_id, e):
+                        raise
         except BaseException:
             self.dirty = True  # before the next batch: finish (or report) whatever this one left
             raise
+
+    def _void(self, batch_id: int, e: BatchVanishedError) -> bool:
+        """Beyond Flink (which fails or drops such a batch): the batch being run was decided, but
+        every transaction of its decision is gone and the sink proved none of it was ever visible.
+        Record that decision as void and run the batch again in a new ballot.  Only the batch
+        Spark is replaying (its rows are at hand) of this generation; anything else stays data loss."""
+        if e.batch_id != batch_id or e.generation not in (None, self.tlog.generation):
+            return False
+        decided = next((b for b in self.tlog.view(batch_id).ballots if b.committed), None)
+        if decided is None or (e.ballot is not None and e.ballot != decided.ballot):
+            return False
+        self.tlog.void_ballot(batch_id, decided.ballot, str(e))
+        log.warning("%s: batch %d: its decision (ballot %d) is void: %s. Running the batch again.", self.name,
+                    batch_id, decided.ballot, e)
+        self.dirty = True  # recovery aborts what the void ballot named, before the new ballot
+        return True
 
     def _run_batch(self, batch_id: int, work: BatchWork, prog: BatchProgress) -> None:
         tlog = self.tlog
@@ -216,7 +243,11 @@ class TwoPhaseProtocol:
 
         t0 = time.perf_counter()                                                    # steps 5-6
         decoded = [self.sink.decode_handle(e) for e in handles]
-        self._committer().commit(batch_id, decoded, recovering=False)
+        try:
+            self._committer().commit(batch_id, decoded, recovering=False)
+        except BatchVanishedError as e:
+            e.generation, e.ballot = tlog.generation, number
+            raise
         # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
         aborted = self.sink.abort_lingering(qname, batch_id, intent, decoded)
         if aborted:

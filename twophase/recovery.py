@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twophase import crash
-from twophase.errors import CommitError, ConfigurationError, DataLossError, LogError
+from twophase.errors import (
+    BatchVanishedError,
+    CommitError,
+    ConfigurationError,
+    DataLossError,
+    LogError,
+)
 from twophase.log import ABORT, COMMIT, COMMITTED, INTENT, PREPARED, BatchView, TransactionLog
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 
@@ -106,7 +112,8 @@ def pending_from_view(view: BatchView, default_name: str) -> PendingBatch | None
         return None
     infos = []
     for b in view.ballots:
-        outcome = None if b.decision is None else (ABORT if b.decision.aborted else COMMIT)
+        # A decision proved void counts as closed: its names are garbage, like an abort's.
+        outcome = None if b.decision is None else (COMMIT if b.committed else ABORT)
         infos.append(BallotInfo(b.ballot, str(b.name or default_name), b.plan, outcome))
     decided = next((b for b in view.ballots if b.committed), None)
     main = decided or view.ballots[-1]
@@ -172,12 +179,32 @@ class Committer:
                 done += 1
                 if done < len(handles):
                     crash.crash_point("mid_commit", batch_id)
+        vanished = [i for i, r in enumerate(results)
+                    if r is not None and r.outcome is CommitOutcome.LOST and r.never_visible]
+        if vanished and len(vanished) == len(handles):
+            # Nothing of the batch is, or ever was, visible: it can run again rather than be lost
+            # (even with ignore_lost, which would drop it).
+            reasons = "; ".join(f"{self.sink.describe_handle(handles[i])}: {results[i].reason}"  # type: ignore[union-attr]
+                                for i in vanished[:3])
+            more = f" (and {len(vanished) - 3} more)" if len(vanished) > 3 else ""
+            raise BatchVanishedError(
+                f"batch {batch_id} was decided (its PREPARED record is in {self.where}) but every one of its "
+                f"{len(handles)} transactions is gone and the target shows none of it was ever visible: "
+                f"{reasons}{more}. Nothing of the batch is visible: the coordinator runs it again when "
+                "Spark replays it", batch_id=batch_id, reason="every transaction gone, none visible")
         if errors:
             # The first in the handles' order (data loss before anything else), not the first to
             # finish: the same failure reads the same whatever the threads' timing.
             ordered = [e for _, e in sorted(errors, key=lambda ie: ie[0])]
             lost = [e for e in ordered if isinstance(e, DataLossError)]
             raise (lost or ordered)[0]
+        for i in vanished:  # some of the batch is visible, some gone: data loss after all
+            what, reason = self.sink.describe_handle(handles[i]), results[i].reason  # type: ignore[union-attr]
+            msg = (f"DATA LOSS: batch {batch_id} was decided (its PREPARED record is in {self.where}) but "
+                   f"transaction {what} can no longer be committed: {reason}")
+            if not self.ignore_lost:
+                raise DataLossError(msg, batch_id=batch_id, handle=what, reason=reason)
+            log.error("%s (ignored: ignore_failures_after_transaction_timeout)", msg)
         return [r for r in results if r is not None]
 
     def commit_one(self, batch_id: int, handle: Any, recovering: bool) -> CommitResult:
@@ -197,6 +224,8 @@ class Committer:
                 if res.done:
                     return res
                 reason = res.reason
+                if res.outcome is CommitOutcome.LOST and res.never_visible:
+                    return res  # judged with the batch's other handles (commit())
                 if res.outcome is CommitOutcome.LOST:
                     what = sink.describe_handle(handle)
                     msg = (f"DATA LOSS: batch {batch_id} was decided (its PREPARED record is in "
@@ -278,7 +307,11 @@ def recover_pending(
         if handles:
             log.warning("%s: %s was decided but not fully committed: committing its %d handles",
                         committer.name, b.label, len(handles))
-        results = committer.commit(b.batch_id, handles, recovering=True)
+        try:
+            results = committer.commit(b.batch_id, handles, recovering=True)
+        except BatchVanishedError as e:
+            e.generation, e.ballot = b.generation, b.ballot  # which decision it is (for void_ballot)
+            raise
         for h, res in zip(handles, results):
             if res.outcome is CommitOutcome.COMMITTED:
                 report.handles_committed += 1

@@ -43,6 +43,10 @@ class CommitOutcome(enum.Enum):
 class CommitResult:
     outcome: CommitOutcome
     reason: str = ""
+    #: LOST only: the target proves this transaction never became visible and never can (it was
+    #: aborted or rolled back by the target, not committed).  When every handle of a decided
+    #: batch is such, nothing of the batch is visible and the coordinator runs it again.
+    never_visible: bool = False
 
     @classmethod
     def committed(cls) -> CommitResult:
@@ -57,8 +61,10 @@ class CommitResult:
         return cls(CommitOutcome.RETRY_LATER, reason)
 
     @classmethod
-    def lost(cls, reason: str) -> CommitResult:
-        return cls(CommitOutcome.LOST, reason)
+    def lost(cls, reason: str, *, never_visible: bool = False) -> CommitResult:
+        """Can never be committed.  ``never_visible=True`` only where the target *proves* that no
+        part of the transaction is or ever was visible (say nothing when in doubt)."""
+        return cls(CommitOutcome.LOST, reason, never_visible)
 
     @property
     def done(self) -> bool:
