@@ -212,6 +212,11 @@ def _new_client(storage_options: dict[str, Any], max_attempts: int):
     ck = _resolved(dict(so.get("client_kwargs") or {}), "S3 storage option client_kwargs")
     cfg_kwargs = dict(so.get("config_kwargs") or {})
     cfg_kwargs.setdefault("retries", {"max_attempts": max_attempts, "mode": "standard"})
+    if max_attempts == 0:
+        # The commit client tries once, whatever the options say (botocore's max_attempts counts
+        # retries: 1 would be two tries); the commit decides itself what to retry and how.
+        retries = {k: v for k, v in cfg_kwargs["retries"].items() if k != "max_attempts"}
+        cfg_kwargs["retries"] = dict(retries, total_max_attempts=1)
     # Checksums only where the API requires them: S3-compatible stores differ on the newer defaults.
     cfg_kwargs.setdefault("request_checksum_calculation", "when_required")
     cfg_kwargs.setdefault("response_checksum_validation", "when_required")
@@ -271,6 +276,19 @@ def multipart_etag(etags: list[str]) -> str:
     except ValueError:
         return ""  # ETags that are not MD5s (SSE-KMS, some S3-compatible stores)
     return f'"{digest.hexdigest()}-{len(etags)}"'
+
+
+#: CompleteMultipartUpload tries per commit of a file: one that got no answer is sent again (and
+#: one answered with a server error while the upload is still open), after COMPLETE_BACKOFF
+#: seconds, doubled each time.  The coordinator's own retries (with backoff) come on top.
+COMPLETE_TRIES = 3
+COMPLETE_BACKOFF = 0.5
+
+
+def _no_answer(e: Exception) -> bool:
+    """No HTTP answer came back (a read timeout, a reset or refused connection): the request may
+    or may not have reached S3, and S3 may still be acting on it."""
+    return isinstance(e, (_exc.HTTPClientError, _exc.ConnectionError))
 
 
 class S3Upload(ChunkedWriter):
@@ -420,10 +438,11 @@ class S3Storage:
     @property
     def commit_client(self):
         """A client that tries each call once.  moto answers HTTP 500 (not NoSuchUpload) for an
-        unknown upload id and botocore would retry 500s; the caller decides by HEAD instead."""
+        unknown upload id and botocore would retry 500s; the caller decides by HEAD and ListParts
+        what to do next, and retries a completion that got no answer itself."""
         c = getattr(self, "_c_commit", None)
         if c is None:
-            c = self._c_commit = s3_client(self.storage_options, max_attempts=1)
+            c = self._c_commit = s3_client(self.storage_options, max_attempts=0)
         return c
 
     def _extra(self, op: str) -> dict[str, Any]:
@@ -890,50 +909,105 @@ class S3PartFiles(PartFiles):
             f"expected {entry['size']} bytes, ETag {entry.get('etag') or 'unknown'}{hint}"
         )
 
+    def _resolve(
+        self, entry: dict[str, Any], head: dict[str, Any] | None
+    ) -> CommitResult | None:
+        """What a completion this call did not see succeed left, ``head`` being the key's HEAD
+        taken after it: ALREADY_COMMITTED (the object is this upload's), LOST, or None when the
+        upload is still open and the key free, so completing it again may still work.  Raises
+        when another object holds the key while our upload is open (nothing is lost: kept)."""
+        res = self._already(entry, head)
+        if res is not None:
+            return res
+        bucket, key, up = self.bucket, entry["key"], entry["upload_id"]
+        if not self.storage.upload_alive(key, up):
+            # Gone: completed or aborted.  A completion still running when ``head`` was taken (S3
+            # assembles a large object for minutes; a timed-out request goes on without its
+            # client) may have finished since: only the upload gone *and* no object of ours at
+            # the key, looked at after, is a loss.
+            head = self.storage.head(key)
+            res = self._already(entry, head)
+            if res is not None:
+                return res
+            if head is not None:
+                return CommitResult.lost(
+                    f"upload {up} of s3://{bucket}/{key} no longer exists and the object "
+                    f"there is not its result ({self._foreign(entry, head)})"
+                )
+            return CommitResult.lost(
+                f"upload {up} of s3://{bucket}/{key} no longer exists (aborted, or expired "
+                "by a bucket lifecycle rule) and the object is absent"
+            )
+        if head is not None:
+            raise TwoPhaseError(
+                f"cannot commit s3://{bucket}/{key}: an object with that key already exists "
+                f"and is not this upload's ({self._foreign(entry, head)}). Move it aside and "
+                "restart; the upload is kept open."
+            )
+        return None
+
     def _not_completed(
         self, entry: dict[str, Any], head: dict[str, Any] | None, why: str
     ) -> CommitResult:
-        """The outcome when this call did not complete the upload and the object is not ours."""
-        bucket, key, up = self.bucket, entry["key"], entry["upload_id"]
-        alive = self.storage.upload_alive(key, up)
-        if head is not None:
-            if alive:
-                raise TwoPhaseError(
-                    f"cannot commit s3://{bucket}/{key}: an object with that key already exists "
-                    f"and is not this upload's ({self._foreign(entry, head)}). Move it aside and "
-                    "restart; the upload is kept open."
-                )
-            return CommitResult.lost(
-                f"upload {up} of s3://{bucket}/{key} no longer exists and the object "
-                f"there is not its result ({self._foreign(entry, head)})"
-            )
-        if alive:
-            return CommitResult.retry_later(
-                f"CompleteMultipartUpload of s3://{bucket}/{key} failed: {why}"
-            )
-        return CommitResult.lost(
-            f"upload {up} of s3://{bucket}/{key} no longer exists (aborted, or expired "
-            "by a bucket lifecycle rule) and the object is absent"
+        """The outcome when this call did not complete the upload: as :meth:`_resolve`, and
+        RETRY_LATER while the upload is open and the key free."""
+        return self._resolve(entry, head) or CommitResult.retry_later(
+            f"CompleteMultipartUpload of s3://{self.bucket}/{entry['key']} failed: {why}"
         )
 
     def commit_file(self, entry):
+        """Complete the upload; idempotent.  A completion that gets no answer (the read timeout
+        fired while S3 still assembles a large object, a reset connection) is sent again, as is
+        one answered with a server error while the upload is still open: completing an upload
+        that exists is idempotent.  Any other outcome is decided by looking: an object at the key
+        with this upload's multipart ETag is ours (already committed), the upload gone and no
+        such object is a loss, another object while the upload is open is an error."""
         key, up = entry["key"], entry["upload_id"]
         if self.if_none_match == "head-check":
             # The endpoint ignores If-None-Match (proved at open()): look before completing.  An
             # object written between this HEAD and the completion is overwritten (documented race).
             head = self.storage.head(key)
             if head is not None:
-                return self._already(entry, head) or self._not_completed(
-                    entry, head, "the key is taken"
+                return self._not_completed(entry, head, "the key is taken")
+        why = ""
+        for attempt in range(1, COMPLETE_TRIES + 1):
+            try:
+                self.storage.complete(key, up, entry["parts"])
+                return CommitResult.committed()
+            except (ClientError, BotoCoreError) as e:
+                why = s3_error(e)
+                no_answer = _no_answer(e)
+                server_error = (s3_status(e) or 0) >= 500
+            last = attempt == COMPLETE_TRIES
+            delay = COMPLETE_BACKOFF * 2 ** (attempt - 1)
+            if no_answer and not last:
+                # S3 may have completed it, be assembling it, or never have seen the request:
+                # completing again is safe, and its answer (or the HEAD after) tells which.
+                log.warning(
+                    "CompleteMultipartUpload of s3://%s/%s got no answer (%s); sending it again "
+                    "(%d/%d) in %.1fs", self.bucket, key, why, attempt + 1, COMPLETE_TRIES, delay,
                 )
-        try:
-            self.storage.complete(key, up, entry["parts"])
-            return CommitResult.committed()
-        except (ClientError, BotoCoreError) as e:
-            why = s3_error(e)
-        # Did an earlier call complete it (NoSuchUpload / 412 / moto's 500), or is it foreign?
-        head = self.storage.head(key)
-        return self._already(entry, head) or self._not_completed(entry, head, why)
+                time.sleep(delay)
+                continue
+            # An answer (NoSuchUpload after an earlier completion, 412, moto's 500 for an unknown
+            # upload id) or, on the last try, still none: did an earlier call (or a completion
+            # that outlived its client) complete it, is it gone, or is the key someone else's?
+            res = self._resolve(entry, self.storage.head(key))
+            if res is not None:
+                return res
+            if (no_answer or server_error) and not last:
+                log.warning(
+                    "CompleteMultipartUpload of s3://%s/%s failed (%s) and the upload is still "
+                    "open; trying again (%d/%d) in %.1fs", self.bucket, key, why, attempt + 1,
+                    COMPLETE_TRIES, delay,
+                )
+                time.sleep(delay)
+                continue
+            break
+        return CommitResult.retry_later(
+            f"CompleteMultipartUpload of s3://{self.bucket}/{key} failed: {why}; the upload is "
+            "still open"
+        )
 
     def recover_file(self, entry):
         """After a restart: a file whose object is already there is not completed again."""
