@@ -8,9 +8,12 @@ the same way: write, fsync the file, link or rename it into place, fsync the dir
 from __future__ import annotations
 
 import builtins
+import ctypes
 import errno
+import logging
 import os
 import shutil
+import sys
 import uuid
 from typing import Any, BinaryIO
 
@@ -18,6 +21,61 @@ from twophase.errors import ConfigurationError, LogError, TwoPhaseError
 from twophase.sink import CommitResult
 from twophase.storage._base import LogStore
 from twophase.storage.parts import STAGING_DIR, StagedPartFiles
+
+log = logging.getLogger("twophase.storage.local")
+
+#: What ``os.link`` answers on a filesystem without hard links: vfat EPERM, FUSE and SMB mounts
+#: EOPNOTSUPP or ENOSYS.
+NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_renameat2: Any = None
+
+
+def _libc_renameat2() -> Any:
+    """glibc's ``renameat2`` (Linux, glibc 2.28+), or None."""
+    global _renameat2
+    if _renameat2 is None:
+        fn: Any = False
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None, use_errno=True).renameat2
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+            except (AttributeError, OSError):
+                fn = False
+        _renameat2 = fn
+    return _renameat2 or None
+
+
+def rename_noreplace_available() -> bool:
+    """Whether this system has ``renameat2(RENAME_NOREPLACE)`` (each filesystem may still refuse it)."""
+    return _libc_renameat2() is not None
+
+
+def rename_noreplace(src: str, dst: str) -> bool:
+    """Rename ``src`` to ``dst`` atomically unless ``dst`` exists: False then, and nothing moved.
+    OSError where the system or the filesystem has no such rename (EINVAL, ENOSYS, ...)."""
+    fn = _libc_renameat2()
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available on this system")
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        return False
+    raise OSError(err, os.strerror(err), src, None, dst)
+
+
+def _no_publish(root: str, where: str, link_error: OSError, rename_error: OSError) -> str:
+    """Why part files cannot be published into ``root`` (for errors): neither a hard link nor a
+    rename that never replaces works on its filesystem."""
+    return (
+        f"the filesystem of {root} has no hard links (os.link {where}: {link_error.strerror}) and "
+        f"no rename that refuses to replace a file (renameat2 RENAME_NOREPLACE: "
+        f"{rename_error.strerror}); vfat and exFAT have no hard links, nor have some FUSE and SMB "
+        "mounts"
+    )
 
 
 def local_root(url: str) -> str:
@@ -113,6 +171,92 @@ class LocalStorage:
         if self.fsync:
             fsync_dir(os.path.dirname(dst))
         return True
+
+    def publish(self, src: str, dst: str) -> bool:
+        """Make ``src`` visible as ``dst`` without ever replacing ``dst``: a hard link (``src``
+        stays; the caller removes it), or, on a filesystem without hard links, an atomic rename
+        that refuses an existing target (``renameat2(RENAME_NOREPLACE)``: ``src`` is gone).  False
+        if ``dst`` exists (nothing changed).  Durable when it returns True.  TwoPhaseError when
+        the filesystem offers neither (``open()`` refuses such a target: :meth:`probe_publish`)."""
+        try:
+            return self.link_no_overwrite(src, dst)
+        except OSError as e:
+            if e.errno not in NO_HARD_LINKS:
+                raise
+            link_error = e
+        try:
+            renamed = rename_noreplace(src, dst)
+        except OSError as e:
+            raise TwoPhaseError(
+                f"cannot commit {src}: "
+                + _no_publish(self.root, f"to {dst}", link_error, e)
+                + ". FileSink publishes a part file without ever overwriting one, which needs "
+                "one of the two. FileSink.open() refuses such a target; this batch was decided without that "
+                "check (an older version, or 'twophase recover'). The staged file is kept: to "
+                "publish it by hand, move it to the target name yourself, then recover again (a "
+                "target with the expected size and no staged file counts as committed)."
+            ) from None
+        if renamed and self.fsync:
+            fsync_dir(os.path.dirname(dst))
+            fsync_dir(os.path.dirname(src))
+        return renamed
+
+    def probe_publish(self, staging_folder: str) -> str:
+        """Prove that a file in ``staging_folder`` can be published into the root as commits do it
+        (:meth:`publish`), with a probe file linked or renamed and removed: ``"link"``, or
+        ``"rename"`` on a filesystem without hard links that has ``RENAME_NOREPLACE`` (checked
+        to refuse an existing target).  ConfigurationError, naming the folders and what to do,
+        where neither works (vfat, some FUSE and SMB mounts) or the staging folder is on another
+        filesystem than the root: there every commit would fail after the batch was decided."""
+        token = uuid.uuid4().hex[:12]
+        src = os.path.join(staging_folder, f".probe-{token}")
+        dst = os.path.join(self.root, f".twophase-probe-{token}")
+        second = f"{src}.2"
+        where = f"from {staging_folder} to {self.root}"
+        try:
+            with open(src, "xb") as f:
+                f.write(b"twophase probe")
+            try:
+                os.link(src, dst)
+                return "link"
+            except OSError as e:
+                link_error = e
+            if link_error.errno == errno.EXDEV:
+                raise ConfigurationError(
+                    f"FileSink cannot commit into {self.root}: its staging folder {staging_folder} is "
+                    "on another filesystem (a mount point inside the target?), and a part file is "
+                    "published by a hard link from there, which works within one filesystem only. "
+                    "Do not mount anything at the staging folder."
+                ) from None
+            if link_error.errno not in NO_HARD_LINKS:
+                raise ConfigurationError(
+                    f"FileSink cannot commit into {self.root}: a hard link {where} failed: "
+                    f"{link_error.strerror}"
+                ) from None
+            try:
+                if not rename_noreplace(src, dst):
+                    raise OSError(errno.EEXIST, "the probe's target name exists")
+                with open(second, "xb") as f:
+                    f.write(b"twophase probe 2")
+                if rename_noreplace(second, dst):  # it replaced the target: not what it promises
+                    raise OSError(errno.EINVAL, "it replaced an existing file")
+            except OSError as e:
+                raise ConfigurationError(
+                    f"FileSink cannot commit into {self.root}: "
+                    + _no_publish(self.root, where, link_error, e)
+                    + ". FileSink publishes a part file without ever overwriting one, which needs "
+                    "one of the two: here every commit of a decided batch would fail. Write to a filesystem with "
+                    "hard links (ext4, xfs, btrfs, tmpfs, most NFS), or to HDFS or S3."
+                ) from None
+            log.warning(
+                "FileSink target %s: its filesystem has no hard links (%s); part files are "
+                "published by rename with RENAME_NOREPLACE instead, which never overwrites either",
+                self.root, link_error.strerror,
+            )
+            return "rename"
+        finally:
+            for p in (src, dst, second):
+                unlink_quiet(p)
 
     def sync_dir(self, path: str) -> None:
         """fsync the directory holding ``path`` (when ``fsync``)."""
@@ -281,8 +425,24 @@ class LocalStore(LogStore):
             os.link(tmp, path)  # fails with EEXIST instead of overwriting: exclusive and atomic
         except FileExistsError:
             return False
+        except OSError as e:
+            if e.errno not in NO_HARD_LINKS:
+                raise
+            # No hard links (vfat, exFAT): a rename that refuses an existing name is just as
+            # exclusive and atomic, where the filesystem has it.
+            try:
+                if not rename_noreplace(tmp, path):
+                    return False
+            except OSError as e2:
+                raise LogError(
+                    f"cannot write the transaction log record {path}: "
+                    + _no_publish(self.root, f"to {path}", e, e2)
+                    + ". Creating a record must be exclusive (two coordinators must never both "
+                    "decide a batch), which needs one of the two: put the log on a filesystem with "
+                    "hard links, or on HDFS."
+                ) from None
         finally:
-            os.unlink(tmp)
+            unlink_quiet(tmp)  # gone already after a rename
         self._fsync_dir(os.path.dirname(path))
         return True
 
@@ -315,7 +475,12 @@ class LocalPartFiles(StagedPartFiles):
         return cls(LocalStorage(url, storage_options, fsync=fsync))
 
     def check(self) -> None:
-        self.storage.ensure_writable(self.join(self.root, STAGING_DIR))
+        """The target is writable, and a staged file can be published into it the way commits
+        do it (a hard link, or a rename that never replaces): proved now, before anything is
+        decided, rather than found out by the first commit of a decided batch."""
+        staging = self.join(self.root, STAGING_DIR)
+        self.storage.ensure_writable(staging)
+        self.storage.probe_publish(staging)
 
     def finish_file(self, f):
         size = self.storage.close_durably(f.stream, f.staging)
@@ -330,7 +495,7 @@ class LocalPartFiles(StagedPartFiles):
         st = self.storage
         staging, final, size = entry["staging"], entry["final"], int(entry["size"])
         if st.exists(staging):
-            if not st.link_no_overwrite(staging, final):
+            if not st.publish(staging, final):  # a hard link, or a no-replace rename
                 if not st.same_file(staging, final):
                     raise TwoPhaseError(
                         f"cannot commit {staging}: the target {final} already exists and is "
