@@ -393,7 +393,10 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
 
     # ---------------------------------------------------------------- driver
     def open(self) -> None:
-        """Check that the target exists or can be created and is writable (driver)."""
+        """Check, before anything is decided, that the target can take this sink's commits
+        (driver): local disk, writable and able to publish a staged file without overwriting (a
+        hard link, else a no-replace rename; a probe file); S3, the probe upload of
+        docs/files.md ("S3: what is checked at open()"); HDFS, reachable and writable."""
         self._backend.check()
 
     def executor_modules(self) -> list[str]:
