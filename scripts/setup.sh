@@ -34,6 +34,10 @@ if [[ ",$EXTRAS," == *",test,"* ]]; then
   # moto's server needs boto3; pin it to the botocore that s3fs/aiobotocore chose, or pip backtracks.
   BOTOCORE=$("$VENV/bin/python" -c 'import botocore; print(botocore.__version__)')
   "$VENV/bin/python" -m pip install -q "moto[server]" "boto3==$BOTOCORE"
+  # A real mount without hard links (vfat through FUSE) for tests/test_files_commit_edge_cases.py;
+  # best effort: the tests skip, saying why, where FUSE is not available.
+  need_apt mkfs.vfat dosfstools || log "dosfstools not installed: the vfat tests will skip"
+  need_apt fusefat fusefat || log "fusefat not installed: the vfat tests will skip"
 fi
 export PATH="$VENV/bin:$PATH"
 export PYSPARK_PYTHON="$VENV/bin/python" PYSPARK_DRIVER_PYTHON="$VENV/bin/python"
