@@ -1,15 +1,28 @@
 """Named crash points for fault-injection tests: the process dies by ``os._exit`` where
 ``TWOPHASE_CRASH_AT`` names the point (optionally ``point:batch_id``, several comma-separated).
 
-Unset, a crash point costs one attribute check.  Points used by the coordinator:
+Unset, a crash point costs two attribute checks.  Points used by the coordinator:
 ``after_intent``, ``after_pre_commit`` (on an executor's Python worker), ``before_prepared_logged``,
 ``after_prepared_logged``, ``mid_commit`` (after the first handle committed), ``after_commit``
 (all handles committed, COMMITTED not yet logged) and ``after_committed_logged``.
+
+Pause points: the same names in ``TWOPHASE_PAUSE_AT`` (same syntax, e.g.
+``before_prepared_logged:2``) make the process stop itself there with ``SIGSTOP``, as a
+driver stopped by a long GC pause or a VM migration: every thread stops (the lease
+heartbeat too) and nothing is torn down; ``SIGCONT`` from outside resumes it on the next
+line.  Each named point of each batch pauses a process at most once (a process resumed
+there goes on, and a replay of the batch in the same process does not stop again).  Where
+both plans name a point, the crash wins.  ``TWOPHASE_PAUSE_LOG`` names a file each
+process appends ``"<point> <batch> <pid>"`` to just before it stops, so a test learns
+which process to resume (an executor's Python worker at ``after_pre_commit``; the
+coordinator ships the pause plan to its tasks like the crash plan).  A test waits for the
+stop itself (``/proc/<pid>/stat`` state ``T``), never for a time.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 ENV = "TWOPHASE_CRASH_AT"
@@ -17,6 +30,10 @@ ENV = "TWOPHASE_CRASH_AT"
 #: chaos runner can tell a point that fired from one that was armed but never reached.
 LOG_ENV = "TWOPHASE_CRASH_LOG"
 EXIT_CODE = 137
+#: Pause points (see the module docstring): ``point[:batch]``, comma-separated, like ``ENV``.
+PAUSE_ENV = "TWOPHASE_PAUSE_AT"
+#: A file each process appends "<point> <batch> <pid>" to just before it stops at a pause point.
+PAUSE_LOG_ENV = "TWOPHASE_PAUSE_LOG"
 
 POINTS = (
     "after_intent",
@@ -29,14 +46,17 @@ POINTS = (
 )
 
 _plan: dict[str, set[int] | None] | None = None
+_pause_plan: dict[str, set[int] | None] = {}
+_paused: set[tuple[str, int | None]] = set()  # (point, batch) this process already stopped at
 
 
-def _parse(value: str) -> dict[str, set[int] | None]:
+def _parse(value: str, env: str = ENV) -> dict[str, set[int] | None]:
     plan: dict[str, set[int] | None] = {}
     for item in filter(None, (s.strip() for s in value.split(","))):
         name, _, batch = item.partition(":")
         if name not in POINTS:
-            raise ValueError(f"{ENV}: unknown crash point {name!r}; known: {', '.join(POINTS)}")
+            what = "crash" if env == ENV else "pause"
+            raise ValueError(f"{env}: unknown {what} point {name!r}; known: {', '.join(POINTS)}")
         if batch:
             prev = plan.get(name, set())
             if prev is not None:
@@ -47,18 +67,20 @@ def _parse(value: str) -> dict[str, set[int] | None]:
 
 
 def reload() -> None:
-    """Re-read the environment variable (tests that change it in-process call this)."""
-    global _plan
+    """Re-read the environment variables (tests that change them in-process call this)."""
+    global _plan, _pause_plan
     _plan = _parse(os.environ.get(ENV, ""))
+    _pause_plan = _parse(os.environ.get(PAUSE_ENV, ""), PAUSE_ENV)
 
 
 def carried_env() -> dict[str, str]:
-    """This process' crash plan (``TWOPHASE_CRASH_AT``, ``TWOPHASE_CRASH_LOG``), for its executors.
+    """This process' crash plan (``TWOPHASE_CRASH_AT``, ``TWOPHASE_CRASH_LOG``) and pause plan
+    (``TWOPHASE_PAUSE_AT``, ``TWOPHASE_PAUSE_LOG``), for its executors.
 
     Executors on a cluster do not inherit the driver's environment; the coordinator ships
     this dict with its tasks and they :func:`adopt` it.
     """
-    return {k: os.environ[k] for k in (ENV, LOG_ENV) if os.environ.get(k)}
+    return {k: os.environ[k] for k in (ENV, LOG_ENV, PAUSE_ENV, PAUSE_LOG_ENV) if os.environ.get(k)}
 
 
 def adopt(env: dict[str, str]) -> None:
@@ -73,26 +95,58 @@ def adopt(env: dict[str, str]) -> None:
 
 
 def armed() -> bool:
+    """Is a crash plan armed (``TWOPHASE_CRASH_AT``)?  A pause plan alone does not count."""
     if _plan is None:
         reload()
     return bool(_plan)
 
 
+def _names(plan: dict[str, set[int] | None], name: str, batch_id: int | None) -> bool:
+    if name not in plan:
+        return False
+    batches = plan[name]
+    return batches is None or (batch_id is not None and batch_id in batches)
+
+
 def crash_point(name: str, batch_id: int | None = None) -> None:
-    """Die here, at once and without cleanup, if ``TWOPHASE_CRASH_AT`` names this point."""
+    """Die here, at once and without cleanup, if ``TWOPHASE_CRASH_AT`` names this point; stop
+    here (``SIGSTOP``, once) if ``TWOPHASE_PAUSE_AT`` does."""
     if _plan is None:
         reload()
-    if not _plan or name not in _plan:
+    if _pause_plan and _names(_pause_plan, name, batch_id) and not _names(_plan or {}, name, batch_id):
+        _pause(name, batch_id)
         return
-    batches = _plan[name]
-    if batches is None or (batch_id is not None and batch_id in batches):
-        sys.stderr.write(f"twophase: crash point {name} reached (batch {batch_id}): exiting\n")
-        sys.stderr.flush()
-        where = os.environ.get(LOG_ENV)
-        if where:
-            try:
-                with open(where, "a") as f:
-                    f.write(f"{name} {batch_id} {os.getpid()}\n")
-            except OSError:
-                pass
-        os._exit(EXIT_CODE)
+    if not _plan or not _names(_plan, name, batch_id):
+        return
+    sys.stderr.write(f"twophase: crash point {name} reached (batch {batch_id}): exiting\n")
+    sys.stderr.flush()
+    where = os.environ.get(LOG_ENV)
+    if where:
+        try:
+            with open(where, "a") as f:
+                f.write(f"{name} {batch_id} {os.getpid()}\n")
+        except OSError:
+            pass
+    os._exit(EXIT_CODE)
+
+
+def _pause(name: str, batch_id: int | None) -> None:
+    """Stop this whole process (every thread) until someone sends it SIGCONT; once per point and batch."""
+    key = (name, batch_id)
+    if key in _paused:
+        return
+    _paused.add(key)
+    pid = os.getpid()
+    sys.stderr.write(f"twophase: pause point {name} reached (batch {batch_id}): process {pid} stops "
+                     "(SIGSTOP) until it is sent SIGCONT\n")
+    sys.stderr.flush()
+    where = os.environ.get(PAUSE_LOG_ENV)
+    if where:
+        try:
+            with open(where, "a") as f:
+                f.write(f"{name} {batch_id} {pid}\n")
+        except OSError:
+            pass
+    os.kill(pid, signal.SIGSTOP)
+    sys.stderr.write(f"twophase: pause point {name} (batch {batch_id}): process {pid} resumed\n")
+    sys.stderr.flush()
