@@ -1,0 +1,539 @@
+"""Ownership with real processes (issue 25, "Done when: Real processes").
+
+tests/test_ownership.py plays these scenarios with two coordinators in one process; here each
+coordinator is a real driver process (tests/drivers/ownership_pipeline.py: Spark, a Coordinator,
+four batches of unique ids) on the real servers, and the faults are real ones:
+
+- **a driver paused past its lease**: driver A stops itself (``SIGSTOP``, the pause point
+  ``TWOPHASE_PAUSE_AT=before_prepared_logged:2``) with batch 2 pre-committed and undecided.
+  Driver B, started under ``unshare --uts`` with a hostname of its own (another host as far as
+  the lease can tell), waits out A's lease (its refused starts are reported in b.out), takes
+  the log over, closes A's ballot, re-runs batch 2 and stops itself once it decided it (pause point
+  ``after_prepared_logged:2``).  Then A is resumed, between B's decision and B's commits: its
+  late decision finds its slot taken and A stops with a TwoPhaseError, having aborted only its
+  own transactions; B is resumed and finishes the pipeline.
+- **a decision held on the wire**: the log is on S3 (MinIO) and A reaches it through a TCP
+  proxy (tests/netproxy.py) that holds A's PUT of batch 2's decision; A is stopped while it
+  waits for the answer; B (direct to MinIO, another hostname) takes over as above, closes A's
+  ballot, aborts its transactions, prepares its own and stops before its decision (pause point
+  ``before_prepared_logged:2``); then the proxy delivers A's PUT, which arrives after B closed
+  the ballot: MinIO refuses the exclusive create (412) and A stops with a TwoPhaseError.  B is
+  resumed, decides and finishes.
+
+After each: every id exactly once in the target, B exited 0, A's error names the closed ballot
+(never DataLossError), and nothing is left (no prepared transaction with the test's gid prefix,
+no staged file, no open multipart upload).  Each sink is a parameter; FileSink writes local
+files in the first scenario and S3 (MinIO, direct) in the second, so that the open uploads of
+A's pre-committed ballot are checked too.  A Kafka sink joins as a third parameter by adding
+a target class to ``TARGETS_PAUSED`` and ``TARGETS_ON_THE_WIRE`` (and a ``kafka`` shape to the
+driver's ``SHAPES``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from twophase import crash
+
+pytestmark = [pytest.mark.chaos, pytest.mark.spark, pytest.mark.timeout(300)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = os.path.join(REPO, "tests", "drivers", "ownership_pipeline.py")
+#: A's lease: short, so that B's wait for it to expire costs seconds (A beats every LEASE / 4).
+LEASE = 6.0
+BATCHES, ROWS = 4, 40
+#: The batch whose decision A is kept from writing in time.
+HELD = 2
+B_HOST = "twophase-b"
+
+
+# --------------------------------------------------------------------------------- processes
+def _unshare_refusal() -> str | None:
+    """Why ``unshare --uts`` cannot give a process a hostname of its own here (None: it can)."""
+    try:
+        r = subprocess.run(["unshare", "--uts", "sh", "-c", "hostname twophase-probe && hostname"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare --uts cannot run here: {e}"
+    if r.returncode != 0 or r.stdout.strip() != "twophase-probe":
+        return (f"the kernel refuses a UTS namespace (unshare --uts exit {r.returncode}: "
+                f"{(r.stderr or r.stdout).strip()[:200]}); these tests need root or CAP_SYS_ADMIN")
+    return None
+
+
+class Driver:
+    """One driver process (its own session: the JVM and Python workers die with it at teardown)."""
+
+    def __init__(self, label: str, tmp: Path, args: list[str], env: dict[str, str], *,
+                 hostname: str | None = None):
+        self.label = label
+        self.out, self.err = tmp / f"{label}.out", tmp / f"{label}.log"
+        cmd = [sys.executable, DRIVER, *args]
+        if hostname is not None:
+            # Another host for the lease: a UTS namespace of its own, same boot and pid namespace.
+            cmd = ["unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$0" "$@"', *cmd]
+        full = dict(os.environ, **env)
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+        full.setdefault("PYSPARK_PYTHON", sys.executable)
+        full["TWOPHASE_SPARK_DRIVER_MEMORY"] = "512m"
+        for k in (crash.ENV, crash.LOG_ENV, crash.PAUSE_ENV, crash.PAUSE_LOG_ENV):
+            if k not in env:
+                full.pop(k, None)
+        with open(self.out, "wb") as o, open(self.err, "wb") as e:
+            self.proc = subprocess.Popen(cmd, env=full, stdin=subprocess.DEVNULL, stdout=o, stderr=e,
+                                         start_new_session=True, cwd=str(tmp))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def events(self) -> list[dict]:
+        lines = self.out.read_text(errors="replace").splitlines()
+        return [json.loads(line[len("OWNERSHIP "):]) for line in lines if line.startswith("OWNERSHIP ")]
+
+    def tail(self, n: int = 40) -> str:
+        text = self.err.read_text(errors="replace").splitlines()[-n:]
+        return f"--- {self.label} ({self.err}) ---\n" + "\n".join(text) + "\n" + self.out.read_text(errors="replace")
+
+    def state(self) -> str | None:
+        """The kernel's state letter of the driver process (``T``: stopped), None once it exited."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return None
+        return stat.rsplit(")", 1)[1].split()[0]
+
+    def wait_until(self, what: str, cond, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.label} exited ({self.proc.returncode}) before {what}\n{self.tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.label}: no {what} after {timeout:.0f}s\n{self.tail()}")
+            time.sleep(0.1)
+
+    def wait_stopped(self) -> None:
+        self.wait_until("it stopped (SIGSTOP)", lambda: self.state() == "T")
+
+    def finish(self, timeout: float = 240.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.label} still runs after {timeout:.0f}s\n{self.tail()}")
+
+    def kill(self) -> None:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def drivers():
+    started: list[Driver] = []
+    yield started
+    for d in started:
+        d.kill()
+
+
+# ----------------------------------------------------------------------------------- targets
+def _minio() -> dict:
+    from tests.conftest import _service
+
+    return _service("minio")
+
+
+class PostgresTarget:
+    """PostgresSink into a table of the test's own; leftovers: prepared transactions of its gid prefix."""
+
+    marks = [pytest.mark.postgres]
+
+    def __init__(self, request, tmp_path: Path):
+        self.info = request.getfixturevalue("postgres_service")
+        self.table = f"ownp_{uuid.uuid4().hex[:8]}"
+        self.gid_prefix = f"op{uuid.uuid4().hex[:6]}"
+        with self._conn() as c, c.cursor() as cur:
+            cur.execute(f'CREATE TABLE "{self.table}" (id bigint NOT NULL, v text)')
+
+    @contextlib.contextmanager
+    def _conn(self):
+        import psycopg2
+
+        c = psycopg2.connect(self.info["dsn"])
+        c.autocommit = True
+        try:
+            yield c
+        finally:
+            c.close()
+
+    def sink_config(self) -> dict:
+        from twophase.sinks.postgres import PostgresSink
+
+        i = self.info
+        dsn = f"host={i['host']} port={i['port']} dbname={i['dbname']} user={i['user']}"
+        return PostgresSink(dsn, self.table, gid_prefix=self.gid_prefix, password={"env": "PGPASSWORD"},
+                            lock_timeout="20s").to_config()
+
+    def env(self) -> dict[str, str]:
+        return {"PGPASSWORD": self.info["password"]}
+
+    def ids(self) -> Counter:
+        with self._conn() as c, c.cursor() as cur:
+            cur.execute(f'SELECT id FROM "{self.table}"')
+            return Counter(r[0] for r in cur.fetchall())
+
+    def leftovers(self) -> list[str]:
+        prefix = self.gid_prefix + ":"
+        with self._conn() as c, c.cursor() as cur:
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s", (prefix, prefix))
+            return [r[0] for r in cur.fetchall()]
+
+    def cleanup(self) -> None:
+        with self._conn() as c, c.cursor() as cur:
+            cur.execute(f'DROP TABLE IF EXISTS "{self.table}"')
+
+
+class LocalFilesTarget:
+    """FileSink (arrow writer) into a local folder; leftovers: any file staged under ``_twophase``."""
+
+    marks: list = []
+
+    def __init__(self, request, tmp_path: Path):
+        self.out = tmp_path / "out"
+
+    def sink_config(self) -> dict:
+        from twophase.sinks.files import FileSink
+
+        return FileSink(str(self.out), writer="arrow").to_config()
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def ids(self) -> Counter:
+        import pyarrow.parquet as pq
+
+        return Counter(i for p in sorted(self.out.glob("*.parquet"))
+                       for i in pq.read_table(p).column("id").to_pylist())
+
+    def leftovers(self) -> list[str]:
+        staging = self.out / "_twophase"
+        return [str(p) for p in staging.rglob("*") if p.is_file()] if staging.exists() else []
+
+    def cleanup(self) -> None:
+        pass
+
+
+class S3FilesTarget:
+    """FileSink on S3 (MinIO, reached directly); leftovers: open multipart uploads (pre-committed
+    files) and any object under ``_twophase``."""
+
+    marks = [pytest.mark.s3]
+
+    def __init__(self, request, tmp_path: Path):
+        from tests.services.s3 import client
+
+        self.info = _minio()
+        self.s3 = client(self.info)
+        self.bucket = self.info["bucket"]
+        self.prefix = f"twophase-test/own-{uuid.uuid4().hex[:10]}/out"
+
+    def sink_config(self) -> dict:
+        from twophase.sinks.files import FileSink
+
+        return FileSink(f"s3://{self.bucket}/{self.prefix}", writer="arrow",
+                        storage_options=_s3_options(self.info, self.info["endpoint_url"])).to_config()
+
+    def env(self) -> dict[str, str]:
+        return _s3_env(self.info)
+
+    def _keys(self) -> list[str]:
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/")
+        return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+    def _uploads(self) -> list[tuple[str, str]]:
+        # The bucket's whole listing, filtered here: MinIO matches the Prefix of ListMultipartUploads
+        # only against whole keys.
+        ups = self.s3.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+        return [(u["Key"], u["UploadId"]) for u in ups if u["Key"].startswith(self.prefix + "/")]
+
+    def ids(self) -> Counter:
+        import pyarrow.parquet as pq
+
+        out: Counter = Counter()
+        for key in self._keys():
+            rel = key[len(self.prefix) + 1:]
+            if "/" not in rel and rel.endswith(".parquet"):
+                data = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+                out.update(pq.read_table(io.BytesIO(data)).column("id").to_pylist())
+        return out
+
+    def leftovers(self) -> list[str]:
+        staged = [k for k in self._keys() if "/_twophase/" in k]
+        return staged + [f"open upload {k}" for k, _ in self._uploads()]
+
+    def cleanup(self) -> None:
+        for key, upload in self._uploads():
+            self.s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+        for key in self._keys():
+            self.s3.delete_object(Bucket=self.bucket, Key=key)
+
+
+#: The sinks of each scenario.  Kafka: a KafkaTarget (sink_config with its own
+#: transactional_id_prefix, ids read back read_committed, leftovers = open transactions of its
+#: ids) added to both lists, with the driver's "kafka" shape.
+TARGETS_PAUSED = {"postgres": PostgresTarget, "files": LocalFilesTarget}
+TARGETS_ON_THE_WIRE = {"postgres": PostgresTarget, "files-s3": S3FilesTarget}
+
+
+def _params(targets: dict) -> list:
+    return [pytest.param(cls, marks=cls.marks, id=name) for name, cls in targets.items()]
+
+
+@pytest.fixture
+def target(request, tmp_path):
+    t = request.param(request, tmp_path)
+    yield t
+    t.cleanup()
+
+
+def _s3_env(info: dict) -> dict[str, str]:
+    return {"TP_OWN_S3_KEY": info["key"], "TP_OWN_S3_SECRET": info["secret"]}
+
+
+def _s3_options(info: dict, endpoint: str, **extra) -> dict:
+    return dict({"key": {"env": "TP_OWN_S3_KEY"}, "secret": {"env": "TP_OWN_S3_SECRET"},
+                 "endpoint_url": endpoint, "region_name": info["region"]}, **extra)
+
+
+# ---------------------------------------------------------------------------------- checks
+def _args(target, log: str, name: str, tmp: Path, label: str, *, log_options: dict | None = None,
+          wait_for_lease: float = 0.0) -> list[str]:
+    args = ["--sink-config", json.dumps(target.sink_config()), "--log", log, "--name", name,
+            "--lease-timeout", str(LEASE), "--batches", str(BATCHES), "--rows", str(ROWS),
+            "--ready-file", str(tmp / f"{label}.ready"), "--go-file", str(tmp / f"{label}.go")]
+    if log_options is not None:
+        args += ["--log-options", json.dumps(log_options)]
+    if wait_for_lease:
+        args += ["--wait-for-lease", str(wait_for_lease)]
+    return args
+
+
+def _go(tmp: Path, label: str) -> None:
+    (tmp / f"{label}.go").touch()
+
+
+def _ready(tmp: Path, label: str) -> bool:
+    return (tmp / f"{label}.ready").exists()
+
+
+def _check_outcome(a: Driver, b: Driver, a_code: int, b_code: int, target, log_view) -> None:
+    b_events, a_events = b.events(), a.events()
+    assert b_code == 0, b.tail()
+    assert b_events[-1]["event"] == "done", b.tail()
+    assert [e["batch"] for e in b_events if e["event"] == "batch"] == list(range(BATCHES))
+    assert [e["action"] for e in b_events if e["event"] == "batch" and e["batch"] >= HELD] == \
+        ["committed"] * (BATCHES - HELD)
+    # A committed the batches before the held one, then stopped on the closed ballot.
+    assert [e["batch"] for e in a_events if e["event"] == "batch"] == list(range(HELD)), a.tail()
+    err = a_events[-1]
+    assert err["event"] == "error" and not err["data_loss"], a.tail()
+    assert err["type"] != "DataLossError", err  # exit 3 below: a TwoPhaseError, never data loss
+    assert f"batch {HELD}: ballot 0 was closed by another coordinator" in err["message"], err
+    assert a_code == 3, a.tail()
+    assert "DataLossError" not in a.err.read_text(errors="replace") + b.err.read_text(errors="replace")
+    # Every id once, nothing left behind.
+    assert target.ids() == Counter(range(BATCHES * ROWS))
+    assert target.leftovers() == []
+    # The log: A's ballot of the held batch closed as aborted (by B), B's ballot decided.
+    log_view.generation = 1
+    ballots = log_view.view(HELD).ballots
+    assert [(bl.ballot, bl.decision is not None and bl.decision.aborted) for bl in ballots] == \
+        [(0, True), (1, False)]
+    assert ballots[1].decision is not None and ballots[1].decision.body["epoch"] > ballots[0].intent.body["epoch"]
+    assert "by coordinator epoch" in ballots[0].decision.body.get("reason", "")
+
+
+# ----------------------------------------------------------------------------------- tests
+def test_a_pause_point_stops_the_process_there_once_until_it_is_continued(tmp_path):
+    """TWOPHASE_PAUSE_AT: the process stops itself at the named point of the named batch only,
+    logs its pid, and goes on from the next line when continued (a second pass does not stop)."""
+    script = ("from twophase import crash\n"
+              "for b in (1, 2, 2): crash.crash_point('before_prepared_logged', b); print('after', b, flush=True)\n")
+    log = tmp_path / "paused"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **{crash.PAUSE_ENV: "before_prepared_logged:2",
+                                                    crash.PAUSE_LOG_ENV: str(log)}))
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "after 1\n"
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        assert log.read_text() == f"before_prepared_logged 2 {proc.pid}\n"
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.stdout.read() == "after 2\nafter 2\n"
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+
+
+def test_the_proxy_forwards_unchanged_and_holds_drops_and_cuts_connections():
+    """tests/netproxy.py against an echo server: what it holds the server has not seen; a release
+    delivers it unchanged, a drop loses it with the connection; cut_all and refuse_new close."""
+    import socket
+    import threading
+
+    from tests.netproxy import Proxy
+
+    seen: list[bytes] = []
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+
+            def serve(conn=conn) -> None:
+                with conn:
+                    while data := conn.recv(4096):
+                        seen.append(data)
+                        conn.sendall(data)
+
+            threading.Thread(target=serve, daemon=True).start()
+
+    threading.Thread(target=echo, daemon=True).start()
+    with server, Proxy("127.0.0.1", server.getsockname()[1]) as proxy:
+        def connect() -> socket.socket:
+            return socket.create_connection(("127.0.0.1", proxy.port), timeout=30)
+
+        with connect() as c:
+            c.sendall(b"plain")
+            assert c.recv(100) == b"plain"
+            hold = proxy.hold(rb"PUT /b/batch-2\.prepared")
+            c.sendall(b"PUT /b/batch-2.prepared HTTP/1.1\r\n")
+            assert hold.wait(30) and hold.first_line == b"PUT /b/batch-2.prepared HTTP/1.1"
+            assert seen == [b"plain"]  # held: the server has not seen it
+            hold.release()
+            assert c.recv(100) == b"PUT /b/batch-2.prepared HTTP/1.1\r\n"
+        with connect() as c:
+            hold = proxy.hold(b"lost")
+            c.sendall(b"lost request")
+            assert hold.wait(30)
+            hold.drop()
+            assert c.recv(100) == b""  # the connection is cut, the bytes never arrive
+        assert b"lost request" not in b"".join(seen)
+        with connect() as c:
+            c.sendall(b"x")
+            assert c.recv(100) == b"x"
+            assert proxy.cut_all() == 1
+            assert c.recv(100) == b""
+        proxy.refuse_new()
+        with connect() as c:
+            assert c.recv(100) == b""
+
+
+@pytest.mark.parametrize("target", _params(TARGETS_PAUSED), indirect=True)
+def test_a_driver_paused_past_its_lease_is_taken_over_from_another_hostname_and_its_late_decision_refused(
+        target, drivers, tmp_path):
+    refusal = _unshare_refusal()
+    if refusal:
+        pytest.skip(refusal)
+    from twophase.log import TransactionLog
+
+    log, name = str(tmp_path / "log"), f"ownp{uuid.uuid4().hex[:6]}"
+    env = target.env()
+    a = Driver("a", tmp_path, _args(target, log, name, tmp_path, "a"),
+               dict(env, **{crash.PAUSE_ENV: f"before_prepared_logged:{HELD}"}))
+    drivers.append(a)
+    # B stops once it decided the batch, before it commits: A's late actions land there.
+    b = Driver("b", tmp_path, _args(target, log, name, tmp_path, "b", wait_for_lease=180),
+               dict(env, **{crash.PAUSE_ENV: f"after_prepared_logged:{HELD}"}), hostname=B_HOST)
+    drivers.append(b)
+    # Both JVMs start side by side; A runs once B is ready, so B asks for the log right after A stops.
+    b.wait_until("Spark started", lambda: _ready(tmp_path, "b"))
+    _go(tmp_path, "a")
+    a.wait_stopped()  # batches 0 and 1 committed, batch 2's transactions pre-committed, undecided
+    lease = TransactionLog(log, readonly=True).lease()
+    assert lease is not None and lease.host != B_HOST and not lease.released
+    _go(tmp_path, "b")
+    b.wait_stopped()  # B waited out A's lease, took over, closed A's ballot and decided batch 2
+    assert TransactionLog(log, readonly=True).lease().host == B_HOST, b.tail()
+    assert a.state() == "T"
+    os.kill(a.pid, signal.SIGCONT)  # A wakes up between B's decision and B's commits
+    a_code = a.finish()
+    os.kill(b.pid, signal.SIGCONT)
+    b_code = b.finish()
+    _check_outcome(a, b, a_code, b_code, target, TransactionLog(log, readonly=True))
+
+
+@pytest.mark.parametrize("target", _params(TARGETS_ON_THE_WIRE), indirect=True)
+def test_a_decision_held_on_the_wire_past_a_takeover_from_another_hostname_is_refused(
+        target, drivers, tmp_path, monkeypatch):
+    refusal = _unshare_refusal()
+    if refusal:
+        pytest.skip(refusal)
+    from tests.netproxy import Proxy
+    from twophase.log import TransactionLog
+
+    minio = _minio()
+    for k, v in _s3_env(minio).items():  # the test's own reads of the log resolve the same references
+        monkeypatch.setenv(k, v)
+    bucket, root = minio["bucket"], f"twophase-test/own-{uuid.uuid4().hex[:10]}"
+    log, name = f"s3://{bucket}/{root}/log", f"ownw{uuid.uuid4().hex[:6]}"
+    env = dict(target.env(), **_s3_env(minio))
+    direct = _s3_options(minio, minio["endpoint_url"])
+    host, port = minio["endpoint_url"].split("://", 1)[1].split(":")
+    with Proxy(host, int(port)) as proxy:
+        # A reaches the log through the proxy; a long read timeout, so that botocore waits for the
+        # held answer rather than sending its request again.
+        via_proxy = _s3_options(minio, proxy.url(), config_kwargs={"read_timeout": 600})
+        held = proxy.hold(rf"PUT /{bucket}/{root}/log/g0001/batch-{HELD:012d}\.prepared\.json ")
+        a = Driver("a", tmp_path, _args(target, log, name, tmp_path, "a", log_options=via_proxy), env)
+        drivers.append(a)
+        # B stops after it closed A's ballot and aborted its transactions, before its own decision:
+        # A's decision is delivered there.
+        b = Driver("b", tmp_path, _args(target, log, name, tmp_path, "b", log_options=direct,
+                                        wait_for_lease=180),
+                   dict(env, **{crash.PAUSE_ENV: f"before_prepared_logged:{HELD}"}), hostname=B_HOST)
+        drivers.append(b)
+        b.wait_until("Spark started", lambda: _ready(tmp_path, "b"))
+        _go(tmp_path, "a")
+        a.wait_until("its decision of batch 2 was held by the proxy", held.matched.is_set)
+        os.kill(a.pid, signal.SIGSTOP)  # A waits for the answer; stopped, it also stops beating its lease
+        a.wait_stopped()
+        _go(tmp_path, "b")
+        b.wait_stopped()  # B took over, closed A's ballot, aborted A's transactions, prepared its own
+        assert a.state() == "T"
+        held.release()  # A's PUT of the decision arrives now: after B closed the ballot, before B decides
+        os.kill(a.pid, signal.SIGCONT)
+        a_code = a.finish()
+        os.kill(b.pid, signal.SIGCONT)
+        b_code = b.finish()
+        try:
+            _check_outcome(a, b, a_code, b_code, target, TransactionLog(log, storage_options=direct,
+                                                                          readonly=True))
+        finally:
+            from tests.services.s3 import client
+
+            s3 = client(minio)
+            for o in s3.list_objects_v2(Bucket=bucket, Prefix=root + "/log/").get("Contents", []):
+                s3.delete_object(Bucket=bucket, Key=o["Key"])
