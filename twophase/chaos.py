@@ -105,6 +105,9 @@ def run_once(cmd: Sequence[str], *, env: dict[str, str] | None = None, crash_at:
     full_env = dict(os.environ, **(env or {}))
     full_env.pop(crash.ENV, None)
     full_env.pop(crash.LOG_ENV, None)
+    # A stray pause plan would stop a kill test's driver for good: only the run's own faults apply.
+    full_env.pop(crash.PAUSE_ENV, None)
+    full_env.pop(crash.PAUSE_LOG_ENV, None)
     if crash_at:
         full_env[crash.ENV] = crash_at
     if crash_log:
