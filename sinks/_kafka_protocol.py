@@ -1,7 +1,10 @@
-"""Driver-side Kafka transaction protocol for KafkaSink: FindCoordinator, EndTxn, InitProducerId,
-DescribeTransactions, sent with kafka-python's connection manager (which brings SSL and SASL).
+"""Kafka transaction protocol for KafkaSink: FindCoordinator, EndTxn, InitProducerId (conditional
+or not), DescribeTransactions, DescribeProducers, sent with kafka-python's connection manager
+(which brings SSL and SASL).
 
-Nothing here runs on executors.  The client is the only place that touches
+The driver commits, checks and cleans up with it; the executors claim a transactional id with it
+before librdkafka's producer initialises the id (KafkaSink.begin_transaction), and read where their
+transaction's records landed.  The client is the only place that touches
 kafka-python internals (``KafkaAdminClient._manager``, ``_find_coordinator_id(s)``), so
 a kafka-python upgrade that moves them breaks one small module (and
 :func:`check_kafka_python_version` refuses versions it was not tested with).  Answers are
@@ -56,6 +59,13 @@ CONCURRENT_TRANSACTIONS = 51
 TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
 PRODUCER_FENCED = 90
 TRANSACTIONAL_ID_NOT_FOUND = 105
+
+#: The expected producer id of a claim on a transactional id the broker does not know yet.  The
+#: broker creates the id with a new producer id and, since the id is new, accepts any expectation;
+#: if the id exists (someone else created it first) the expectation cannot match its producer id
+#: and the answer is PRODUCER_FENCED, with nothing changed, whatever the id's state (checked
+#: against Kafka 4.1.2, tests/test_kafka_protocol.py).  Producer ids count up from 0.
+UNUSED_PRODUCER_ID = 2**63 - 1
 
 #: Answers after which asking again (after a fresh coordinator lookup) can succeed.
 RETRIABLE = frozenset({REQUEST_TIMED_OUT, NETWORK_EXCEPTION, COORDINATOR_LOAD_IN_PROGRESS,
@@ -302,6 +312,15 @@ def end_txn_request(tid: str, producer_id: int, producer_epoch: int, commit: boo
 
 
 @dataclass(frozen=True)
+class ProducerEntry:
+    """One producer's state on one topic partition (DescribeProducers, KIP-664)."""
+
+    producer_id: int
+    producer_epoch: int
+    txn_start_offset: int  # the first offset of its open transaction on the partition, -1 if none
+
+
+@dataclass(frozen=True)
 class TxnDescription:
     """One transactional id as DescribeTransactions reports it (error_code 105 = unknown id)."""
 
@@ -455,10 +474,20 @@ class TxnClient:
             tid, lambda: end_txn_request(tid, producer_id, producer_epoch, commit))
         return code
 
-    def init_producer_id(self, tid: str, transaction_timeout_ms: int) -> tuple[int, int, int]:
-        """InitProducerId for ``tid``: aborts its open transaction and bumps its epoch (fencing).
+    def init_producer_id(self, tid: str, transaction_timeout_ms: int, producer_id: int = -1,
+                         producer_epoch: int = -1) -> tuple[int, int, int]:
+        """InitProducerId for ``tid``; returns (error code, producer id, epoch).
 
-        Returns (error code, producer id, epoch).  CONCURRENT_TRANSACTIONS means the
+        Without ``producer_id``/``producer_epoch`` it is unconditional: the broker aborts the
+        id's open transaction, if any, and bumps its epoch (fencing).  With them (version 3+,
+        KIP-360) it is a claim: the broker bumps the epoch only if the id's current producer id
+        and epoch are the ones given; if the given epoch is the one *before* the current one it
+        answers the current epoch without bumping (it takes the request for a retry); otherwise
+        PRODUCER_FENCED.  One exception, checked against Kafka 4.1.2: when the id has an
+        *Ongoing* transaction, a matching producer id is enough, whatever the epoch: the broker
+        aborts that transaction (then answers CONCURRENT_TRANSACTIONS, and PRODUCER_FENCED when
+        asked again).  So a claim never goes to an id that may hold someone else's open
+        transaction (see KafkaSink.begin_transaction).  CONCURRENT_TRANSACTIONS also means an
         abort is still being written: ask again.
         """
         from kafka.protocol.producer.transaction import InitProducerIdRequest
@@ -466,7 +495,8 @@ class TxnClient:
         def make():
             return InitProducerIdRequest(transactional_id=tid,
                                          transaction_timeout_ms=int(transaction_timeout_ms),
-                                         producer_id=-1, producer_epoch=-1, max_version=4)
+                                         producer_id=int(producer_id), producer_epoch=int(producer_epoch),
+                                         max_version=4)
 
         code, resp = self._coordinator_request(tid, make)
         if resp is None:
@@ -502,3 +532,23 @@ class TxnClient:
                     int(st.producer_id), int(st.producer_epoch), int(st.transaction_timeout_ms),
                     int(st.transaction_start_time_ms), parts)
         return out
+
+    def describe_producers(self, partitions: list[str]) -> dict[str, list[ProducerEntry]]:
+        """DescribeProducers for ``"topic:partition"`` names, asked of each partition's leader.
+
+        Raises what kafka-python raises (unknown partitions, a leader that moved): callers treat
+        the answer as an optional extra.
+        """
+        from kafka import TopicPartition
+
+        tps = []
+        for name in dict.fromkeys(partitions):
+            topic, _, part = name.rpartition(":")
+            tps.append(TopicPartition(topic, int(part)))
+        if not tps:
+            return {}
+        with self._slots:
+            found = self._admin.describe_producers(tps)
+        return {f"{tp.topic}:{tp.partition}": [
+            ProducerEntry(int(p.producer_id), int(p.producer_epoch), int(p.current_transaction_start_offset))
+            for p in state.active_producers] for tp, state in found.items()}

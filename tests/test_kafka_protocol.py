@@ -1,5 +1,6 @@
-"""The driver-side Kafka protocol of KafkaSink: client versions, EndTxn's version, and what recovery
-reports for a transaction an earlier call already committed (real broker and unit twins)."""
+"""The Kafka protocol of KafkaSink: client versions, EndTxn's version, what recovery reports for a
+transaction an earlier call already committed, and the broker's answers the claims of transactional
+ids rely on (real broker and unit twins)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,96 @@ def test_recovery_reports_an_earlier_commit_as_already_committed(kafka_service):
     assert sink.commit(handle).outcome is CommitOutcome.COMMITTED
     assert Counter(read_committed(bs, topic)) == Counter(f"{prefix}-{i}".encode() for i in range(40))
     sink.close()
+
+
+# ------------------------------------------------- the broker facts claims rely on
+def _ongoing(bs: str, topic: str, tid: str):
+    """A librdkafka producer on ``tid`` with an open transaction (one record flushed)."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bs, "transactional.id": tid, "transaction.timeout.ms": 60_000})
+    p.init_transactions(30)
+    p.begin_transaction()
+    p.produce(topic, b"open", partition=0)
+    p.flush(30)
+    return p
+
+
+def _init(client: kp.TxnClient, tid: str, pid: int = -1, epoch: int = -1) -> tuple[str, int, int]:
+    """InitProducerId, asked again while the broker answers CONCURRENT_TRANSACTIONS (an abort being
+    written); the first answer's name is kept when it was CONCURRENT_TRANSACTIONS."""
+    first = None
+    for _ in range(100):
+        code, p, e = client.init_producer_id(tid, 60_000, pid, epoch)
+        first = first or kp.error_name(code)
+        if code != kp.CONCURRENT_TRANSACTIONS:
+            return first if first == "CONCURRENT_TRANSACTIONS" else kp.error_name(code), p, e
+        time.sleep(0.1)
+    raise AssertionError(f"InitProducerId on {tid} stayed CONCURRENT_TRANSACTIONS")
+
+
+@pytest.mark.kafka
+def test_init_producer_id_naming_the_current_producer_aborts_an_open_transaction_whatever_epoch_it_expects(
+        kafka_service):
+    """Why a claim never goes to an id with an open transaction: a conditional InitProducerId (KIP-360)
+    that names the id's current producer id aborts its Ongoing transaction even when the epoch it
+    expects is long gone.  Only a different producer id is refused without effect."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, tid = _topic(bs, 1), f"fact1-{uuid.uuid4().hex[:8]}"
+    client = kp.TxnClient({"bootstrap_servers": bs})
+    _ongoing(bs, topic, tid)
+    _ongoing(bs, topic, tid)  # a second producer: the open transaction is now at epoch 2
+    st = client.describe_transactions([tid])[tid]
+    assert (st.state, st.producer_epoch) == ("Ongoing", 2)
+    code, _, _ = _init(client, tid, st.producer_id + 1000, st.producer_epoch)   # another producer id
+    assert code == "PRODUCER_FENCED"
+    assert client.describe_transactions([tid])[tid].state == "Ongoing"           # untouched
+    code, _, _ = _init(client, tid, st.producer_id, 0)                           # a stale epoch
+    assert code == "CONCURRENT_TRANSACTIONS"                                     # it is aborting it
+    after = client.describe_transactions([tid])[tid]
+    assert after.state in ("PrepareAbort", "CompleteAbort") and after.producer_epoch == 3
+    client.close()
+
+
+@pytest.mark.kafka
+def test_claims_are_conditional_on_an_idle_id_and_a_new_id_takes_only_an_impossible_producer_id(kafka_service):
+    """A claim (InitProducerId from the epoch just described) bumps the epoch once; a claim from an
+    older epoch is refused without effect, and one from the epoch just before is answered as a retry
+    (the current epoch, unbumped).  An id the broker does not know is created by a claim from an
+    impossible producer id, which an existing id refuses, even with a transaction open."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, tid = _topic(bs, 1), f"fact2-{uuid.uuid4().hex[:8]}"
+    client = kp.TxnClient({"bootstrap_servers": bs})
+    assert client.describe_transactions([tid])[tid].error_code == kp.TRANSACTIONAL_ID_NOT_FOUND
+    code, pid, epoch = _init(client, tid, kp.UNUSED_PRODUCER_ID, 0)
+    assert (code, epoch) == ("NONE", 0)
+    assert _init(client, tid, kp.UNUSED_PRODUCER_ID, 0)[0] == "PRODUCER_FENCED"
+    assert _init(client, tid, pid, 0) == ("NONE", pid, 1)          # the claim
+    assert _init(client, tid, pid, 0) == ("NONE", pid, 1)          # a repeat of it: unbumped
+    assert _init(client, tid) == ("NONE", pid, 2)                  # librdkafka's unconditional one
+    assert _init(client, tid, pid, 0)[0] == "PRODUCER_FENCED"      # an older claim: refused
+    assert _init(client, tid, pid, 1)[0] == "PRODUCER_FENCED"
+    assert client.describe_transactions([tid])[tid].producer_epoch == 2
+    _ongoing(bs, topic, tid)
+    assert _init(client, tid, kp.UNUSED_PRODUCER_ID, 0)[0] == "PRODUCER_FENCED"
+    assert client.describe_transactions([tid])[tid].state == "Ongoing"
+    # EndTxn is conditional on the exact epoch: an older one aborts nothing.
+    st = client.describe_transactions([tid])[tid]
+    assert client.end_txn(tid, pid, st.producer_epoch - 1, commit=False) == kp.PRODUCER_FENCED
+    assert client.describe_transactions([tid])[tid].state == "Ongoing"
+    assert client.end_txn(tid, pid, st.producer_epoch, commit=False) == kp.NONE
+    client.close()
+
+
+@pytest.mark.kafka
+def test_describe_producers_gives_the_first_offset_of_an_open_transaction(kafka_service):
+    bs = kafka_service["bootstrap_servers"]
+    topic, tid = _topic(bs, 1), f"fact3-{uuid.uuid4().hex[:8]}"
+    client = kp.TxnClient({"bootstrap_servers": bs})
+    _ongoing(bs, topic, tid).flush(30)
+    st = client.describe_transactions([tid])[tid]
+    assert st.partitions == (f"{topic}:0",)
+    entries = client.describe_producers(list(st.partitions))[f"{topic}:0"]
+    assert [(e.producer_id, e.producer_epoch, e.txn_start_offset) for e in entries] == \
+        [(st.producer_id, st.producer_epoch, 0)]
+    client.close()
