@@ -2,26 +2,38 @@
 
 Executors produce with confluent-kafka's transactional producer and pre-commit by
 flushing with zero delivery errors; the handle is (transactional id, producer id,
-epoch, topics).  The driver commits with FindCoordinator + EndTxn under that
-id and epoch, from any process, after any crash (what Flink does, through public
-protocol).  Transactional ids come from a bounded pool, ``{prefix}-{partition}``.
+epoch, topics, the first offset of the transaction on each topic partition).  The driver
+commits with FindCoordinator + EndTxn under that id and epoch, from any process, after
+any crash (what Flink does, through public protocol).
+
+Transactional ids come from a bounded pool: ``{prefix}-{partition}.{slot}``, a few slots per
+partition (``slots_per_partition``), plus one id that is never used for a transaction, the plan
+fence ``{prefix}-plans``.  Every ``plan_batch`` (one execution, a *ballot*, of a batch) bumps the
+fence's epoch and records it in the INTENT with the pool's open transactions at that moment.  A
+task *claims* a slot of its partition before librdkafka initialises it: it checks
+(DescribeTransactions) that the fence is still its ballot's, and that the slot has no open
+transaction, then claims it with a conditional InitProducerId (only from the epoch it just saw), and
+then librdkafka's unconditional InitProducerId must land exactly one epoch later.  So an attempt of
+an older ballot or batch (a stage retry's duplicate, a zombie executor, an orphaned Spark Connect
+run) is refused, and no attempt ever initialises an id that holds another one's open transaction:
+InitProducerId aborts such a transaction, even a decided one, whatever epoch it expects (verified on
+Kafka 4.1.2).  Cleanup is conditional too: ``abort_lingering`` aborts with EndTxn under the exact
+producer id and epoch it described, and only what the INTENT's snapshot lists as open before the
+ballot, or anything not kept while no newer ballot has been planned.  See docs/kafka.md, including
+what is left (a claimant that stalls between two of its own requests).
 
 Delivery guarantee: with :class:`twophase.coordinator.Coordinator`, every row of
 every batch appears exactly once to consumers with ``isolation.level=read_committed``
 (read_uncommitted consumers also see records of aborted attempts).
 
-How it recovers: a batch's INTENT lists the transactional ids it may use.  Before
-a batch (re)runs, ``abort_lingering`` fences every id of that list that still has an
-open transaction (InitProducerId aborts it and bumps the epoch), so leftovers of a
-crashed attempt are aborted at once instead of blocking read_committed consumers
-until ``transaction.timeout.ms``.  Before the decision is logged, ``verify_prepared``
-checks with DescribeTransactions that every transaction is still open under its
-producer id and epoch with ``commit_margin_ms`` of its timeout left; otherwise the
-batch fails while undecided.  Handles of a decided batch are committed again with
-EndTxn (which answers success for a first and a repeated commit alike, so recovery
-asks DescribeTransactions first to tell them apart).  A transaction the broker
-aborted after the decision (the driver was down longer than the margin) can never
-be committed: that is reported as data loss.  See docs/kafka.md.
+Before the decision is logged, ``verify_prepared`` checks with DescribeTransactions that every
+transaction is still open under its producer id and epoch with ``commit_margin_ms`` of its timeout
+left; otherwise the batch fails while undecided.  Handles of a decided batch are committed again
+with EndTxn (which answers success for a first and a repeated commit alike, so recovery asks
+DescribeTransactions first to tell them apart).  When EndTxn says the id moved on (fenced, expired),
+the handle's first offsets tell what happened: a record that ``read_committed`` readers see was
+committed; one the last stable offset has passed without it was aborted, which can never be
+committed: that is reported as data loss.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +66,19 @@ DEFAULT_TRANSACTION_TIMEOUT_MS = 900_000
 TOPIC_CHECK_TTL_S = 60.0
 # (bootstrap servers, topic) -> time.monotonic() of the last successful check, per process.
 _TOPICS_SEEN: dict[tuple[str, str], float] = {}
+
+#: Transactional ids per partition in the pool (``KafkaSink(slots_per_partition=...)``): Spark's
+#: default ``spark.task.maxFailures``, so each attempt of a task can take an id of its own.
+DEFAULT_SLOTS_PER_PARTITION = 4
+#: ``intent["pool"]["version"]`` of INTENTs planned with slots and the plan fence.  INTENTs without
+#: "pool" were written by earlier versions (ids ``{prefix}-{partition}``); they are still cleaned up.
+POOL_VERSION = 2
+#: States of a transactional id in which a claim can take it (no transaction open or closing).
+_CLAIMABLE = frozenset({"Empty", "CompleteCommit", "CompleteAbort"})
+# The executors' transaction clients (claims, DescribeProducers), one per sink setting and Python
+# worker: a worker runs task after task, and a client costs a bootstrap (metadata, API versions).
+_TASK_CLIENTS: dict[str, Any] = {}
+_TASK_CLIENTS_LOCK = threading.Lock()
 
 #: Default part of the timeout kept for the commit and a driver restart (see ``commit_margin_ms``):
 #: 5 minutes, or a third of ``transaction_timeout_ms`` when that is shorter than 15 minutes.
@@ -115,6 +141,8 @@ class KafkaTransaction:
     eos_stats: dict[str, Any] = field(default_factory=dict)
     checked_topics: set[str] = field(default_factory=set)
     done: bool = False
+    #: (producer id, epoch) the claim gave this attempt's id; librdkafka's producer holds epoch + 1.
+    claimed: tuple[int, int] | None = None
 
 
 def _is_binaryish(t: pa.DataType) -> bool:
@@ -132,7 +160,11 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
     ``key: string, value: binary``).
 
     ``transactional_id_prefix`` must be unique to this query and stable across its
-    restarts: transactional ids are ``{prefix}-{partition}``, reused batch after batch.
+    restarts: transactional ids are ``{prefix}-{partition}.{slot}``, reused batch after batch,
+    ``slots_per_partition`` of them per partition (default 4, Spark's ``spark.task.maxFailures``:
+    each attempt of a task claims a free one), plus ``{prefix}-plans``, which holds no
+    transaction (its epoch marks the latest plan).  The pool stays bounded: partitions x slots + 1
+    ids for the life of the query.
     ``producer_config`` passes through to confluent-kafka (librdkafka names, e.g.
     ``security.protocol``, ``sasl.username``, ``linger.ms``); secrets may be given
     as ``{"env": "VAR"}`` references and are never logged nor put in handles.
@@ -158,7 +190,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                  transaction_timeout_ms: int = DEFAULT_TRANSACTION_TIMEOUT_MS,
                  tombstones: bool = False, auto_create_topics: bool = False,
                  flush_timeout_s: float = 300.0, request_timeout_s: float = 30.0,
-                 warn_age_fraction: float = 0.5, commit_margin_ms: int | None = None):
+                 warn_age_fraction: float = 0.5, commit_margin_ms: int | None = None,
+                 slots_per_partition: int = DEFAULT_SLOTS_PER_PARTITION):
         if not bootstrap_servers or not isinstance(bootstrap_servers, str):
             raise ConfigurationError("KafkaSink needs bootstrap_servers='host:port[,host:port...]'")
         if not transactional_id_prefix or not _PREFIX_OK.match(transactional_id_prefix):
@@ -183,6 +216,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             raise ConfigurationError(
                 f"commit_margin_ms must be at least 0 and less than transaction_timeout_ms="
                 f"{int(transaction_timeout_ms)}, got {commit_margin_ms}")
+        if not 1 <= int(slots_per_partition) <= 64:
+            raise ConfigurationError(f"slots_per_partition must be between 1 and 64, got {slots_per_partition}")
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.transactional_id_prefix = transactional_id_prefix
@@ -194,6 +229,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         self.request_timeout_s = float(request_timeout_s)
         self.warn_age_fraction = float(warn_age_fraction)
         self.commit_margin_ms = int(commit_margin_ms)
+        self.slots_per_partition = int(slots_per_partition)
         self._client: Any = None
         self._client_lock = threading.Lock()
 
@@ -226,7 +262,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 "auto_create_topics": self.auto_create_topics, "flush_timeout_s": self.flush_timeout_s,
                 "request_timeout_s": self.request_timeout_s,
                 "warn_age_fraction": self.warn_age_fraction,
-                "commit_margin_ms": self.commit_margin_ms}
+                "commit_margin_ms": self.commit_margin_ms,
+                "slots_per_partition": self.slots_per_partition}
 
     def _resolved_config(self) -> dict[str, Any]:
         conf = {k: resolve_secret(v, f"Kafka producer setting {k!r}") for k, v in self.producer_config.items()}
@@ -267,7 +304,33 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         return ck.AdminClient(conf)
 
     def executor_modules(self) -> list[str]:
-        return ["pyarrow", "confluent_kafka"]
+        # kafka-python: a task claims its transactional id (conditional InitProducerId) and reads
+        # where its records landed (DescribeProducers), which librdkafka cannot ask.
+        return ["pyarrow", "confluent_kafka", "kafka"]
+
+    def _task_client(self):
+        """The executor's transaction client for this sink's settings (one per Python worker)."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        key = json.dumps([self.bootstrap_servers, self.producer_config, self.request_timeout_s],
+                         sort_keys=True, default=str)
+        with _TASK_CLIENTS_LOCK:
+            client = _TASK_CLIENTS.get(key)
+            if client is None or client.closed:
+                try:
+                    cfg = kp.kafka_python_config(self._resolved_config())
+                except ValueError as e:
+                    raise ConfigurationError(str(e)) from None
+                try:
+                    client = kp.TxnClient(cfg, request_timeout_ms=int(self.request_timeout_s * 1000))
+                except MissingDependencyError:
+                    raise
+                except Exception as e:
+                    raise TwoPhaseError(
+                        f"cannot connect to Kafka at {self.bootstrap_servers} to claim a transactional "
+                        f"id: {type(e).__name__}: {e}") from None
+                _TASK_CLIENTS[key] = client
+            return client
 
     def open(self) -> None:
         """Check reachability, the topic, and the transaction timeout against the broker (driver)."""
@@ -309,24 +372,176 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         self._txn_client()
 
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
-        """INTENT: the transactional ids partitions ``0..num_partitions-1`` use (a bounded, reused pool).
+        """INTENT of one ballot: the pool's ids for ``num_partitions`` partitions, the plan fence's
+        new epoch, and which ids of the pool had an open transaction at this moment (driver).
 
-        An id is reused only by a later batch, which the coordinator starts only after
-        this one is COMMITTED, so an id never carries two pending transactions.
+        Bumps the plan fence ``{prefix}-plans`` (an unconditional InitProducerId on an id that never
+        holds a transaction, so it aborts nothing) and records the new (producer id, epoch): a
+        task whose INTENT names an older epoch is late and claims nothing, and the cleanup of this
+        ballot knows whether a newer one has been planned since.  The fence also keeps, in its
+        transaction timeout field (which the broker never acts on for an id without a
+        transaction), the widest plan so far, so that ids of partitions an earlier, wider batch
+        used are still looked at.  Then one DescribeTransactions (per transaction coordinator) of
+        those ids: the ones found ``Ongoing`` are leftovers of closed executions (the coordinator
+        opens a ballot only after every earlier one is closed and every decided batch
+        committed), so their exact (producer id, epoch) may be aborted by this ballot's tasks and
+        cleanup, however late.  Nothing in the pool is changed here.
         """
-        return {"transactional_ids": [self.transactional_id(p) for p in range(int(num_partitions))],
-                "transaction_timeout_ms": self.transaction_timeout_ms}
+        n, r = int(num_partitions), self.slots_per_partition
+        ids = self.pool_ids(n)
+        pool: dict[str, Any] = {"version": POOL_VERSION, "partitions": n, "slots": r, "widest": n,
+                                "fence": self.plan_fence_id(), "fence_producer": None, "open": {}}
+        intent = {"transactional_ids": ids, "transaction_timeout_ms": self.transaction_timeout_ms,
+                  "pool": pool}
+        if not ids:
+            return intent
+        from twophase.sinks import _kafka_protocol as kp
 
-    def transactional_id(self, partition_id: int) -> str:
-        return f"{self.transactional_id_prefix}-{int(partition_id)}"
+        client = self._txn_client()
+        fence = self.plan_fence_id()
+        before = self._describe(client, [fence]).get(fence)
+        widest = n
+        if before is not None and before.error_code == kp.NONE:
+            widest = max(n, int(before.timeout_ms))
+        widest = min(widest, self.transaction_timeout_ms)  # a timeout the broker accepts
+        pool["widest"] = max(n, widest)
+        pool["fence_producer"] = list(self._bump_plan_fence(client, batch_id, max(1, widest)))
+        states = self._describe(client, self._scanned_ids(pool))
+        pool["open"] = {t: [d.producer_id, d.producer_epoch] for t, d in states.items()
+                        if d.error_code == kp.NONE and d.state == "Ongoing"}
+        return intent
+
+    @staticmethod
+    def _scanned_ids(pool: dict[str, Any]) -> list[str]:
+        """The ids a ballot looks at for leftovers: its own, and those of wider earlier plans (named
+        from the INTENT's plan fence ``{prefix}-plans``, not from this sink's settings)."""
+        prefix = str(pool["fence"])[:-len("-plans")]
+        return [f"{prefix}-{p}.{s}" for p in range(int(pool.get("widest") or pool["partitions"]))
+                for s in range(int(pool["slots"]))]
+
+    def transactional_id(self, partition_id: int, slot: int = 0) -> str:
+        """The pool's id for ``slot`` of ``partition_id``: ``{prefix}-{partition}.{slot}``."""
+        return f"{self.transactional_id_prefix}-{int(partition_id)}.{int(slot)}"
+
+    def pool_ids(self, num_partitions: int) -> list[str]:
+        """Every transactional id a batch of ``num_partitions`` partitions may use (not the plan fence)."""
+        return [self.transactional_id(p, s) for p in range(int(num_partitions))
+                for s in range(self.slots_per_partition)]
+
+    def plan_fence_id(self) -> str:
+        """The id whose epoch marks the latest plan of this query (it never holds a transaction)."""
+        return f"{self.transactional_id_prefix}-plans"
+
+    def _bump_plan_fence(self, client, batch_id: int, widest: int) -> tuple[int, int]:
+        from twophase.sinks import _kafka_protocol as kp
+
+        fence = self.plan_fence_id()
+        deadline = time.monotonic() + max(60.0, 2 * self.request_timeout_s)
+        delay = 0.02
+        while True:
+            code, pid, epoch = client.init_producer_id(fence, widest)
+            if code == kp.NONE:
+                return pid, epoch
+            if code not in kp.RETRIABLE or time.monotonic() > deadline:
+                raise TwoPhaseError(
+                    f"batch {batch_id}: cannot plan the batch: InitProducerId on the plan fence {fence} "
+                    f"answered {kp.error_name(code)}. Check the broker and the ACLs for transactional ids "
+                    "with this prefix (Write), then restart the query.")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
                         keep: list[dict]) -> int:
-        """Fence every id of the INTENT that has an open transaction, except ids of ``keep`` (driver).
+        """Abort what this ballot's attempts left open on its ids, never what a newer one opened (driver).
 
-        Fencing is InitProducerId on the id: the broker aborts the open transaction
-        and bumps the epoch, so a zombie producer of a crashed attempt cannot add to
-        it either.  Returns how many open transactions were aborted.
+        Describes the INTENT's ids (and those of wider earlier plans, see :meth:`plan_batch`)
+        first, then the plan fence.  An open transaction (not one of
+        ``keep``) is aborted, by EndTxn under the exact producer id and epoch just described, if
+        the INTENT's snapshot lists it as open before this ballot was planned (a leftover of a
+        closed execution), or if the plan fence still holds this INTENT's epoch (no execution has
+        been planned since, so nothing open on these ids can belong to a newer one).  Otherwise
+        (a deposed coordinator's late cleanup) it is left alone: it may be a newer ballot's
+        decided transaction, and the newest ballot's own cleanup aborts what is a leftover.  An
+        EndTxn that finds another epoch aborts nothing.  INTENTs of earlier versions (ids
+        ``{prefix}-{partition}``, no "pool") are fenced as before: no ballot planned now uses those
+        ids.  Returns how many open transactions were aborted.
+        """
+        from twophase.sinks import _kafka_protocol as kp
+
+        pool = intent.get("pool")
+        if not isinstance(pool, dict):
+            return self._abort_lingering_unpooled(batch_id, intent, keep)
+        if not intent.get("transactional_ids"):
+            return 0
+        tids = self._scanned_ids(pool)
+        kept = {(str(h["transactional_id"]), int(h["producer_id"]), int(h["producer_epoch"])) for h in keep}
+        client = self._txn_client()
+        states = self._describe(client, tids)
+        latest = self._plan_fence_holds(client, pool)  # asked after the ids: see the docstring
+        snapshot = pool.get("open") or {}
+        aborted, left = 0, []
+        for tid in tids:
+            st = states.get(tid)
+            if st is None or st.error_code != kp.NONE or st.state != "Ongoing":
+                continue
+            if (tid, st.producer_id, st.producer_epoch) in kept:
+                continue
+            if latest or snapshot.get(tid) == [st.producer_id, st.producer_epoch]:
+                if self._abort_open(client, tid, st.producer_id, st.producer_epoch, f"batch {batch_id}"):
+                    aborted += 1
+            else:
+                left.append(tid)
+        if left:
+            log.info("batch %d: left %d open transactions on this execution's ids alone (%s): a newer "
+                     "execution or batch was planned since, and they may be its own; its cleanup aborts "
+                     "them if they are leftovers", batch_id, len(left), ", ".join(left[:5]))
+        return aborted
+
+    def _plan_fence_holds(self, client, pool: dict[str, Any]) -> bool:
+        """True if the plan fence still holds the epoch ``pool`` was planned with."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        fence, mine = pool.get("fence"), pool.get("fence_producer")
+        if not fence or mine is None:
+            return False
+        st = self._describe(client, [fence]).get(fence)
+        return st is not None and st.error_code == kp.NONE and [st.producer_id, st.producer_epoch] == list(mine)
+
+    def _abort_open(self, client, tid: str, pid: int, epoch: int, label: str, wait: bool = True) -> bool:
+        """EndTxn(abort) under exactly (pid, epoch): True if this aborted it.
+
+        The broker refuses (PRODUCER_FENCED, INVALID_PRODUCER_EPOCH) when the id moved on, and
+        INVALID_TXN_STATE when it is no longer open: then it is not ours to abort any more.
+        ``wait=False`` asks once (an executor's help with a leftover; the cleanup does the rest).
+        """
+        from twophase.sinks import _kafka_protocol as kp
+
+        deadline = time.monotonic() + max(60.0, 2 * self.request_timeout_s)
+        delay = 0.02
+        while True:
+            code = client.end_txn(tid, pid, epoch, commit=False)
+            if code == kp.NONE:
+                log.info("%s: aborted the open transaction of %s (producer id %d, epoch %d)", label, tid, pid,
+                         epoch)
+                return True
+            if code in (kp.PRODUCER_FENCED, kp.INVALID_PRODUCER_EPOCH, kp.INVALID_TXN_STATE,
+                        kp.INVALID_PRODUCER_ID_MAPPING):
+                return False
+            if not wait:
+                return False
+            if code not in kp.RETRIABLE or time.monotonic() > deadline:
+                raise TwoPhaseError(
+                    f"{label}: cannot abort the open transaction of {tid} (producer id {pid}, epoch "
+                    f"{epoch}): {kp.error_name(code)}. Check the broker and the ACLs for transactional ids "
+                    "with this prefix, then restart the query.")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _abort_lingering_unpooled(self, batch_id: int, intent: dict[str, Any], keep: list[dict]) -> int:
+        """abort_lingering for INTENTs of earlier versions: ids ``{prefix}-{partition}``, fenced.
+
+        Fencing is an unconditional InitProducerId: the broker aborts the open transaction and
+        bumps the epoch.  Safe now because no ballot planned by this version uses these ids.
         """
         from twophase.sinks import _kafka_protocol as kp
 
@@ -512,7 +727,13 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
 
         The broker answers success both for this commit and for a repeated one (so a
         retry after a lost answer also reports COMMITTED); :meth:`recover_and_commit`
-        tells them apart.
+        tells them apart.  When the broker says the id moved on (PRODUCER_FENCED,
+        INVALID_PRODUCER_EPOCH, INVALID_TXN_STATE, INVALID_PRODUCER_ID_MAPPING), a commit that
+        landed earlier cannot be told from an abort by EndTxn: a zombie that initialised the id
+        after the commit, or the id's expiry, look the same.  The handle's first offsets can
+        (:meth:`_records_fate`): visible to read_committed readers -> ALREADY_COMMITTED; skipped
+        by them with the last stable offset past it -> LOST; not decided yet -> RETRY_LATER.
+        Handles without offsets (earlier versions) are LOST on those answers, as before.
         """
         from twophase.sinks import _kafka_protocol as kp
 
@@ -526,6 +747,33 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             return CommitResult.committed()
         if code in kp.RETRIABLE:
             return CommitResult.retry_later(f"{name} from the transaction coordinator of {tid}")
+        if code in (kp.INVALID_PRODUCER_EPOCH, kp.PRODUCER_FENCED, kp.INVALID_TXN_STATE,
+                    kp.INVALID_PRODUCER_ID_MAPPING) and handle.get("txn_start_offsets"):
+            # The id moved on (re-initialised, expired): EndTxn cannot tell a commit that landed
+            # earlier from an abort.  The transaction's own records can.
+            verdict, where = self._records_fate(handle["txn_start_offsets"])
+            if verdict == "committed":
+                return CommitResult.already_committed(
+                    f"EndTxn answered {name} for {tid} (producer id {pid}, epoch {epoch}): the id was "
+                    f"initialised again or expired since, but {where} is visible to read_committed readers: "
+                    "an earlier commit made the transaction visible")
+            if verdict == "pending":
+                return CommitResult.retry_later(
+                    f"EndTxn answered {name} for {tid}; whether its transaction committed shows once {where}")
+            if verdict == "unknown":
+                return CommitResult.retry_later(
+                    f"EndTxn answered {name} for {tid}, and reading {where} to tell whether its transaction "
+                    "committed failed")
+            lost = self._lost(handle, code, name)
+            if verdict == "aborted":
+                return CommitResult.lost(f"{lost.reason}; {where}: read_committed readers never saw it")
+            return CommitResult.lost(f"{lost.reason}; whether it had committed cannot be checked: {where}")
+        return self._lost(handle, code, name)
+
+    def _lost(self, handle: dict, code: int, name: str) -> CommitResult:
+        from twophase.sinks import _kafka_protocol as kp
+
+        tid, pid, epoch = handle["transactional_id"], int(handle["producer_id"]), int(handle["producer_epoch"])
         age = self.handle_age(handle)
         age_txt = f"{age:.0f}s old" if age is not None else "age unknown"
         timeout = int(handle.get("timeout_ms", self.transaction_timeout_ms))
@@ -542,6 +790,68 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 f"{name}: the broker no longer knows transactional id {tid} with producer id {pid} "
                 f"({age_txt}): it expired (transactional.id.expiration.ms) or was taken over")
         return CommitResult.retry_later(f"{name} from the transaction coordinator of {tid}")
+
+    def _consumer_config(self) -> dict[str, Any]:
+        """Connection and security settings of ``producer_config`` for a read_committed consumer."""
+        conf = {k: v for k, v in self._resolved_config().items()
+                if k == "bootstrap.servers" or k.startswith(("security.", "ssl.", "sasl.", "enable.ssl",
+                                                             "enable.sasl", "socket.", "client.dns",
+                                                             "broker.address"))}
+        conf.update({"group.id": f"twophase-check-{uuid.uuid4().hex[:12]}", "isolation.level": "read_committed",
+                     "enable.auto.commit": False, "enable.partition.eof": True,
+                     "auto.offset.reset": "error", "enable.sparse.connections": False})
+        return conf
+
+    def _records_fate(self, offsets: dict[str, int]) -> tuple[str, str]:
+        """What became of a transaction whose first records are at ``offsets`` (driver).
+
+        ("committed", where): a read_committed consumer gets the record at that offset.
+        ("aborted", where): the last stable offset is past it and the consumer skips it (the
+        next record it gets is later, or it reaches the end).  A transaction commits or aborts
+        as a whole, so one topic partition answers.  ("pending", where): the last stable offset
+        is not past it yet (a transaction still open before or at it).  ("gone", where): the
+        record was deleted (retention).  ("unknown", where): reading it failed.
+        """
+        ck = require("confluent_kafka", "KafkaSink")
+        consumer = ck.Consumer(self._consumer_config())
+        verdict, where = "unknown", "no topic partition to read"
+        try:
+            for name, offset in sorted(offsets.items()):
+                topic, _, part = name.rpartition(":")
+                offset, where = int(offset), f"its first record on {name} (offset {int(offset)})"
+                tp = ck.TopicPartition(topic, int(part))
+                try:
+                    low, stable = consumer.get_watermark_offsets(tp, timeout=self.request_timeout_s, cached=False)
+                except ck.KafkaException as e:
+                    verdict, where = "unknown", f"{where}: {e.args[0].str() if e.args else e}"
+                    continue
+                if offset < low:
+                    verdict, where = "gone", f"{where} was deleted (the partition now starts at {low})"
+                    continue
+                if stable <= offset:
+                    return "pending", f"the last stable offset of {name} ({stable}) passes {offset}"
+                consumer.assign([ck.TopicPartition(topic, int(part), offset)])
+                deadline = time.monotonic() + self.request_timeout_s
+                while time.monotonic() < deadline:
+                    m = consumer.poll(0.2)
+                    if m is None:
+                        continue
+                    err = m.error()
+                    if err is not None:
+                        if err.code() == ck.KafkaError._PARTITION_EOF:
+                            return "aborted", (f"{where} was aborted (read_committed readers reach the end, "
+                                               f"offset {m.offset()}, without it)")
+                        verdict, where = "unknown", f"{where}: {err.str()}"
+                        break
+                    if m.offset() == offset:
+                        return "committed", where
+                    return "aborted", (f"{where} was aborted (the next record read_committed readers get is at "
+                                       f"offset {m.offset()})")
+                else:
+                    verdict, where = "unknown", f"{where}: no answer within {self.request_timeout_s:.0f}s"
+            return verdict, where
+        finally:
+            consumer.close()
 
     def recover_and_commit(self, handle: dict) -> CommitResult:
         """Commit a handle found in the log after a restart; tell an earlier commit apart (driver).
@@ -675,20 +985,114 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         return conf
 
     def begin_transaction(self, ctx: TransactionContext) -> KafkaTransaction:
-        """Create a transactional producer for the partition's id, fence older attempts, begin (executor).
+        """Claim a free transactional id of the partition, initialise a producer on it, begin (executor).
 
-        A fresh producer per transaction: ``init_transactions`` aborts whatever an
-        earlier attempt of this partition left open and gives a new epoch.
+        1. Describe the partition's ``slots_per_partition`` ids, then the plan fence.  A fence
+           past the INTENT's epoch means a newer execution of this batch, or a later batch, was
+           planned: this attempt is late and stops before touching any id.
+        2. Take the first id with no transaction open or closing, and claim it with a
+           conditional InitProducerId from the producer id and epoch just described (an id the
+           broker does not know yet: from an impossible producer id, which only a new id
+           accepts).  The broker refuses if the id moved meanwhile.  An id with an open
+           transaction is never claimed: InitProducerId would abort it, whatever epoch it
+           expects, and it may be a decided one.  One that the INTENT lists as open before the
+           plan is a leftover of a closed execution: it is aborted (EndTxn under its exact epoch)
+           and left for a later claim.
+        3. librdkafka's ``init_transactions`` (an unconditional InitProducerId) must then land
+           exactly one epoch after the claim; otherwise another attempt initialised the id in
+           between, and this one gives the id up (nothing of it is open) and tries the next.
+
+        A fresh producer per transaction; no earlier attempt's transaction is fenced (each attempt
+        has an id of its own; the batch's cleanup aborts what failed attempts left open).
         """
-        ck = require("confluent_kafka", "KafkaSink")
+        from twophase.sinks import _kafka_protocol as kp
+
         tids = ctx.intent.get("transactional_ids")
         if tids is None:
             raise TwoPhaseError(f"{ctx.label}: the batch INTENT has no transactional ids (was it planned "
                                 "by another sink?)")
-        if ctx.partition_id >= len(tids):
+        pool = ctx.intent.get("pool")
+        if not isinstance(pool, dict) or pool.get("version") != POOL_VERSION:
+            raise TwoPhaseError(
+                f"{ctx.label}: the batch INTENT was planned by an earlier twophase version (one transactional "
+                "id per partition, no claims); nothing was written. Its replay plans the batch again.")
+        r, n = int(pool["slots"]), int(pool["partitions"])
+        if ctx.partition_id >= n:
             raise TwoPhaseError(f"{ctx.label}: partition {ctx.partition_id} is outside the batch INTENT "
-                                f"({len(tids)} transactional ids); nothing was written")
-        tid = tids[ctx.partition_id]
+                                f"({n} partitions planned); nothing was written")
+        slots = list(tids[ctx.partition_id * r:(ctx.partition_id + 1) * r])
+        client = self._task_client()
+        states = self._describe(client, slots)
+        fence = str(pool["fence"])
+        st = self._describe(client, [fence]).get(fence)  # after the ids: a plan seen here precedes them
+        if st is None or st.error_code != kp.NONE:
+            why = "no answer" if st is None else kp.error_name(st.error_code)
+            raise TwoPhaseError(f"{ctx.label}: cannot read the plan fence {fence} ({why}); nothing was "
+                                "written")
+        if [st.producer_id, st.producer_epoch] != list(pool["fence_producer"]):
+            raise TwoPhaseError(
+                f"{ctx.label}: this task attempt is late: a newer execution of batch {ctx.batch_id} or a later "
+                f"batch was planned after its own (the plan fence {fence} is at producer id {st.producer_id} "
+                f"epoch {st.producer_epoch}, its INTENT's at {pool['fence_producer']}). It claims no "
+                "transactional id and writes nothing.")
+        snapshot = pool.get("open") or {}
+        tried: list[str] = []
+        for tid in slots:
+            d = states.get(tid)
+            if d is None:
+                tried.append(f"{tid}: no answer from its transaction coordinator")
+                continue
+            if d.error_code == kp.TRANSACTIONAL_ID_NOT_FOUND:
+                expect = None  # never used: only a new id accepts the impossible producer id
+            elif d.error_code != kp.NONE:
+                tried.append(f"{tid}: {kp.error_name(d.error_code)}")
+                continue
+            elif d.state == "Ongoing" and snapshot.get(tid) == [d.producer_id, d.producer_epoch]:
+                self._abort_open(client, tid, d.producer_id, d.producer_epoch, ctx.label, wait=False)
+                tried.append(f"{tid}: held a transaction left open before this batch was planned (aborted)")
+                continue
+            elif d.state not in _CLAIMABLE:
+                tried.append(f"{tid}: {d.state} under producer id {d.producer_id} epoch {d.producer_epoch}")
+                continue
+            else:
+                expect = (d.producer_id, d.producer_epoch)
+            txn = self._claim(ctx, client, tid, expect, tried)
+            if txn is not None:
+                return txn
+        raise TwoPhaseError(
+            f"{ctx.label}: none of the {len(slots)} transactional ids of partition {ctx.partition_id} could be "
+            f"claimed: {'; '.join(tried)}. Nothing was written. Other attempts of this partition hold them "
+            "(raise slots_per_partition above spark.task.maxFailures if task attempts run out of ids); "
+            "the batch's cleanup aborts what failed attempts left open.")
+
+    def _claim(self, ctx: TransactionContext, client, tid: str, expect: tuple[int, int] | None,
+               tried: list[str]) -> KafkaTransaction | None:
+        """Claim ``tid`` from ``expect`` (None: a new id), then initialise a producer on it; None if lost."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        ck = require("confluent_kafka", "KafkaSink")
+        pid, epoch = expect if expect is not None else (kp.UNUSED_PRODUCER_ID, 0)
+        deadline = time.monotonic() + self.request_timeout_s
+        delay = 0.02
+        while True:
+            code, cpid, cepoch = client.init_producer_id(tid, self.transaction_timeout_ms, pid, epoch)
+            if code == kp.NONE:
+                break
+            if code in (kp.PRODUCER_FENCED, kp.INVALID_PRODUCER_EPOCH, kp.INVALID_PRODUCER_ID_MAPPING,
+                        kp.CONCURRENT_TRANSACTIONS):
+                tried.append(f"{tid}: taken by another attempt ({kp.error_name(code)})")
+                return None
+            if code in kp.RETRIABLE and time.monotonic() < deadline:
+                # A claim that was applied but whose answer was lost is answered again, unbumped.
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if code in kp.RETRIABLE:
+                tried.append(f"{tid}: {kp.error_name(code)} for {self.request_timeout_s:.0f}s")
+                return None
+            raise TwoPhaseError(f"{ctx.label}: cannot claim transactional id {tid} on {self.bootstrap_servers}: "
+                                f"{kp.error_name(code)}. Check the ACLs for transactional ids with this prefix "
+                                "(Write); nothing was written.")
         handler = _LibrdkafkaLog(f"{ctx.label} ({tid})")
         rdk_logger = logging.Logger(f"twophase.rdkafka.{tid}")
         rdk_logger.setLevel(logging.DEBUG)
@@ -701,13 +1105,44 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         box[0] = txn
         try:
             producer.init_transactions(self.request_timeout_s * 2)
-            producer.begin_transaction()
         except ck.KafkaException as e:
             self._release(txn)
             raise TwoPhaseError(f"{ctx.label}: cannot start a Kafka transaction as {tid} on "
                                 f"{self.bootstrap_servers}: {e.args[0].str() if e.args else e}") from None
+        got = self._producer_id_epoch(txn)
+        if got != (cpid, cepoch + 1):
+            # Someone else's InitProducerId landed between our claim and librdkafka's: the id is
+            # not ours.  Nothing of ours is open on it; the producer goes.
+            self._release(txn)
+            tried.append(f"{tid}: initialised by another attempt between this one's claim (epoch {cepoch}) and "
+                         f"its producer ({'unknown' if got is None else f'producer id {got[0]} epoch {got[1]}'})")
+            return None
+        txn.claimed = (cpid, cepoch)
+        try:
+            producer.begin_transaction()
+        except ck.KafkaException as e:
+            self._release(txn)
+            raise TwoPhaseError(f"{ctx.label}: cannot begin a Kafka transaction as {tid}: "
+                                f"{e.args[0].str() if e.args else e}") from None
         txn.started_at = time.time()
         return txn
+
+    @staticmethod
+    def _producer_id_epoch(txn: KafkaTransaction, wait_s: float = 10.0) -> tuple[int, int] | None:
+        """The producer id and epoch librdkafka acquired: its 'Acquired PID' debug line (served by a
+        poll), else its statistics (about once a second)."""
+        txn.producer.poll(0)
+        if txn.logs.pid_epoch is not None:
+            return txn.logs.pid_epoch
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if txn.logs.pid_epoch is not None:
+                return txn.logs.pid_epoch
+            eos = txn.eos_stats
+            if eos.get("producer_id", -1) >= 0 and eos.get("idemp_state") == "Assigned":
+                return int(eos["producer_id"]), int(eos["producer_epoch"])
+            txn.producer.poll(0.05)
+        return None
 
     def _check_topic(self, txn: KafkaTransaction, topic: str) -> None:
         """Fail before producing to a topic that does not exist (unless auto_create_topics).
@@ -858,11 +1293,15 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         del producer  # the last reference: rd_kafka_destroy runs here
 
     def pre_commit(self, txn: KafkaTransaction) -> dict:
-        """Flush with zero delivery errors; return (id, producer id, epoch, topics) (executor).
+        """Flush with zero delivery errors; return (id, producer id, epoch, topics, first offsets) (executor).
 
         Then the producer is released (:meth:`_release`): destroyed, never closed, so its
         transaction stays open for the driver's commit and no threads, sockets or
-        statistics are left behind in the Python worker.
+        statistics are left behind in the Python worker.  ``txn_start_offsets`` holds, for each topic
+        partition the transaction wrote to, the offset of its first record there
+        (DescribeTransactions for the partitions, DescribeProducers for the offsets): if a later
+        commit finds the id moved on, that record tells whether the transaction was committed
+        (:meth:`commit`).  Best effort: a handle without it is committed the same way.
         """
         remaining = txn.producer.flush(self.flush_timeout_s)
         if remaining:
@@ -870,27 +1309,52 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                                 f"{self.flush_timeout_s:.0f}s (flush_timeout_s); nothing was committed")
         txn.producer.poll(0)  # serve remaining log lines and callbacks
         self._raise_errors(txn)
-        pid_epoch = txn.logs.pid_epoch
+        pid_epoch = (txn.claimed[0], txn.claimed[1] + 1) if txn.claimed is not None else None
         if pid_epoch is None:
-            # The 'Acquired PID' debug line did not arrive: fall back to the statistics (<= ~1s).
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:
-                eos = txn.eos_stats
-                if eos.get("txn_state") == "InTransaction" and eos.get("producer_id", -1) >= 0:
-                    pid_epoch = (int(eos["producer_id"]), int(eos["producer_epoch"]))
-                    break
-                txn.producer.poll(0.05)
+            pid_epoch = self._producer_id_epoch(txn)
             if pid_epoch is None:
                 raise TwoPhaseError(f"{txn.ctx.label}: could not read the producer id and epoch of "
                                     f"{txn.transactional_id} from librdkafka; nothing was committed")
+        offsets = self._first_offsets(txn, pid_epoch)
         txn.done = True
         handle = {"transactional_id": txn.transactional_id, "producer_id": pid_epoch[0],
                   "producer_epoch": pid_epoch[1],
                   "topics": sorted(txn.topics),
                   "rows": txn.rows, "started_at": round(txn.started_at, 3),
                   "timeout_ms": self.transaction_timeout_ms}
+        if offsets:
+            handle["txn_start_offsets"] = offsets
         self._release(txn)
         return handle
+
+    def _first_offsets(self, txn: KafkaTransaction, pid_epoch: tuple[int, int]) -> dict[str, int]:
+        """{"topic:partition": offset of the transaction's first record there} (executor; best effort).
+
+        Raises if the broker shows the transaction is no longer open under this producer id and
+        epoch (another actor initialised the id): such a handle could never be committed.
+        """
+        from twophase.sinks import _kafka_protocol as kp
+
+        tid = txn.transactional_id
+        try:
+            client = self._task_client()
+            st = client.describe_transactions([tid]).get(tid)
+            if st is None or st.error_code != kp.NONE:
+                return {}
+            if st.state != "Ongoing" or (st.producer_id, st.producer_epoch) != tuple(pid_epoch):
+                raise TwoPhaseError(
+                    f"{txn.ctx.label}: the transaction of {tid} (producer id {pid_epoch[0]}, epoch "
+                    f"{pid_epoch[1]}) is no longer open: the broker reports {st.state} under producer id "
+                    f"{st.producer_id} epoch {st.producer_epoch} (another actor initialised the id). "
+                    "Nothing of it can be committed.")
+            found = client.describe_producers(list(st.partitions))
+        except TwoPhaseError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an optional extra of the handle
+            log.debug("%s: could not read the first offsets of %s: %s", txn.ctx.label, tid, e)
+            return {}
+        return {tp: e.txn_start_offset for tp, entries in sorted(found.items()) for e in entries
+                if e.producer_id == pid_epoch[0] and e.txn_start_offset >= 0}
 
     def abort(self, txn: KafkaTransaction) -> None:
         """Abort the open transaction (executor; best effort).  Never called after pre_commit."""

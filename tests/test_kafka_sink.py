@@ -74,10 +74,14 @@ def test_kafka_python_config_translation():
         kp.kafka_python_config({"sasl.oauthbearer.config": "secret-value"})
 
 
-def test_plan_batch_is_a_bounded_pool():
-    sink = KafkaSink("b:9092", "t", "app")
-    a, b = sink.plan_batch("q", 1, 3), sink.plan_batch("q", 2, 3)
-    assert a["transactional_ids"] == ["app-0", "app-1", "app-2"] == b["transactional_ids"]
+def test_slots_per_partition_is_bounded_and_kept_in_the_config():
+    for bad in (0, 65):
+        with pytest.raises(ConfigurationError, match="slots_per_partition"):
+            KafkaSink("b:9092", "t", "app", slots_per_partition=bad)
+    sink = KafkaSink("b:9092", "t", "app", slots_per_partition=2)
+    assert KafkaSink.from_config(sink.to_config()).slots_per_partition == 2
+    assert sink.transactional_id(3, 1) == "app-3.1" and sink.plan_fence_id() == "app-plans"
+    # An empty batch plans no transaction and asks the broker nothing (there is none at b:9092).
     assert sink.plan_batch("q", 3, 0)["transactional_ids"] == []
 
 
@@ -195,7 +199,8 @@ def test_commit_after_sigkill_from_fresh_process(kafka_service):
     handle = _child_transaction(bs, topic, prefix, n=100)
     assert set(handle) >= {"transactional_id", "producer_id", "producer_epoch", "topics"}
     assert handle["topics"] == [topic]
-    assert handle["transactional_id"] == f"{prefix}-0" and handle["rows"] == 100
+    assert handle["transactional_id"] == f"{prefix}-0.0" and handle["rows"] == 100
+    assert handle["txn_start_offsets"] and set(handle["txn_start_offsets"]) <= {f"{topic}:0", f"{topic}:1"}
     assert read_committed(bs, topic, idle=1.0) == []          # pre-committed: invisible
     sink = KafkaSink(bs, topic, prefix)                        # a fresh driver, from the handle only
     sink.open()
@@ -256,19 +261,55 @@ def test_a_full_local_queue_delays_rows_and_loses_none(kafka_service):
 
 
 @pytest.mark.kafka
-def test_retry_attempt_fences_the_failed_one(kafka_service):
-    """Two attempts of one partition share a transactional id: the later one fences the earlier."""
+def test_plan_batch_is_a_bounded_pool(kafka_service):
+    """Every ballot of every batch names the same ids: partitions x slots, plus the plan fence, whose
+    epoch each plan moves on by one."""
     bs = kafka_service["bootstrap_servers"]
-    topic, prefix = _topic(bs), f"att-{uuid.uuid4().hex[:8]}"
+    topic, prefix = _topic(bs), f"pool-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(bs, topic, prefix, slots_per_partition=3)
+    a, b = sink.plan_batch("q", 1, 2), sink.plan_batch("q", 2, 2)
+    pool = [f"{prefix}-{p}.{s}" for p in range(2) for s in range(3)]
+    assert a["transactional_ids"] == pool == b["transactional_ids"]
+    (pid, epoch), (pid_b, epoch_b) = a["pool"]["fence_producer"], b["pool"]["fence_producer"]
+    assert (pid_b, epoch_b) == (pid, epoch + 1) and a["pool"]["fence"] == f"{prefix}-plans"
+    # Many task attempts, ballots and batches later, the broker knows no other id of this prefix.
+    for batch in range(3, 6):
+        intent = sink.plan_batch("q", batch, 2)
+        handles = []
+        for p in range(2):
+            for attempt in range(2):  # a failed attempt, then its retry
+                txn = sink.begin_transaction(TransactionContext("q", batch, p, attempt, intent))
+                sink.write(txn, pa.RecordBatch.from_pydict({"value": [f"{batch}-{p}-{attempt}".encode()]}))
+                handles.append(sink.pre_commit(txn))
+        for h in handles[1::2]:
+            assert sink.commit(h).done
+        sink.abort_lingering("q", batch, intent, handles[1::2])
+    known = sink._txn_client().describe_transactions(pool + [f"{prefix}-plans", f"{prefix}-0.3", f"{prefix}-2.0"])
+    assert sorted(t for t, d in known.items() if d.error_code == 0) == sorted(pool[:2] + pool[3:5] + [f"{prefix}-plans"])
+    assert Counter(read_committed(bs, topic)) == Counter(f"{b}-{p}-1".encode() for b in range(3, 6) for p in range(2))
+    sink.close()
+
+
+@pytest.mark.kafka
+def test_a_retry_attempt_claims_the_next_id_and_the_failed_ones_leftover_is_aborted(kafka_service):
+    """Two attempts of one partition of one ballot: the retry does not initialise (fence) the id of
+    the first, which may still be alive; it claims the next id.  The batch's cleanup after the
+    commit aborts what the failed attempt left open, and read_committed readers see the retry's rows."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"att-{uuid.uuid4().hex[:8]}"
     sink = KafkaSink(bs, topic, prefix)
-    first = sink.begin_transaction(_ctx(sink, attempt=0))
+    intent = sink.plan_batch("q", 0, 1)
+    first = sink.begin_transaction(TransactionContext("q", 0, 0, 0, intent))
     sink.write(first, pa.RecordBatch.from_pydict({"value": [b"first"] * 10}))
-    first.producer.flush(30)
-    second = sink.begin_transaction(_ctx(sink, attempt=1))
+    first.producer.flush(30)                       # its records are written; then the attempt is lost
+    second = sink.begin_transaction(TransactionContext("q", 0, 0, 1, intent))
+    assert (first.transactional_id, second.transactional_id) == (f"{prefix}-0.0", f"{prefix}-0.1")
     sink.write(second, pa.RecordBatch.from_pydict({"value": [b"second"] * 10}))
     handle = sink.pre_commit(second)
     assert sink.commit(handle).done
+    assert sink.abort_lingering("q", 0, intent, [handle]) == 1   # the first attempt's transaction
     assert Counter(read_committed(bs, topic)) == Counter({b"second": 10})
+    sink._release(first)
     sink.close()
 
 
@@ -397,7 +438,7 @@ def test_expired_transaction_is_data_loss_unless_ignored(kafka_service, spark, t
     # Wait until the broker has aborted the timed-out transaction.
     client = kp.TxnClient({"bootstrap_servers": bs})
     deadline = time.time() + 60
-    while client.describe_transactions([f"{prefix}-0"])[f"{prefix}-0"].state != "CompleteAbort":
+    while client.describe_transactions([f"{prefix}-0.0"])[f"{prefix}-0.0"].state != "CompleteAbort":
         assert time.time() < deadline, "the broker did not abort the transaction"
         time.sleep(0.5)
     client.close()

@@ -90,8 +90,8 @@ def test_verify_prepared_refuses_a_young_transaction_without_the_commit_margin(k
     msg = str(e.value)
     assert "Less than commit_margin_ms=8000" in msg and f"{prefix}-0" in msg
     assert "transaction_timeout_ms=10000" in msg
-    assert f"oldest transaction ({prefix}-0) is 2s old" in msg or \
-        f"oldest transaction ({prefix}-0) is 3s old" in msg, msg
+    assert f"oldest transaction ({prefix}-0.0) is 2s old" in msg or \
+        f"oldest transaction ({prefix}-0.0) is 3s old" in msg, msg
     # The coordinator then aborts it: nothing becomes visible.
     assert sink.abort_lingering("q", 3, sink.plan_batch("q", 3, 1), []) == 1
     assert read_committed(bs, topic, idle=1.0) == []
