@@ -1033,6 +1033,9 @@ def run_sink_conformance(
     rebuild_from_config: bool = True,
     min_useful_share: float = 0.3,
     seed: int | None = None,
+    ownership: bool = True,
+    protocol_factory: Callable[..., Any] | None = None,
+    ownership_examples: int | None = None,
 ) -> dict[str, int]:
     """Prove (by search) that a sink is exactly-once under the twophase coordinator; raise if not.
 
@@ -1083,6 +1086,13 @@ def run_sink_conformance(
     ``settle_timeout`` re-reads for that many seconds while decided rows are
     missing (for stores whose committed data becomes readable with a lag).
 
+    ``ownership`` (default on; off for ``make_frame`` sinks) then runs the ownership machine
+    (:mod:`twophase.testing.ownership`): the real protocol (``protocol_factory``, default
+    :class:`twophase.protocol.TwoPhaseProtocol`) on a real transaction log, a coordinator deposed
+    mid-batch whose held actions land after a new owner's, late and duplicate task attempts, and a
+    second pipeline or generation on the same target.  ``ownership_examples`` sets its examples
+    (default: ``max_examples``, else 25).
+
     ``seed`` fixes hypothesis' random seed (``hypothesis.seed``): the same seed, sink and
     arguments run the same examples again.  Every choice the harness makes is a hypothesis
     draw, commits run concurrently but which of them land before a crash is drawn too, so
@@ -1125,6 +1135,20 @@ def run_sink_conformance(
             f"the run was degenerate: only {useful} of {examples} examples committed a batch with rows "
             f"of their own ({_format_stats(stats)}). Raise steps=... or max_rows=..., or check "
             "that the sink's batches are not failing (see the run's notes).")
+    if ownership and make_frame is None:
+        # The second half: the real protocol (protocol_factory) with two coordinators on one log,
+        # late and duplicate task attempts and a second pipeline on the same target.
+        from twophase.testing.ownership import DEFAULT_EXAMPLES, run_ownership_conformance
+
+        own = run_ownership_conformance(
+            sink_factory, read_committed, protocol_factory=protocol_factory,
+            max_examples=ownership_examples if ownership_examples is not None else
+            (DEFAULT_EXAMPLES if settings is None and max_examples is None else s.max_examples),
+            seed=seed, make_batch=make_batch, id_of=id_of, reset=reset, pending=pending, max_rows=max_rows,
+            max_partitions=max_partitions, settle_timeout=settle_timeout, commit_retries=commit_retries,
+            commit_parallelism=commit_parallelism, query_prefix=f"{query_prefix}-own",
+            rebuild_from_config=rebuild_from_config)
+        stats.update({f"ownership: {k}": v for k, v in own.items()})
     return stats
 
 
@@ -1162,6 +1186,8 @@ class SinkConformanceTests:
     check_every_step: bool = True
     settle_timeout: float = 0.0
     conformance_seed: int | None = None
+    ownership: bool = True            # also run the ownership machine (twophase.testing.ownership)
+    ownership_examples: int | None = None
 
     def make_sink(self) -> TwoPhaseCommitSink:
         raise NotImplementedError("override make_sink() to return a new sink on the test's storage")
@@ -1191,7 +1217,7 @@ class SinkConformanceTests:
             settings=self.conformance_settings, max_examples=self.max_examples, steps=self.steps,
             max_rows=self.max_rows, max_partitions=self.max_partitions,
             check_every_step=self.check_every_step, settle_timeout=self.settle_timeout,
-            seed=self.conformance_seed)
+            seed=self.conformance_seed, ownership=self.ownership, ownership_examples=self.ownership_examples)
 
 
 def _overrides(cls: type, name: str) -> bool:
