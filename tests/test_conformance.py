@@ -60,6 +60,7 @@ class TestSQLiteExampleConformance(SinkConformanceTests):
     """The README's custom sink, through the pytest mixin form."""
 
     max_examples = 40
+    ownership = False  # wiring of the mixin; the ownership machine runs in test_filesink_local_conformance
 
     @pytest.fixture(autouse=True)
     def _db(self, fast_path):
@@ -96,7 +97,8 @@ def test_filesink_local_conformance(fast_path):
     root = str(fast_path / "out")
     run_sink_conformance(
         lambda: FileSink(root, "parquet"), lambda: _read_parts(root),
-        pending=lambda: _staged_files(root), reset=lambda: _empty_dir(root), max_examples=40)
+        pending=lambda: _staged_files(root), reset=lambda: _empty_dir(root), max_examples=40,
+        ownership_examples=15)  # the ownership machine: tests/test_conformance_ownership.py has more
 
 
 @pytest.mark.spark
@@ -129,7 +131,7 @@ def test_filesink_local_jsonl_without_reset(tmp_path):
                 with open(os.path.join(root, name)) as f:
                     yield from (json.loads(line) for line in f if line.strip())
 
-    run_sink_conformance(lambda: FileSink(root, "jsonl", fsync=False), read, max_examples=15)
+    run_sink_conformance(lambda: FileSink(root, "jsonl", fsync=False), read, max_examples=15, ownership=False)
 
 
 # ---------------------------------------------------------------------------- broken sinks
@@ -440,5 +442,5 @@ def test_a_degenerate_run_fails_saying_so(fast_path):
     db = str(fast_path / "db")
     with pytest.raises(ConformanceError, match=r"the run was degenerate: only 0 of \d+ examples committed"):
         run_sink_conformance(lambda: SQLiteSink(db), lambda: read_table(db), max_rows=0, max_examples=12)
-    stats = run_sink_conformance(lambda: SQLiteSink(db), lambda: read_table(db), max_examples=12)
+    stats = run_sink_conformance(lambda: SQLiteSink(db), lambda: read_table(db), max_examples=12, ownership=False)
     assert stats["examples"] >= 10 and stats["examples_with_committed_rows"] >= 0.3 * stats["examples"], stats

@@ -100,7 +100,8 @@ def test_issue_30_run_replays(where):
     FlakyStrategyDefinition in about half of the runs (a race), at example 30 of seed 0."""
     config = _sqlite(where)
     del config["reset"]
-    run_sink_conformance(**config, settings=settings(default_settings(), database=None), max_examples=40, seed=0)
+    run_sink_conformance(**config, settings=settings(default_settings(), database=None), max_examples=40, seed=0,
+                         ownership=False)
 
 
 def test_derandomized_runs_are_identical(where):
@@ -112,7 +113,7 @@ def test_derandomized_runs_are_identical(where):
         d.mkdir()
         stats.append(run_sink_conformance(
             **_sqlite(d, JitteryCommitSink), settings=settings(default_settings(), derandomize=True, database=None),
-            max_examples=25))
+            max_examples=25, ownership=False))
     assert stats[0] == stats[1]
     assert stats[0]["concurrent_commits"] > 0 and stats[0]["crashes"] > 0, stats[0]
 
