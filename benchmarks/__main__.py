@@ -16,14 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import SECTIONS, SHAPES, Params, make_data, progress, session
+from benchmarks import latency
+from benchmarks.common import SECTIONS as _COMMON_SECTIONS
+from benchmarks.common import SHAPES, Params, make_data, progress, session
+
+SECTIONS = (*_COMMON_SECTIONS, "latency")
 
 #: Sections --quick leaves out unless named in --only: connect costs about a minute even at
 #: --quick sizes (first use of a Connect client, then its streaming queries).
 NOT_QUICK = ("connect",)
 NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3", "minio"), "recovery": ("postgres",),
          "coordinator": (), "partitions": ("kafka", "postgres"),
-         "connect": ("kafka", "postgres")}
+         "connect": ("kafka", "postgres"), "latency": ()}  # latency: latency.needs(params)
 
 
 def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
@@ -53,6 +57,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
                     "(default), random (incompressible) or events (timestamps, numbers, categories)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile each sink's executor+commit path in-process with pyinstrument")
+    latency.add_arguments(ap)
     a = ap.parse_args(argv)
     p = Params()
     if a.quick:
@@ -90,6 +95,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     bad = [s for s in only if s not in SECTIONS]
     if bad:
         ap.error(f"unknown section(s) {bad}; choose from {', '.join(SECTIONS)}")
+    latency.configure(p, a, ap.error)
     if p.rows < 1 or p.row_size < 1 or p.partitions < 1 or p.reps < 1 or p.warmup < 0:
         ap.error("rows, row-size, partitions and reps must be >= 1, warmup >= 0")
     return p, only
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if "files" in only:  # only the servers of the file targets asked for
         need |= {n for t, n in (("hdfs", "hdfs"), ("s3", "minio"), ("s3-moto", "s3"), ("s3a", "minio"))
                  if t in params.file_targets}
+    if "latency" in only:
+        need |= latency.needs(params)
     names = sorted(need | ({"spark_cluster"} if params.cluster else set()))
     progress(f"services: {', '.join(names) or 'none'}")
     services: dict[str, Any] = svc.ensure(*names) if names else {}
@@ -120,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
         progress("resolving Spark's S3A connector (hadoop-aws and the AWS SDK bundle, ~690 MB once)")
         extra_jars = s3a_jars()
+    if "latency" in only:
+        extra_jars = (extra_jars or []) + latency.jars(params, only)
     spark = session(only, params.cluster, extra_jars)
     progress(f"data: {params.rows} rows x {params.row_size} B in {params.partitions} partitions")
     df = make_data(spark, params.rows, params.row_size, params.partitions, params.data_shape)

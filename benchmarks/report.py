@@ -134,6 +134,8 @@ def markdown(res: dict[str, Any]) -> str:
                 lines.append(f"| {pt['target']} | {r['query Connect / classic']:.2f} | "
                              f"{r['addBatch Connect / classic']:.2f} |")
             lines += ["", st["note"], ""]
+    if "latency" in sec:
+        lines += latency_markdown(sec["latency"])
     if res["goals"]:
         lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for g in res["goals"]:
@@ -141,6 +143,85 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{'yes' if g['met'] else '**NO**'} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def latency_markdown(s: dict[str, Any]) -> list[str]:
+    """The latency section: per (target, rows per batch), every variant's median micro-batch times."""
+    c = s["config"]
+    lines = ["## Latency per micro-batch", "",
+             f"Streaming, `rate-micro-batch` source (2 partitions), default trigger; {c['batches']} micro-batches "
+             f"per query, the first {c['warmup']} discarded; {c['reps']} interleaved round(s) per variant. "
+             "Medians over every kept batch (p10-p90 in brackets). Ratio: Spark's median triggerExecution "
+             "/ this variant's (> 1: faster than Spark's own sink). Coordinator columns: its own per-batch "
+             "figures (`Coordinator.recent_progress`, medians). Log requests: HTTP requests to the log's "
+             "server per steady-state batch (median), counted by a pass-through proxy: on the critical path "
+             "+ while the tasks ran (background).", "",
+             "| target | rows/batch | variant | triggerExecution ms | addBatch ms | ratio | coordinator "
+             "intent / prepare / log / commit / total ms | log requests |",
+             "|---|---:|---|---:|---:|---:|---|---|"]
+    for g in s["groups"]:
+        for name, v in g["variants"].items():
+            cm = v.get("coordinator_ms_median")
+            coord = " / ".join(f"{cm[k]:.0f}" for k in ("intent_ms", "prepare_ms", "log_ms", "commit_ms",
+                                                         "total_ms")) if cm else "-"
+            lr = v.get("log_requests")
+            req = f"{lr['critical_median']:g} + {lr['background_median']:g}" if lr else "-"
+            lo, hi = v["trigger_ms_p10_p90"]
+            lines.append(f"| {g['target']} | {g['rows']:,} | {name} | {v['trigger_ms_median']:.0f} "
+                         f"({lo:.0f}-{hi:.0f}) | {v['add_batch_ms_median']:.0f} | {v['ratio']:.2f} | {coord} | "
+                         f"{req} |")
+    lines.append("")
+    for g in s["groups"]:
+        for d, n in (g.get("round_trips_added") or {}).items():
+            over = g["round_trips_over_spark"][d]
+            proto = (g.get("round_trips_added_protocol") or {}).get(d)
+            lines.append(f"- {g['target']}, {g['rows']:,} rows: +{d} ms per S3 request adds {n:.1f} round trips "
+                         "to the median triggerExecution (against the same log at +0 ms)"
+                         + (f", {proto:.1f} to the coordinator's protocol time" if proto is not None else "")
+                         + f"; the whole difference to {g['baseline']} is {over:.1f} round trips' worth")
+        for name, v in g["variants"].items():
+            lr = v.get("log_requests")
+            if lr:
+                seq = ", ".join(f"{k} {ms:.0f} ms" for k, ms in lr["example_batch"])
+                lines.append(f"- {g['target']}, {g['rows']:,} rows, {name}: a steady-state batch's log "
+                             f"requests: {seq}")
+    lines.append("")
+    return lines
+
+
+def plot_latency(res: dict[str, Any], path: Path) -> None:
+    """Median batch time (triggerExecution) by rows per batch, one panel per target: Spark's own
+    sink against each Coordinator variant (and the floors, dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = res["sections"]["latency"]["groups"]
+    targets = list(dict.fromkeys(g["target"] for g in groups))
+    fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 5), squeeze=False)
+    for ax, t in zip(axes[0], targets):
+        mine = sorted((g for g in groups if g["target"] == t), key=lambda g: g["rows"])
+        names = list(dict.fromkeys(n for g in mine for n in g["variants"]))
+        for n in names:
+            pts = [(g["rows"], g["variants"][n]) for g in mine if n in g["variants"]]
+            xs = [r for r, _ in pts]
+            ys = [v["trigger_ms_median"] for _, v in pts]
+            err = [[v["trigger_ms_median"] - v["trigger_ms_p10_p90"][0] for _, v in pts],
+                   [v["trigger_ms_p10_p90"][1] - v["trigger_ms_median"] for _, v in pts]]
+            base = n == mine[0]["baseline"]
+            style = dict(color="k", lw=2.2) if base else (dict(ls=":") if n.startswith(("floor", "Coordinator(Null"))
+                                                          else {})
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=n, **style)
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("rows per micro-batch")
+        ax.set_ylabel("median triggerExecution ms (p10-p90)")
+        ax.set_title(f"{t}: batch time by batch size")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -204,5 +285,11 @@ def write(res: dict[str, Any], out: Path) -> dict[str, Path]:
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
     paths["json"].write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
     paths["md"].write_text(markdown(res))
-    plot(res, paths["png"])
+    if set(res["sections"]) == {"latency"}:
+        plot_latency(res, paths["png"])  # nothing else to draw
+    else:
+        plot(res, paths["png"])
+        if "latency" in res["sections"]:
+            paths["latency_png"] = out / "latency.png"
+            plot_latency(res, paths["latency_png"])
     return paths

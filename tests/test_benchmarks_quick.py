@@ -20,7 +20,7 @@ import pytest
 pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.postgres, pytest.mark.hdfs, pytest.mark.s3]
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "partitions"}
+SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "partitions", "latency"}
 
 
 def _check_variants(variants: dict, rows: int) -> None:
@@ -110,6 +110,24 @@ def test_quick_benchmark_writes_every_section(tmp_path):
             assert p["floor_ratio"] == pytest.approx(_ratio(p["variants"], floor[0], base), rel=1e-2, abs=1e-3)
         # Transactions per batch follow the writer slots (local[2]), not the input partitions.
         assert p["transactions_per_batch"] and max(p["transactions_per_batch"]) <= 2 < p["partitions"], p
+
+    # Latency per micro-batch (streaming, tiny at --quick): Spark's file sink against the
+    # coordinator with its log on S3 (MinIO through the request-counting proxy).
+    lat = sec["latency"]
+    assert [(g["target"], g["rows"]) for g in lat["groups"]] == [("files", 100)]
+    g = lat["groups"][0]
+    base = g["variants"][g["baseline"]]
+    assert g["baseline"] == next(iter(g["variants"]))
+    for name, v in g["variants"].items():
+        kept = lat["config"]["batches"] - lat["config"]["warmup"]
+        assert len(v["trigger_ms"]) == kept * lat["config"]["reps"] and all(x > 0 for x in v["trigger_ms"]), name
+        assert v["trigger_ms_median"] == pytest.approx(statistics.median(v["trigger_ms"]), abs=0.1), name
+        assert v["ratio"] == pytest.approx(statistics.median(base["trigger_ms"]) / statistics.median(v["trigger_ms"]),
+                                           rel=1e-2), name
+        if v["coordinator"]:
+            assert v["coordinator_ms_median"]["total_ms"] > 0, name
+    s3 = [v for v in g["variants"].values() if v["log"] == "s3"]
+    assert s3 and s3[0]["log_requests"]["critical_median"] >= 1 and s3[0]["log_requests"]["batches"] >= 1
 
     # Goals are reported, each against a value measured above.
     names = " ".join(g["goal"] for g in res["goals"])
