@@ -457,6 +457,7 @@ class OwnershipMachine(stateful.RuleBasedStateMachine):
         return None
 
     def _finish(self, failure: BaseException | None, bid: int, ids: list[int]) -> None:
+        self.last_failure = failure
         if isinstance(failure, _Died):
             self.crashed = True
             self.current = (bid, ids)
@@ -515,6 +516,7 @@ class OwnershipMachine(stateful.RuleBasedStateMachine):
             coord.on(ev, lambda: self._late_of(coord, work, late_attempt, late_outcome, late))
         failure = self._run(coord, bid, ids, plan, work=work)
         coord.hooks.clear()
+        coord.commit_budget = None  # a mid_commit budget this batch did not use up dies with it
         self._finish(failure, bid, ids)
 
     def _arm_crash(self, coord: _Coord, work: _Work, crash_at: str, data: Any) -> None:
@@ -742,7 +744,9 @@ class OwnershipMachine(stateful.RuleBasedStateMachine):
                 else:
                     break
             if self.crashed or self.current is not None:
-                raise ConformanceError("the example could not be finished (a batch failed on every replay)")
+                why = getattr(self, "last_failure", None)
+                raise ConformanceError("the example could not be finished (a batch failed on every replay): "
+                                       f"{type(why).__name__}: {why}")
             self.stats["examples"] += 1
             if self.committed_rows:
                 self.stats["examples_with_committed_rows"] += 1
@@ -750,7 +754,8 @@ class OwnershipMachine(stateful.RuleBasedStateMachine):
                 bid, ids = self._new_batch(None)
                 self._run_owned(None, bid, ids)
                 if self.current is not None:
-                    raise ConformanceError(f"a clean closing batch {bid} failed")
+                    why = self.last_failure
+                    raise ConformanceError(f"a clean closing batch {bid} failed: {type(why).__name__}: {why}")
             self._check("at the end of the example (two clean batches after everything)", exact=True, final=True)
         except ConformanceError as e:
             self._record(e)
