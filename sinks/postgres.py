@@ -18,7 +18,10 @@ Prepared transactions of attempts that never reached the decision are found in
 ``pg_prepared_xacts`` by the batch's gid prefix and rolled back, promptly,
 because they hold their locks until then: by the driver (``abort_lingering``), and
 by a retried task for its own earlier attempts of the same run, before it writes.
-Before the decision the driver checks that every returned gid is still prepared.
+Who may roll back a gid is settled by one row per gid in a claims table beside the
+marker table: a retried task rolls back only a gid it claimed as doomed, and before
+the decision the driver claims every returned gid as decided (and checks it is still
+prepared); whichever claim comes first wins, so a decided gid is never rolled back.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ _URI_SECRET_RE = re.compile(r"(postgres(?:ql)?://[^:/@\s]*:)[^@\s]*@", re.IGNORE
 
 # SQLSTATEs: connection trouble and server going away are transient for the driver's commit.
 _UNDEFINED_OBJECT = "42704"
+_UNDEFINED_TABLE = "42P01"
+_INSUFFICIENT_PRIVILEGE = "42501"
 _OBJECT_IN_USE = "55000"
 _TRANSIENT_CLASSES = ("08", "53", "57", "58")
 
@@ -94,6 +99,17 @@ def _run_token(run: str) -> str:
     if not run or (len(run) <= MAX_RUN_CHARS and _safe(run) == run):
         return run
     return "h" + hashlib.sha1(run.encode()).hexdigest()[:MAX_RUN_CHARS - 1]
+
+
+def _claims_name(marker_table: str) -> str:
+    """The claims table's name: ``{marker_table}_claims``, or, where that would pass PostgreSQL's
+    63 bytes (and be cut, maybe to the marker table's own name), a shortened marker name and a
+    digest of the whole one."""
+    name = f"{marker_table}_claims"
+    if len(name.encode()) <= 63:
+        return name
+    head = marker_table.encode()[:49].decode(errors="ignore")
+    return f"{head}_{hashlib.sha1(marker_table.encode()).hexdigest()[:6]}_claims"
 
 
 def _pg() -> Any:
@@ -388,6 +404,10 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
     def _marker(self) -> Any:
         return self._ident(self._marker_home, self.marker_table)
 
+    def _claims_in(self, schema: str | None) -> Any:
+        """The claims table beside the marker table in ``schema`` (see :meth:`verify_prepared`)."""
+        return self._ident(schema, _claims_name(self.marker_table))
+
     def _connect(self, autocommit: bool) -> Any:
         """A new connection (driver or executor); errors name the server, never the password."""
         pg = _pg()
@@ -544,6 +564,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                             f"{sql.Identifier(user).as_string(cur)}, or set marker_schema=... to a schema "
                             "where it may")
                 self._ensure_marker(cur, user)
+                self._ensure_claims(cur, user)
         except _ConnectError as e:
             raise ConfigurationError(str(e)) from None
         except pg.Error as e:
@@ -605,6 +626,47 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 raise ConfigurationError(f"role {user!r} lacks {priv} on the marker table {marker}; "
                                          f"GRANT SELECT, INSERT, DELETE ON {marker} TO "
                                          f"{sql.Identifier(user).as_string(cur)}")
+
+    def _ensure_claims(self, cur: Any, user: str) -> None:
+        """Create the claims table beside the marker table if it is missing (driver, :meth:`open`).
+
+        One row per gid, ``(gid, state, at)``; state ``prepared`` (the executor's, after
+        PREPARE TRANSACTION), ``doomed`` (a retried task's, before it rolls the gid back) or
+        ``decided`` (the driver's, before the decision is logged).  Every change is one
+        statement on the gid's row, so PostgreSQL's row lock decides which of ``doomed`` and
+        ``decided`` comes first, and the other never happens.  A role that may not create it
+        is refused, naming the DDL and the grant.  A role that may not write an existing one
+        is only warned: its retried tasks then never roll an earlier attempt back (they wait
+        on its locks and fail after ``lock_timeout``), and the driver checks the gids as before.
+        """
+        pg = _pg()
+        sql = pg.sql
+        claims_ident = self._claims_in(self._marker_home)
+        claims = self._quoted(cur, claims_ident)
+        grant = (f"GRANT SELECT, INSERT, UPDATE, DELETE ON {claims} TO "
+                 f"{sql.Identifier(user).as_string(cur)}")
+        cur.execute("SELECT to_regclass(%s)::oid", (claims,))
+        if cur.fetchone()[0] is None:
+            ddl = sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {c} (gid text PRIMARY KEY, state text NOT NULL "
+                "CHECK (state IN ('prepared', 'doomed', 'decided')), at timestamptz NOT NULL DEFAULT now())"
+            ).format(c=claims_ident)
+            try:
+                cur.execute(ddl)
+            except pg.errors.InsufficientPrivilege:
+                raise ConfigurationError(
+                    f"the claims table {claims} (who may roll back which prepared transaction: a retried "
+                    f"task, or nobody once its batch is decided) does not exist and role {user!r} may not "
+                    f"create it; have an administrator run: {ddl.as_string(cur)}; {grant}") from None
+            except pg.errors.UniqueViolation:
+                pass  # created concurrently by another driver
+        cur.execute("SELECT has_table_privilege(to_regclass(%s), 'SELECT') AND has_table_privilege("
+                    "to_regclass(%s), 'INSERT') AND has_table_privilege(to_regclass(%s), 'UPDATE') AND "
+                    "has_table_privilege(to_regclass(%s), 'DELETE')", (claims,) * 4)
+        if not cur.fetchone()[0]:
+            log.warning("role %r may not write the claims table %s: its retried tasks will never roll back "
+                        "what an earlier attempt left prepared (they wait on its locks and fail after "
+                        "lock_timeout); to let them: %s", user, claims, grant)
 
     def batch_prefix(self, query_name: str, batch_id: int) -> str:
         """``{gid_prefix}:{query}:{batch}:`` — every gid of any attempt of this batch starts so."""
@@ -675,37 +737,71 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
 
     def verify_prepared(self, batch_id: int, handles: list[dict], *,
                         prepare_started_at: float) -> None:
-        """Check that every handle's gid is still prepared, before the decision is logged (driver).
+        """Claim every handle's gid as decided and check it is still prepared, before the
+        decision is logged (driver).
 
-        PostgreSQL never drops a prepared transaction on its own, but someone else may
-        have rolled one back since it was prepared (an operator, or another
-        coordinator cleaning up this batch).  Deciding it anyway would end in
-        :class:`~twophase.errors.DataLossError` at the commit; failing now lets the
-        batch be written again.  One query per batch.  If the server cannot be asked,
-        this only logs: the commit step retries and still tells a lost transaction.
+        One statement: ``decided`` is set on each gid's claim unless a retried task doomed it
+        first (see :meth:`_roll_back_earlier_attempts`); a gid without a claim (a handle of an
+        executor that found no claims table) gets a ``decided`` one.  From then on no task
+        attempt rolls it back.  A doomed gid, or one no longer in ``pg_prepared_xacts``
+        (rolled back by an operator, or by another coordinator cleaning up this batch),
+        fails the batch now, while it is undecided, instead of being decided and reported
+        lost at the commit; its replay writes it again.  If the server cannot be asked the
+        batch fails too: a gid not claimed as decided could still be doomed.  Without a
+        claims table this role may write, only the ``pg_prepared_xacts`` check is made.
         """
         pg = _pg()
-        gids = [h["gid"] for h in handles]
+        sql = pg.sql
+        gids = sorted({h["gid"] for h in handles})
         if not gids:
             return
+        schema = next((h["marker_schema"] for h in handles if h.get("marker_schema")), None) or self._marker_home
+        claims = self._claims_in(schema)
+        check = ("SELECT ARRAY(SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
+                 "AND gid = ANY(%s))")
+        decided: set[str] | None = None
         try:
             with self._driver_cursor() as cur:
-                cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
-                            "AND gid = ANY(%s)", (gids,))
-                present = {r[0] for r in cur.fetchall()}
+                try:
+                    cur.execute(sql.SQL(
+                        "WITH d AS (INSERT INTO {c} AS c (gid, state) SELECT g, 'decided' FROM unnest(%s::text[]) "
+                        "AS g ORDER BY g ON CONFLICT (gid) DO UPDATE SET state = 'decided', at = now() "
+                        "WHERE c.state IN ('prepared', 'decided') RETURNING c.gid) "
+                        "SELECT ARRAY(SELECT gid FROM d), " + check[len("SELECT "):]).format(c=claims),
+                        (gids, gids))
+                    won, present = cur.fetchone()
+                    decided = set(won)
+                except pg.Error as e:
+                    if e.pgcode not in (_UNDEFINED_TABLE, _INSUFFICIENT_PRIVILEGE):
+                        raise
+                    log.warning("batch %d: no claims table this role may write (%s): checking only that its "
+                                "%d transactions are still prepared", batch_id, _describe_pg_error(e), len(gids))
+                    cur.execute(check, (gids,))
+                    (present,) = cur.fetchone()
         except (_ConnectError, pg.Error) as e:
-            why = e if isinstance(e, _ConnectError) else _describe_pg_error(e)
-            log.warning("batch %d: cannot check its %d prepared transactions before the decision: "
-                        "%s", batch_id, len(gids), why)
-            return
-        missing = [g for g in gids if g not in present]
-        if missing:
+            cause = e if isinstance(e, _ConnectError) else _describe_pg_error(e)
             raise TwoPhaseError(
-                f"batch {batch_id}: {len(missing)} of its {len(gids)} prepared transactions no "
-                f"longer exist at {self.where} ({', '.join(missing[:5])}"
-                f"{', ...' if len(missing) > 5 else ''}): someone rolled them back (an operator, or "
-                "another coordinator cleaning up this batch). Nothing was decided; restart the "
-                "query and the batch is written again.")
+                f"batch {batch_id}: cannot claim its {len(gids)} prepared transactions as decided at "
+                f"{self.where}: {cause}. Nothing was decided; restart the query and the batch is written "
+                "again.") from None
+        doomed = [g for g in gids if decided is not None and g not in decided]
+        gone = [g for g in gids if g not in set(present) and g not in doomed]
+
+        def some(xs: list[str]) -> str:
+            return ", ".join(xs[:5]) + (", ..." if len(xs) > 5 else "")
+
+        why = []
+        if doomed:
+            why.append(f"{len(doomed)} were doomed by a retried task attempt of their partition, which took "
+                       f"each for its own earlier attempt (a resubmitted stage, SPARK-24589) and rolls it back "
+                       f"({some(doomed)})")
+        if gone:
+            why.append(f"{len(gone)} no longer exist at {self.where} ({some(gone)}): someone rolled them back "
+                       "(an operator, or another coordinator cleaning up this batch)")
+        if why:
+            raise TwoPhaseError(
+                f"batch {batch_id}: of its {len(gids)} prepared transactions, {'; '.join(why)}. Nothing was "
+                "decided; restart the query and the batch is written again.")
 
     def commit(self, handle: dict) -> CommitResult:
         """``COMMIT PREPARED`` the handle's gid (driver; idempotent).
@@ -799,8 +895,35 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             never_visible=True)
 
     def recover_and_abort(self, handle: dict) -> None:
-        """``ROLLBACK PREPARED`` the handle's gid if it still exists (driver)."""
+        """``ROLLBACK PREPARED`` the handle's gid if it still exists, and drop its claim (driver)."""
         self._rollback_prepared([handle["gid"]])
+        self._drop_claims(handle.get("marker_schema") or self._marker_home, gids=[handle["gid"]])
+
+    def _drop_claims(self, schema: str | None, *, gids: list[str] | None = None, prefix: str | None = None) -> int:
+        """Delete claim rows (driver; best effort, one statement): of ``gids``, or of every gid
+        starting with ``prefix``; in both cases only of gids no longer prepared (committed or
+        rolled back: such a gid can never come back, so its claim is needed no more).  A claims
+        table that is missing or not this role's to write is no error."""
+        pg = _pg()
+        sql = pg.sql
+        args: list[Any]
+        if gids is not None:
+            where, args = sql.SQL("c.gid = ANY(%s)"), [gids]
+        else:
+            where, args = sql.SQL("left(c.gid, length(%s)) = %s"), [prefix, prefix]
+        try:
+            with self._driver_cursor() as cur:
+                cur.execute(sql.SQL("DELETE FROM {c} AS c WHERE {w} AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p "
+                                    "WHERE p.gid = c.gid)").format(c=self._claims_in(schema), w=where), args)
+                return cur.rowcount
+        except pg.Error as e:
+            if e.pgcode not in (_UNDEFINED_TABLE, _INSUFFICIENT_PRIVILEGE):
+                log.warning("cannot delete claims of finished prepared transactions (%s); the next batch's "
+                            "cleanup tries again", _describe_pg_error(e))
+            return 0
+        except _ConnectError as e:
+            log.warning("cannot delete claims of finished prepared transactions (%s)", e)
+            return 0
 
     def _rollback_prepared(self, gids: list[str], strict: bool = True) -> int:
         """``ROLLBACK PREPARED`` each gid; one already gone is fine.  Other failures raise, or
@@ -855,7 +978,10 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
 
         Only this database's ``pg_prepared_xacts`` are looked at.  Also deletes marker
         rows of this query older than ``marker_retention_batches`` batches (by then
-        the log has them COMMITTED, so no commit can need them).
+        the log has them COMMITTED, so no commit can need them), and, in one statement,
+        the claims of this query's gids that are no longer prepared (``keep``, once
+        committed, and everything rolled back): the claims table holds only gids that
+        may still be committed or rolled back.
         """
         prefix = self._intent_prefix(query_name, batch_id, intent)
         keep_gids = {h["gid"] for h in keep}
@@ -881,6 +1007,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                             query_name, ", ".join(late[:5]) + (", ..." if len(late) > 5 else ""))
             n += n_late
             self._prune_markers(query_name, batch_id, keep)
+            schema = next((h["marker_schema"] for h in keep if h.get("marker_schema")), None) or self._marker_home
+            self._drop_claims(schema, prefix=self.query_prefix(query_name))
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover prepared transactions: {e}") \
                 from None
@@ -914,8 +1042,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         """Connect and begin the partition's transaction under its gid (executor).
 
         A retried task first rolls back what its earlier attempts in the same run left
-        prepared (see :meth:`_roll_back_earlier_attempts`): their locks would otherwise
-        make this attempt wait for ``lock_timeout`` and fail.
+        prepared and it could claim as doomed (see :meth:`_roll_back_earlier_attempts`):
+        their locks would otherwise make this attempt wait for ``lock_timeout`` and fail.
         """
         pg = _pg()
         prefix = self._intent_prefix(ctx.query_name, ctx.batch_id, ctx.intent)
@@ -976,12 +1104,20 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         (Not knowing its own task attempt id, an attempt rolls back the lower attempts of
         the old form, as before task attempt ids were in gids.)
 
-        The residual case: if this task's own attempt ``j`` failed *before* it prepared and
-        an attempt ``j`` of an older stage attempt is prepared, that one is taken for
-        this task's own.  If Spark accepts it, the driver's check before the decision
-        (:meth:`verify_prepared`) finds it gone and fails the batch while undecided.
-        Failures only log: the write then waits on the leftover's locks and fails after
-        ``lock_timeout``.
+        The rule is a guess, and a guess is no fence: if this task's own attempt ``j`` failed
+        *before* it prepared, an attempt ``j`` of an older stage attempt (maybe the accepted
+        result) is taken for its own; and a late attempt (a stage retry's task beginning after
+        the batch was decided) takes the decided gid for its earlier attempt.  So a candidate
+        is rolled back only once this attempt has claimed it as ``doomed`` in the claims table
+        (:meth:`_doom`, one statement on the gid's row).  The driver claims every gid of the
+        batch as ``decided`` before the decision (:meth:`verify_prepared`), on the same row;
+        PostgreSQL's row lock orders the two, and the later one does nothing: a decided gid
+        is never rolled back by a task (this attempt then waits on its locks and fails after
+        ``lock_timeout``, and the decided transaction commits), and a doomed gid is never
+        decided (the batch fails while undecided and is written again).  An attempt that
+        prepares a gid already doomed rolls it back and fails (:meth:`_claim_prepared`).
+        Without a claims table this role may write, nothing is rolled back.  Failures only
+        log: the write then waits on the leftover's locks and fails after ``lock_timeout``.
         """
         pg = _pg()
         run = _run_token(ctx.run)
@@ -1003,7 +1139,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                         old_form.append(gid)
                 elif tid is not None and tid < own_id and (number not in latest or latest[number][0] < tid):
                     latest[number] = (tid, gid)
-            for gid in sorted(old_form + [g for _, g in latest.values()]):
+            for gid in self._doom(cur, ctx, sorted(old_form + [g for _, g in latest.values()])):
                 try:
                     cur.execute("ROLLBACK PREPARED %s", (gid,))
                     n += 1
@@ -1015,6 +1151,36 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                                     "attempt may wait on its locks", ctx.label, gid,
                                     _describe_pg_error(e))
         return n
+
+    def _doom(self, cur: Any, ctx: TransactionContext, gids: list[str]) -> list[str]:
+        """Claim ``gids`` as doomed; return those this attempt may roll back (executor).
+
+        One statement: a gid without a claim, or claimed ``prepared`` or ``doomed``, is doomed
+        (from then on the driver's check refuses to decide it, and its own attempt, if it has
+        not claimed it yet, rolls it back and fails); one claimed ``decided`` is in a decision
+        and is left alone: this attempt then waits on its locks and fails after
+        ``lock_timeout`` like any conflict, and the decided transaction commits.  Without a
+        claims table this role may write, nothing may be rolled back.
+        """
+        if not gids:
+            return []
+        pg = _pg()
+        try:
+            cur.execute(pg.sql.SQL(
+                "INSERT INTO {c} AS c (gid, state) SELECT g, 'doomed' FROM unnest(%s::text[]) AS g ORDER BY g "
+                "ON CONFLICT (gid) DO UPDATE SET state = 'doomed', at = now() "
+                "WHERE c.state IN ('prepared', 'doomed') RETURNING c.gid").format(
+                    c=self._claims_in(self._marker_home)), (gids,))
+            won = {r[0] for r in cur.fetchall()}
+        except pg.Error as e:
+            log.warning("%s: cannot claim %s as doomed (%s); none is rolled back and this attempt may wait on "
+                        "their locks", ctx.label, ", ".join(gids), _describe_pg_error(e))
+            return []
+        for gid in gids:
+            if gid not in won:
+                log.warning("%s: %s looks like an earlier attempt of this task but is claimed by its batch's "
+                            "decision: left alone (this attempt may wait on its locks)", ctx.label, gid)
+        return [g for g in gids if g in won]
 
     def _map_columns(self, txn: PostgresTransaction, schema: pa.Schema) -> list[_Column]:
         """Match the batch's columns to the table's, by exact name; errors name the column."""
@@ -1158,11 +1324,70 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             txn.prepared = True
         except pg.Error as e:
             raise self._write_error(txn, action, e) from None
+        self._claim_prepared(txn)
         _close_quietly(txn.conn)
         txn.closed = True
         return {"gid": txn.gid, "database": txn.database, "table": self.target_name, "rows": txn.rows,
                 "batch": ctx.batch_id, "partition": ctx.partition_id,
                 "marker_schema": txn.extra.get("marker_schema")}
+
+    def _claim_prepared(self, txn: PostgresTransaction) -> None:
+        """After PREPARE TRANSACTION: claim the gid as ``prepared``, unless a retried task of this
+        partition doomed it first (executor).
+
+        One statement on the gid's claim row; it returns the row's state, whoever wrote it.
+        ``doomed``: a retried attempt took this one for its own earlier attempt and rolls it
+        back; this attempt rolls it back too (whichever comes first) and fails, so its result
+        never reaches the driver.  No claims table this role may write: the handle is returned
+        unclaimed, as before claims (the driver's check claims it).  Any other failure also
+        fails the attempt, after rolling its transaction back.
+        """
+        pg = _pg()
+        claims = self._claims_in(txn.extra.get("marker_schema"))
+        try:
+            txn.conn.reset()  # the prepared transaction stays; the session is usable again
+            txn.conn.autocommit = True
+            with txn.conn.cursor() as cur:
+                cur.execute(pg.sql.SQL(
+                    "INSERT INTO {c} AS c (gid, state) VALUES (%s, 'prepared') ON CONFLICT (gid) DO UPDATE "
+                    "SET state = c.state RETURNING c.state").format(c=claims), (txn.gid,))
+                state = cur.fetchone()[0]
+        except pg.Error as e:
+            if e.pgcode in (_UNDEFINED_TABLE, _INSUFFICIENT_PRIVILEGE):
+                log.info("%s: no claims table this role may write (%s); %s is returned unclaimed",
+                         txn.ctx.label, _describe_pg_error(e), txn.gid)
+                return
+            self._rollback_own(txn)
+            raise PostgresWriteError(f"{txn.ctx.label} (gid {txn.gid}): cannot claim the prepared transaction: "
+                                     f"{_describe_pg_error(e)}. It was rolled back; Spark runs the task "
+                                     "again.", sqlstate=e.pgcode) from None
+        if state == "doomed":
+            self._rollback_own(txn)
+            raise PostgresWriteError(
+                f"{txn.ctx.label} (gid {txn.gid}): a retried attempt of this partition doomed this prepared "
+                "transaction (it took it for its own earlier attempt) before this attempt could claim it; it "
+                "is rolled back and this attempt fails, so its result never reaches the driver.")
+
+    def _rollback_own(self, txn: PostgresTransaction) -> None:
+        """``ROLLBACK PREPARED`` this attempt's own gid after it was prepared (executor; best effort)."""
+        pg = _pg()
+        conns = [txn.conn]
+        try:
+            if txn.conn.closed:
+                conns.append(self._connect(autocommit=True))
+            with conns[-1].cursor() as cur:
+                cur.execute("ROLLBACK PREPARED %s", (txn.gid,))
+        except pg.Error as e:
+            if e.pgcode != _UNDEFINED_OBJECT:  # gone already: the retry that doomed it rolled it back
+                log.warning("%s: rolling back %s failed (%s); the coordinator's cleanup rolls it back",
+                            txn.ctx.label, txn.gid, _describe_pg_error(e))
+        except _ConnectError as e:
+            log.warning("%s: rolling back %s failed (%s); the coordinator's cleanup rolls it back",
+                        txn.ctx.label, txn.gid, e)
+        finally:
+            for c in conns:
+                _close_quietly(c)
+            txn.closed = True
 
     def abort(self, txn: PostgresTransaction) -> None:
         """Roll back the open (or already prepared) transaction (executor; best effort, idempotent)."""
@@ -1176,8 +1401,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 else:
                     txn.conn.tpc_rollback()
             except (pg.Error, _ConnectError) as e:
-                log.warning("%s: rolling back prepared %s failed (%s); the next attempt of the batch "
-                            "rolls it back", txn.ctx.label, txn.gid, scrub(str(e)).strip())
+                if getattr(e, "pgcode", None) != _UNDEFINED_OBJECT:  # gone already: fine
+                    log.warning("%s: rolling back prepared %s failed (%s); the next attempt of the batch "
+                                "rolls it back", txn.ctx.label, txn.gid, scrub(str(e)).strip())
             finally:
                 _close_quietly(txn.conn)
                 txn.closed = True

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 
 from tests.test_postgres_sink import _uid, ids_batch, prepared_gids, q, table
-from twophase import TransactionContext
+from twophase import TransactionContext, TwoPhaseError
 from twophase.log import INTENT, PREPARED, TransactionLog
 from twophase.sink import CommitOutcome
 from twophase.sinks.postgres import PostgresSink, PostgresWriteError
@@ -145,6 +145,88 @@ def test_scenario6_retry_rolls_back_only_what_can_be_its_own_earlier_attempts(db
     assert sink.abort_lingering(name, 2, intent, [current]) == len(keep)
     assert prepared_gids(db, prefix) == []
     assert q(db, f'SELECT id FROM "{t}"') == [(8,)]
+
+
+def claim_rows(db, prefix: str) -> list[tuple[str, str]]:
+    """The claims (gid, state) of a batch, in the default marker table's claims table."""
+    return q(db, "SELECT gid, state FROM twophase_commits_claims WHERE left(gid, length(%s)) = %s ORDER BY gid",
+             (prefix, prefix))
+
+
+def test_a_late_stage_retry_attempt_never_rolls_back_the_decided_prepared_transaction(
+        db, postgres_service, scopes):
+    """Issue 25, scenario 6's remaining gap (the conformance harness, seed 7): the partition's
+    attempt 0 (task attempt id 10) prepared, the driver checked it and the batch is decided.
+    Then a stage retry's late attempt of the same run, attempt 1 (id 30), begins.  By the
+    retry rule the decided gid looks like its own earlier attempt 0.  Before the fix it rolled
+    it back (a check, then an act) and wrote its rows: the commit found the decided
+    transaction gone, DATA LOSS.  Now the decided gid's claim says 'decided', so the late
+    attempt may not doom it: it waits on its row locks and fails after lock_timeout, leaving
+    nothing prepared; the decided transaction commits, every id once."""
+    t = table(db, "id bigint PRIMARY KEY")
+    name = f"latestage-{_uid()}"
+    sink = PostgresSink(postgres_service["dsn"], table=t, lock_timeout="2s")
+    sink.open()
+    intent = sink.plan_batch(name, 0, 1)
+    prefix = intent["gid_prefix"]
+    scopes.append(prefix)
+    run = "e6" + uuid.uuid4().hex[:6]
+
+    def ctx(attempt: int, task_attempt_id: int) -> TransactionContext:
+        return TransactionContext(name, 0, 0, attempt, intent, run, task_attempt_id=task_attempt_id)
+
+    decided = run_attempt(sink, ctx(0, 10), ids_batch([1, 2, 3]))
+    sink.verify_prepared(0, [decided], prepare_started_at=time.time())  # then the decision is logged
+    late_error = None
+    try:
+        run_attempt(sink, ctx(1, 30), ids_batch([1, 2, 3]))  # the late attempt, after the decision
+    except PostgresWriteError as e:
+        late_error = e
+    res = sink.commit(decided)
+    assert res.outcome is CommitOutcome.COMMITTED, res
+    assert late_error is not None and late_error.sqlstate == "55P03", late_error  # lock_timeout
+    assert prepared_gids(db, prefix) == []  # the late attempt rolled its own transaction back
+    assert sink.abort_lingering(name, 0, intent, [decided]) == 0
+    assert sorted(r[0] for r in q(db, f'SELECT id FROM "{t}"')) == [1, 2, 3]
+    assert claim_rows(db, prefix) == []  # cleaned up with the batch
+
+
+def test_a_retry_that_dooms_an_undecided_attempt_first_fails_the_batch_before_its_decision(
+        db, postgres_service, scopes):
+    """The other order: stage attempt 0's attempt 0 (id 10) prepared and Spark accepted it.  The
+    resubmitted stage's attempt 0 (id 20) failed before it prepared, so its attempt 1 (id 21)
+    takes id 10's gid for its own (the residual case of the retry rule), dooms it and rolls it
+    back, before the driver's check.  The check cannot decide a doomed gid: verify_prepared
+    raises, naming it, while the batch is undecided.  Nothing is lost: the ballot's
+    leftovers are rolled back and the replay writes every id once."""
+    t = table(db, "id bigint PRIMARY KEY")
+    name = f"doomwins-{_uid()}"
+    sink = PostgresSink(postgres_service["dsn"], table=t, lock_timeout="2s")
+    sink.open()
+    intent = sink.plan_batch(name, 0, 1)
+    prefix = intent["gid_prefix"]
+    scopes.append(prefix)
+    run = "e7" + uuid.uuid4().hex[:6]
+
+    def ctx(attempt: int, task_attempt_id: int, i: dict = intent, r: str = run) -> TransactionContext:
+        return TransactionContext(name, 0, 0, attempt, i, r, task_attempt_id=task_attempt_id)
+
+    accepted = run_attempt(sink, ctx(0, 10), ids_batch([1, 2]))
+    retry = run_attempt(sink, ctx(1, 21), ids_batch([1, 2]))  # dooms id 10's gid, then writes
+    assert prepared_gids(db, prefix) == [retry["gid"]]
+    with pytest.raises(TwoPhaseError) as ei:
+        sink.verify_prepared(0, [accepted], prepare_started_at=time.time())
+    assert accepted["gid"] in str(ei.value) and "doomed" in str(ei.value), ei.value
+    # Undecided: the coordinator closes the ballot and aborts what it left; the replay writes.
+    assert sink.abort_lingering(name, 0, intent, []) == 1
+    assert claim_rows(db, prefix) == []
+    replay = sink.plan_batch(name, 0, 1)
+    scopes.append(replay["gid_prefix"])
+    h = run_attempt(sink, ctx(0, 40, replay, "e7" + uuid.uuid4().hex[:6]), ids_batch([1, 2]))
+    sink.verify_prepared(0, [h], prepare_started_at=time.time())
+    assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+    assert sink.abort_lingering(name, 0, replay, [h]) == 0
+    assert sorted(r[0] for r in q(db, f'SELECT id FROM "{t}"')) == [1, 2]
 
 
 # ------------------------------------------------------------------------------ scenario 4

@@ -20,7 +20,7 @@ import pytest
 from tests.test_postgres_sink import _uid, ids_batch, prepared_gids, q, table
 from twophase import ConfigurationError, TransactionContext, TwoPhaseError
 from twophase.sink import CommitOutcome
-from twophase.sinks.postgres import MAX_GID_BYTES, PostgresSink
+from twophase.sinks.postgres import MAX_GID_BYTES, PostgresSink, PostgresWriteError
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
 
@@ -230,3 +230,88 @@ def test_spark_retries_a_task_whose_worker_died_after_prepare(db, postgres_servi
     finally:
         for gid in prepared_gids(db, f"tp:{name}"):
             q(db, "ROLLBACK PREPARED %s", (gid,))
+
+
+def test_an_attempt_whose_gid_was_doomed_before_its_claim_rolls_it_back_and_fails(db, postgres_service, prefixes):
+    """A retry dooms a gid between its PREPARE TRANSACTION and its claim (played here by
+    dooming it first: the gid is deterministic).  The attempt finds the claim doomed, rolls its
+    own transaction back and fails, so its handle never reaches the driver; the cleanup then
+    drops the claim of the gid that is gone."""
+    t = table(db, "id bigint")
+    name = f"doomed-{_uid()}"
+    sink = PostgresSink(postgres_service["dsn"], table=t)
+    sink.open()
+    intent = sink.plan_batch(name, 0, 1)
+    prefix = intent["gid_prefix"]
+    prefixes.append(prefix)
+    run = "e8" + uuid.uuid4().hex[:6]
+    gid = sink.make_gid(prefix, 0, 0, run, task_attempt_id=5)
+    q(db, "INSERT INTO twophase_commits_claims (gid, state) VALUES (%s, 'doomed')", (gid,))
+    txn = sink.begin_transaction(TransactionContext(name, 0, 0, 0, intent, run, task_attempt_id=5))
+    sink.write(txn, ids_batch([1, 2]))
+    with pytest.raises(PostgresWriteError, match="doomed") as ei:
+        sink.pre_commit(txn)
+    assert gid in str(ei.value)
+    sink.abort(txn)  # as the task runner does after a failure: nothing left to do, no error
+    assert prepared_gids(db, prefix) == []
+    assert q(db, f'SELECT count(*) FROM "{t}"') == [(0,)]
+    assert sink.abort_lingering(name, 0, intent, []) == 0
+    assert q(db, "SELECT count(*) FROM twophase_commits_claims WHERE gid = %s", (gid,)) == [(0,)]
+
+
+def test_claims_table_needs_create_or_grants(db, postgres_service, prefixes, caplog):
+    """open() creates the claims table beside the marker table; a role that may not is refused,
+    naming the table and the grant.  A role that may not write an existing one is only warned,
+    and its retried tasks then roll back nothing (they wait, they never guess)."""
+    from tests.services.postgres import SERVICE
+
+    dsn = postgres_service["dsn"]
+    schema = f"tp_claims_{_uid()}"
+    role, pw = f"tp_cl_{_uid()}", f"pw-{uuid.uuid4().hex}"
+    q(db, f'CREATE SCHEMA "{schema}"')
+    q(db, f'CREATE TABLE "{schema}".t (id bigint)')
+    PostgresSink(dsn, table="t", schema=schema, marker_schema=schema).open()  # marker + claims
+    assert q(db, "SELECT to_regclass(%s) IS NOT NULL", (f'"{schema}".twophase_commits_claims',)) == [(True,)]
+    q(db, f'DROP TABLE "{schema}".twophase_commits_claims')
+    su = SERVICE._superuser_conn(timeout=10)
+    su.autocommit = True
+    try:
+        with su.cursor() as cur:
+            cur.execute(f'CREATE ROLE "{role}" LOGIN PASSWORD %s', (pw,))
+        q(db, f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
+        q(db, f'GRANT SELECT, INSERT ON "{schema}".t TO "{role}"')
+        q(db, f'GRANT SELECT, INSERT, DELETE ON "{schema}".twophase_commits TO "{role}"')
+        role_dsn = dsn.replace("user=twophase", f"user={role}").replace("password=twophase", f"password={pw}")
+        sink = PostgresSink(role_dsn, table="t", schema=schema, marker_schema=schema)
+        with pytest.raises(ConfigurationError) as ei:
+            sink.open()
+        msg = str(ei.value)
+        assert "twophase_commits_claims" in msg and "CREATE TABLE" in msg and \
+            "GRANT SELECT, INSERT, UPDATE, DELETE" in msg, msg
+        assert pw not in msg
+        # An administrator creates it, without granting it to the role: a warning, and no guessing.
+        PostgresSink(dsn, table="t", schema=schema, marker_schema=schema).open()
+        with caplog.at_level("WARNING", logger="twophase.sinks.postgres"):
+            sink.open()
+        assert any("may not write the claims table" in r.getMessage() for r in caplog.records)
+        name = f"noclaims-{_uid()}"
+        intent = sink.plan_batch(name, 0, 1)
+        prefixes.append(intent["gid_prefix"])
+        run = "e9" + uuid.uuid4().hex[:6]
+        first = attempt(sink, name, 0, intent, 0, 0, run, ids_batch([1]))
+        retry = attempt(sink, name, 0, intent, 0, 1, run, ids_batch([1]))
+        assert prepared_gids(db, intent["gid_prefix"]) == sorted([first["gid"], retry["gid"]])
+        sink.verify_prepared(0, [retry], prepare_started_at=0.0)  # the pg_prepared_xacts check only
+        assert sink.commit(retry).outcome is CommitOutcome.COMMITTED
+        assert sink.abort_lingering(name, 0, intent, [retry]) == 1
+        assert q(db, f'SELECT id FROM "{schema}".t') == [(1,)]
+    finally:
+        with su.cursor() as cur:  # what a failing test left prepared
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE owner = %s", (role,))
+            for (gid,) in cur.fetchall():
+                cur.execute("ROLLBACK PREPARED %s", (gid,))
+        q(db, f'DROP SCHEMA "{schema}" CASCADE')
+        with su.cursor() as cur:
+            cur.execute(f'DROP OWNED BY "{role}"')
+            cur.execute(f'DROP ROLE "{role}"')
+        su.close()
