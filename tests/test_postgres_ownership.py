@@ -5,7 +5,9 @@ Against the real PostgreSQL server (tests/services/postgres.py), one test per sc
 * scenario 6: Spark resubmits a stage after a FetchFailed and numbers attempts from 0 again
   (SPARK-24589); gids must name one attempt (by Spark's task attempt id), and a retry may
   roll back only what can be its own stage attempt's earlier attempts, never the accepted
-  attempt of an older stage attempt;
+  attempt of an older stage attempt; and, since that rule is a guess, only what it claimed
+  as doomed in the claims table: a late attempt never rolls back a decided gid, and a gid
+  doomed first is never decided;
 * scenario 4: a late prepared transaction of a committed batch (upsert) is rolled back by
   the next batch's cleanup, so that batch's replay no longer meets its locks;
 * scenario 8: ``twophase recover`` in a session whose search_path differs from the

@@ -2,8 +2,9 @@
 
 A retried task attempt rolls back the transactions its own earlier attempts of the same
 execution (``TransactionContext.run``) left prepared, and nothing else: not another run's,
-not another partition's, not a gid without run (old logs).  ``verify_prepared`` refuses a
-batch whose returned transaction is gone before the decision.
+not another partition's, not a gid without run (old logs), and only once it claimed it as
+doomed in the claims table.  ``verify_prepared`` refuses a batch whose returned transaction
+is gone (or doomed) before the decision.
 """
 
 from __future__ import annotations
