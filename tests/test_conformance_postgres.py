@@ -48,5 +48,5 @@ def test_postgres_sink_conformance(postgres_service, monkeypatch):
         with admin.cursor() as cur:
             for (gid,) in [(g,) for g in pending()]:
                 cur.execute("ROLLBACK PREPARED %s", (gid,))
-            cur.execute(f'DROP TABLE IF EXISTS "{table}", "conf_markers_{uid}"')
+            cur.execute(f'DROP TABLE IF EXISTS "{table}", "conf_markers_{uid}", "conf_markers_{uid}_claims"')
         admin.close()
