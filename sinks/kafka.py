@@ -996,8 +996,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
            accepts).  The broker refuses if the id moved meanwhile.  An id with an open
            transaction is never claimed: InitProducerId would abort it, whatever epoch it
            expects, and it may be a decided one.  One that the INTENT lists as open before the
-           plan is a leftover of a closed execution: it is aborted (EndTxn under its exact epoch)
-           and left for a later claim.
+           plan is a leftover of a closed execution: it is aborted (EndTxn under its exact epoch),
+           and claimed once the abort is complete if no other id is free.
         3. librdkafka's ``init_transactions`` (an unconditional InitProducerId) must then land
            exactly one epoch after the claim; otherwise another attempt initialised the id in
            between, and this one gives the id up (nothing of it is open) and tries the next.
@@ -1023,20 +1023,10 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         slots = list(tids[ctx.partition_id * r:(ctx.partition_id + 1) * r])
         client = self._task_client()
         states = self._describe(client, slots)
-        fence = str(pool["fence"])
-        st = self._describe(client, [fence]).get(fence)  # after the ids: a plan seen here precedes them
-        if st is None or st.error_code != kp.NONE:
-            why = "no answer" if st is None else kp.error_name(st.error_code)
-            raise TwoPhaseError(f"{ctx.label}: cannot read the plan fence {fence} ({why}); nothing was "
-                                "written")
-        if [st.producer_id, st.producer_epoch] != list(pool["fence_producer"]):
-            raise TwoPhaseError(
-                f"{ctx.label}: this task attempt is late: a newer execution of batch {ctx.batch_id} or a later "
-                f"batch was planned after its own (the plan fence {fence} is at producer id {st.producer_id} "
-                f"epoch {st.producer_epoch}, its INTENT's at {pool['fence_producer']}). It claims no "
-                "transactional id and writes nothing.")
+        self._check_plan_fence(ctx, client, pool)  # after the ids: a plan seen here precedes them
         snapshot = pool.get("open") or {}
         tried: list[str] = []
+        freed: list[str] = []
         for tid in slots:
             d = states.get(tid)
             if d is None:
@@ -1048,7 +1038,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 tried.append(f"{tid}: {kp.error_name(d.error_code)}")
                 continue
             elif d.state == "Ongoing" and snapshot.get(tid) == [d.producer_id, d.producer_epoch]:
-                self._abort_open(client, tid, d.producer_id, d.producer_epoch, ctx.label, wait=False)
+                if self._abort_open(client, tid, d.producer_id, d.producer_epoch, ctx.label, wait=False):
+                    freed.append(tid)
                 tried.append(f"{tid}: held a transaction left open before this batch was planned (aborted)")
                 continue
             elif d.state not in _CLAIMABLE:
@@ -1059,11 +1050,46 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             txn = self._claim(ctx, client, tid, expect, tried)
             if txn is not None:
                 return txn
+        # Every other id is taken: one whose leftover this attempt just aborted is free once the
+        # broker has completed the abort (its markers written).  Described again, then claimed.
+        deadline, delay = time.monotonic() + self.request_timeout_s, 0.02
+        while freed and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            states = self._describe(client, freed)
+            self._check_plan_fence(ctx, client, pool)
+            waiting = []
+            for tid in freed:
+                d = states.get(tid)
+                if d is not None and d.error_code == kp.NONE and d.state in _CLAIMABLE:
+                    txn = self._claim(ctx, client, tid, (d.producer_id, d.producer_epoch), tried)
+                    if txn is not None:
+                        return txn
+                elif d is not None and d.error_code == kp.NONE and d.state == "PrepareAbort":
+                    waiting.append(tid)
+            freed = waiting
         raise TwoPhaseError(
             f"{ctx.label}: none of the {len(slots)} transactional ids of partition {ctx.partition_id} could be "
             f"claimed: {'; '.join(tried)}. Nothing was written. Other attempts of this partition hold them "
             "(raise slots_per_partition above spark.task.maxFailures if task attempts run out of ids); "
             "the batch's cleanup aborts what failed attempts left open.")
+
+    def _check_plan_fence(self, ctx: TransactionContext, client, pool: dict[str, Any]) -> None:
+        """Raise unless the plan fence still holds the epoch of this attempt's INTENT (executor)."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        fence = str(pool["fence"])
+        st = self._describe(client, [fence]).get(fence)
+        if st is None or st.error_code != kp.NONE:
+            why = "no answer" if st is None else kp.error_name(st.error_code)
+            raise TwoPhaseError(f"{ctx.label}: cannot read the plan fence {fence} ({why}); nothing was "
+                                "written")
+        if [st.producer_id, st.producer_epoch] != list(pool["fence_producer"]):
+            raise TwoPhaseError(
+                f"{ctx.label}: this task attempt is late: a newer execution of batch {ctx.batch_id} or a later "
+                f"batch was planned after its own (the plan fence {fence} is at producer id {st.producer_id} "
+                f"epoch {st.producer_epoch}, its INTENT's at {pool['fence_producer']}). It claims no "
+                "transactional id and writes nothing.")
 
     def _claim(self, ctx: TransactionContext, client, tid: str, expect: tuple[int, int] | None,
                tried: list[str]) -> KafkaTransaction | None:

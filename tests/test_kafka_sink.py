@@ -314,6 +314,32 @@ def test_a_retry_attempt_claims_the_next_id_and_the_failed_ones_leftover_is_abor
 
 
 @pytest.mark.kafka
+def test_a_partition_whose_ids_all_hold_leftovers_aborts_them_and_claims_one(kafka_service):
+    """Every id of a partition holds a transaction left open before the next plan (failed attempts
+    whose batch was never cleaned up, e.g. its driver died).  The next batch's task aborts them (the
+    INTENT lists them as leftovers) and, no id being free otherwise, claims one once its abort is
+    complete.  (Found by the conformance harness' ownership machine: the task gave up.)"""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"full-ids-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(bs, topic, prefix, slots_per_partition=2)
+    intent0 = sink.plan_batch("q", 0, 1)
+    for attempt in range(2):
+        txn = sink.begin_transaction(TransactionContext("q", 0, 0, attempt, intent0))
+        sink.write(txn, pa.RecordBatch.from_pydict({"value": [b"leftover"] * 5}))
+        txn.producer.flush(30)
+        sink._release(txn)                                      # the attempt dies: its transaction stays
+    intent1 = sink.plan_batch("q", 1, 1)                        # the next ballot, no cleanup before it
+    assert sorted(intent1["pool"]["open"]) == [f"{prefix}-0.0", f"{prefix}-0.1"]
+    txn = sink.begin_transaction(TransactionContext("q", 1, 0, 0, intent1))
+    sink.write(txn, pa.RecordBatch.from_pydict({"value": [b"batch-1"] * 5}))
+    handle = sink.pre_commit(txn)
+    assert handle["transactional_id"] in (f"{prefix}-0.0", f"{prefix}-0.1")
+    assert sink.commit(handle).done
+    assert Counter(read_committed(bs, topic)) == Counter({b"batch-1": 5})
+    sink.close()
+
+
+@pytest.mark.kafka
 def test_open_validates_timeout_topic_and_reachability(kafka_service):
     bs = kafka_service["bootstrap_servers"]
     topic = _topic(bs)
