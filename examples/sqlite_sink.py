@@ -9,13 +9,17 @@ the target table exactly once, after any number of driver or task crashes.
 for a sink of your own.)
 
 How it recovers: ``write`` appends rows to ``<table>__staging``, tagged with a
-transaction id unique to the task attempt, and commits them there (durable,
-invisible to readers of ``<table>``).  ``pre_commit`` returns the handle
+transaction id unique to the task attempt and with the execution's (ballot's)
+token from ``plan_batch``, and commits them there (durable, invisible to readers
+of ``<table>``).  ``pre_commit`` returns the handle
 ``{"txn", "rows", ...}``.  ``commit`` moves the transaction's staged rows into
 ``<table>``, deletes them from staging and records the transaction id in
 ``_twophase_commits``, all in one SQLite transaction; a second ``commit`` finds
 the record and does nothing.  ``abort`` and ``abort_lingering`` delete staged
-rows of transactions that will never be committed.
+rows of transactions that will never be committed: ``abort_lingering`` only those
+of the one execution its INTENT names (a newer execution of the same batch, maybe
+decided by another coordinator, is never touched) and leftovers of late task
+attempts of earlier batches.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from twophase.errors import ConfigurationError
 from twophase.sink import CommitResult, TwoPhaseCommitSink
 
 COMMITS = "_twophase_commits"
-_META = ("_txn", "_query", "_batch")
+_META = ("_txn", "_query", "_batch", "_ballot")
 
 
 def quote(name: str) -> str:
@@ -65,6 +69,7 @@ class SQLiteTransaction:
 
     ctx: TransactionContext
     txn: str
+    ballot: str
     rows: int = 0
 
 
@@ -137,6 +142,11 @@ class SQLiteSink(TwoPhaseCommitSink[SQLiteTransaction, dict]):
                 raise
         return CommitResult.committed()
 
+    def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        # Every execution (ballot) of a batch tags its staged rows with a token of its own, so
+        # that cleaning up one execution never deletes another's (maybe decided) rows.
+        return {"ballot": uuid.uuid4().hex[:12]}
+
     def recover_and_abort(self, handle: dict) -> None:
         with _closing(self._connect()) as con:
             if self._has_staging(con):
@@ -150,8 +160,11 @@ class SQLiteSink(TwoPhaseCommitSink[SQLiteTransaction, dict]):
                 return 0
             # Not "NOT IN (NULL)" for an empty keep: that is never true in SQL and would delete nothing.
             spare = f" AND _txn NOT IN ({', '.join('?' for _ in keep_ids)})" if keep_ids else ""
-            cur = con.execute(f"DELETE FROM {quote(self.staging)} WHERE _query = ? AND _batch = ?{spare}",
-                              (query_name, batch_id, *keep_ids))
+            # This execution's rows, and late attempts' rows of earlier batches (committed: their
+            # decided rows left staging when they were moved), never another execution's.
+            cur = con.execute(f"DELETE FROM {quote(self.staging)} WHERE _query = ? AND "
+                              f"((_batch = ? AND _ballot = ?) OR _batch < ?){spare}",
+                              (query_name, batch_id, str(intent.get("ballot", "")), batch_id, *keep_ids))
             return cur.rowcount
 
     def describe_handle(self, handle: dict) -> str:
@@ -160,8 +173,9 @@ class SQLiteSink(TwoPhaseCommitSink[SQLiteTransaction, dict]):
     # -------------------------------------------------------------- executor
     def begin_transaction(self, ctx: TransactionContext) -> SQLiteTransaction:
         # Unique per task attempt: a retried or replayed task never shares staged rows with another.
-        txn = f"{ctx.query_name}/{ctx.batch_id}/{ctx.partition_id}/{ctx.attempt}/{uuid.uuid4().hex[:12]}"
-        return SQLiteTransaction(ctx, txn)
+        ballot = str(ctx.intent.get("ballot", ""))
+        txn = f"{ctx.query_name}/{ctx.batch_id}/{ballot}/{ctx.partition_id}/{ctx.attempt}/{uuid.uuid4().hex[:12]}"
+        return SQLiteTransaction(ctx, txn, ballot)
 
     def write(self, txn: SQLiteTransaction, batch: pa.RecordBatch) -> None:
         names = batch.schema.names
@@ -171,7 +185,7 @@ class SQLiteSink(TwoPhaseCommitSink[SQLiteTransaction, dict]):
                 self._ensure_tables(con, batch.schema)
                 cols = ", ".join(quote(c) for c in (*_META, *names))
                 marks = ", ".join("?" for _ in range(len(_META) + len(names)))
-                meta = (txn.txn, txn.ctx.query_name, txn.ctx.batch_id)
+                meta = (txn.txn, txn.ctx.query_name, txn.ctx.batch_id, txn.ballot)
                 columns = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
                 con.executemany(f"INSERT INTO {quote(self.staging)} ({cols}) VALUES ({marks})",
                                 (meta + tuple(_py(c[r]) for c in columns) for r in range(batch.num_rows)))
@@ -201,7 +215,8 @@ class SQLiteSink(TwoPhaseCommitSink[SQLiteTransaction, dict]):
         cols = ", ".join(f"{quote(f.name)} {_sql_type(f.type)}" for f in schema)
         con.execute(f"CREATE TABLE IF NOT EXISTS {quote(self.table)} ({cols})")
         con.execute(f"CREATE TABLE IF NOT EXISTS {quote(self.staging)} "
-                    f"(_txn TEXT NOT NULL, _query TEXT NOT NULL, _batch INTEGER NOT NULL, {cols})")
+                    f"(_txn TEXT NOT NULL, _query TEXT NOT NULL, _batch INTEGER NOT NULL, _ballot TEXT NOT NULL, "
+                    f"{cols})")
         con.execute(f"CREATE INDEX IF NOT EXISTS {quote(self.staging + '_txn')} ON {quote(self.staging)} (_txn)")
 
 

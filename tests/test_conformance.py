@@ -252,7 +252,8 @@ class RetryAppendsIntoDeadAttemptSink(SQLiteSink):
     def begin_transaction(self, ctx):
         from examples.sqlite_sink import SQLiteTransaction
 
-        return SQLiteTransaction(ctx, f"{ctx.query_name}/{ctx.batch_id}/{ctx.partition_id}")
+        return SQLiteTransaction(ctx, f"{ctx.query_name}/{ctx.batch_id}/{ctx.partition_id}",
+                                 str(ctx.intent.get("ballot", "")))
 
 
 class InMemoryHandoffSink(SQLiteSink):
