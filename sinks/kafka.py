@@ -802,19 +802,39 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                      "auto.offset.reset": "error", "enable.sparse.connections": False})
         return conf
 
+    def _absent(self, topic: str, aborted: str) -> tuple[str, str]:
+        """The verdict for a first record a read_committed reader skips: aborted, unless the topic is
+        compacted (compaction removes committed records superseded by a later one with the same
+        key, which then read exactly like aborted ones)."""
+        admin_mod = require("confluent_kafka.admin", "KafkaSink")
+        res = admin_mod.ConfigResource(admin_mod.ResourceType.TOPIC, topic)
+        admin = self._admin()  # referenced until the answer is in: a dropped client fails its requests
+        try:
+            entries = admin.describe_configs([res], request_timeout=self.request_timeout_s)[res].result()
+        except Exception as e:  # noqa: BLE001 - asked again later
+            return "unknown", f"{aborted}, but the cleanup policy of {topic} could not be read ({type(e).__name__})"
+        entry = entries.get("cleanup.policy")
+        policy = str(entry.value) if entry is not None and entry.value is not None else "delete"
+        if "compact" in policy:
+            return "gone", (f"{aborted.replace(' was aborted', ' is not there')}, but {topic} is compacted "
+                            f"(cleanup.policy={policy}), which may have removed it after a commit")
+        return "aborted", aborted
+
     def _records_fate(self, offsets: dict[str, int]) -> tuple[str, str]:
         """What became of a transaction whose first records are at ``offsets`` (driver).
 
         ("committed", where): a read_committed consumer gets the record at that offset.
         ("aborted", where): the last stable offset is past it and the consumer skips it (the
-        next record it gets is later, or it reaches the end).  A transaction commits or aborts
-        as a whole, so one topic partition answers.  ("pending", where): the last stable offset
-        is not past it yet (a transaction still open before or at it).  ("gone", where): the
-        record was deleted (retention).  ("unknown", where): reading it failed.
+        next record it gets is later, or it reaches the end) on a topic that is not compacted.
+        A transaction commits or aborts as a whole, so one topic partition answers.
+        ("pending", where): the last stable offset is not past it yet (a transaction still open
+        before or at it).  ("gone", where): the record was deleted (retention), or is absent
+        from a compacted topic.  ("unknown", where): reading it failed.
         """
         ck = require("confluent_kafka", "KafkaSink")
         consumer = ck.Consumer(self._consumer_config())
         verdict, where = "unknown", "no topic partition to read"
+        # An absent record proves an abort only where records are not deleted one by one: see _absent.
         try:
             for name, offset in sorted(offsets.items()):
                 topic, _, part = name.rpartition(":")
@@ -837,16 +857,18 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     if m is None:
                         continue
                     err = m.error()
-                    if err is not None:
-                        if err.code() == ck.KafkaError._PARTITION_EOF:
-                            return "aborted", (f"{where} was aborted (read_committed readers reach the end, "
-                                               f"offset {m.offset()}, without it)")
+                    if err is not None and err.code() != ck.KafkaError._PARTITION_EOF:
                         verdict, where = "unknown", f"{where}: {err.str()}"
                         break
-                    if m.offset() == offset:
+                    if err is None and m.offset() == offset:
                         return "committed", where
-                    return "aborted", (f"{where} was aborted (the next record read_committed readers get is at "
-                                       f"offset {m.offset()})")
+                    skipped = (f"the end, offset {m.offset()}, without it" if err is not None else
+                               f"offset {m.offset()} next")
+                    verdict, where = self._absent(topic, f"{where} was aborted (read_committed readers reach "
+                                                         f"{skipped})")
+                    if verdict == "aborted":
+                        return verdict, where
+                    break  # a compacted topic: another partition's record may still tell
                 else:
                     verdict, where = "unknown", f"{where}: no answer within {self.request_timeout_s:.0f}s"
             return verdict, where

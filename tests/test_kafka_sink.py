@@ -340,6 +340,41 @@ def test_a_partition_whose_ids_all_hold_leftovers_aborts_them_and_claims_one(kaf
 
 
 @pytest.mark.kafka
+def test_an_aborted_transaction_on_a_compacted_topic_is_lost_without_claiming_it_was_never_visible(
+        kafka_service):
+    """The first-offset check of a commit whose id moved on: on a compacted topic a record that
+    read_committed readers skip may have been committed and compacted away, so the loss is
+    reported without the claim that the rows were never visible."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = f"ks-compact-{uuid.uuid4().hex[:8]}", f"cmp-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": bs})
+    admin.create_topics([NewTopic(topic, 1, 1, config={"cleanup.policy": "compact"})])[topic].result(30)
+    deadline = time.time() + 30
+    while admin.list_topics(topic, timeout=10).topics[topic].partitions.get(0) is None or \
+            admin.list_topics(topic, timeout=10).topics[topic].partitions[0].leader < 0:
+        assert time.time() < deadline, "the compacted topic has no leader"
+        time.sleep(0.2)
+    sink = KafkaSink(bs, topic, prefix)
+    txn = sink.begin_transaction(_ctx(sink))
+    sink.write(txn, pa.RecordBatch.from_pydict({"key": [b"k1", b"k2"], "value": [b"v1", b"v2"]}))
+    handle = sink.pre_commit(txn)
+    client = sink._txn_client()
+    deadline = time.time() + 30
+    while client.init_producer_id(handle["transactional_id"], 60_000)[0] != kp.NONE:  # aborts it
+        assert time.time() < deadline
+        time.sleep(0.1)
+    deadline = time.time() + 30
+    while (res := sink.commit(handle)).outcome is CommitOutcome.RETRY_LATER:  # markers being written
+        assert time.time() < deadline, res
+        time.sleep(0.2)
+    assert res.outcome is CommitOutcome.LOST, res
+    assert "is compacted (cleanup.policy=compact)" in res.reason and "never saw it" not in res.reason
+    sink.close()
+
+
+@pytest.mark.kafka
 def test_open_validates_timeout_topic_and_reachability(kafka_service):
     bs = kafka_service["bootstrap_servers"]
     topic = _topic(bs)
