@@ -79,7 +79,7 @@ def test_kafka_sink_conformance(kafka_service):
     def pending() -> list[str]:
         sink = make_sink()
         try:
-            states = sink._txn_client().describe_transactions([f"{prefix}-{p}" for p in range(PARTITIONS)])
+            states = sink._txn_client().describe_transactions(sink.pool_ids(PARTITIONS))
         finally:
             sink.close()
         return [tid for tid, d in states.items() if d.state in ("Ongoing", "PrepareAbort", "PrepareCommit")]

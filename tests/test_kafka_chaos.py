@@ -104,7 +104,7 @@ def test_exactly_once_on_a_cluster_whose_executors_and_workers_die(kafka_service
     assert verdict.exactly_once, (verdict.to_dict(), log_path.read_text()[-5000:])
     sink = KafkaSink(bs, dst, prefix)
     try:
-        states = sink._txn_client().describe_transactions([sink.transactional_id(i) for i in range(16)])
+        states = sink._txn_client().describe_transactions(sink.pool_ids(16))
     finally:
         sink.close()
     assert any(d.state == "CompleteCommit" for d in states.values()), states
