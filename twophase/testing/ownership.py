@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 
 from twophase.context import TransactionContext
 from twophase.errors import DataLossError, TwoPhaseError
-from twophase.log import COMMITTED, INTENT, PREPARED, TransactionLog, decode_record, parse_batch_name
+from twophase.log import (
+    COMMITTED,
+    INTENT,
+    PREPARED,
+    TransactionLog,
+    decode_record,
+    parse_batch_name,
+)
 from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
 from twophase.testing.conformance import (
@@ -122,7 +129,7 @@ class _Coord:
         self.commit_budget: int | None = None  # mid_commit: commits that land before the driver dies
         sink.open()
         self.tlog = TransactionLog(url, lease_timeout=3600.0)
-        self.tlog.store = _FaultyStore(self.tlog.store, self)
+        self.tlog.store = _FaultyStore(self.tlog.store, self)  # type: ignore[assignment]  # same duck type
         self.tlog.acquire(query_id, machine.name, new_generation=new_generation, takeover=True)
         self.generation = self.tlog.generation
         self.query_name = f"{machine.name}.{self.tlog.scope()}"
@@ -882,7 +889,8 @@ def run_ownership_conformance(sink_factory: Callable[[], TwoPhaseCommitSink],
 
     machine = make_ownership_machine(sink_factory, read_committed, protocol_factory=protocol_factory, **options)
     s = settings if settings is not None else default_settings(max_examples=DEFAULT_EXAMPLES, steps=DEFAULT_STEPS)
-    overrides = {k: v for k, v in (("max_examples", max_examples), ("stateful_step_count", steps)) if v is not None}
+    overrides: dict[str, Any] = {k: v for k, v in (("max_examples", max_examples), ("stateful_step_count", steps))
+                                 if v is not None}
     if overrides:
         s = hypothesis.settings(s, **overrides)
     if seed is not None:
