@@ -3,7 +3,7 @@
 Each test runs the harness as a sink author would, against a406f01's protocol behaviour (a protocol
 subclass, scenarios 1 and 2) or a406f01's sinks (loaded from git, scenarios 4, 5 and 6), and
 asserts that it FAILS, naming the problem; and that today's protocol and sinks pass.  Seeds are
-pinned so that each run is the same; ``python -m twophase.testing.reach --runs 20`` measures how
+pinned so that each run is the same; ``python -m tests.harness_reach --runs 20`` measures how
 often an unpinned run at the defaults catches each one.
 """
 
@@ -18,16 +18,16 @@ from pathlib import Path
 import hypothesis
 import pytest
 
-from twophase.testing import ConformanceError
-from twophase.testing.conformance import default_settings
-from twophase.testing.ownership import DEFAULT_EXAMPLES, DEFAULT_STEPS, run_ownership_conformance
-from twophase.testing.reach import (
+from tests.harness_reach import (
     CheckThenWriteProtocol,
     PostgresTarget,
     WholeIntentCleanupProtocol,
     files_target,
     load_old_sink,
 )
+from twophase.testing import ConformanceError
+from twophase.testing.conformance import default_settings
+from twophase.testing.ownership import DEFAULT_EXAMPLES, DEFAULT_STEPS, run_ownership_conformance
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.timeout(600)]

@@ -1,6 +1,6 @@
 """How often the ownership harness catches each bug class of issue 25 at its defaults.
 
-``python -m twophase.testing.reach --runs 20 [--postgres DSN] [--only NAME]`` runs
+``python -m tests.harness_reach --runs 20 [--postgres DSN] [--only NAME]`` runs
 :func:`~twophase.testing.ownership.run_ownership_conformance` at its defaults ``runs`` times (a new
 random seed each) against each broken protocol or sink, and prints ``caught/runs`` per class with
 the seconds per run.  The broken pieces are also what tests/test_conformance_ownership.py shows the
@@ -73,7 +73,7 @@ class CheckThenWriteProtocol(TwoPhaseProtocol):
 def load_old_sink(path: str, rev: str = OLD, repo: str | None = None) -> Any:
     """The module ``path`` (e.g. ``sinks/postgres.py``) as it was at ``rev``, imported under its own
     name (``twophase_old_postgres``) on today's core modules.  Needs the git repository."""
-    repo = repo or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     text = subprocess.run(["git", "-C", repo, "show", f"{rev}:{path}"], check=True, capture_output=True).stdout
     name = "twophase_old_" + os.path.basename(path)[:-3]
     if name in sys.modules:
