@@ -149,12 +149,15 @@ class NonIdempotentCommitSink(SQLiteSink):
         return CommitResult.committed()
 
     def abort_lingering(self, query_name, batch_id, intent, keep) -> int:
-        # Once a batch is committed everything it staged can go (its committed rows were copied).
+        # Once a batch is committed everything its execution staged can go (its committed rows were
+        # copied), and late attempts' rows of earlier batches: cleanup as the example sink does it,
+        # so that the commit is this sink's only defect (the ownership machine runs too).
         with _closing(self._connect()) as con:
             if not self._has_staging(con):
                 return 0
-            return con.execute(f"DELETE FROM {quote(self.staging)} WHERE _query = ? AND _batch = ?",
-                               (query_name, batch_id)).rowcount
+            return con.execute(f"DELETE FROM {quote(self.staging)} WHERE _query = ? AND "
+                               "((_batch = ? AND _ballot = ?) OR _batch < ?)",
+                               (query_name, batch_id, str(intent.get("ballot", "")), batch_id)).rowcount
 
 
 class VisiblePreCommitSink(SQLiteSink):

