@@ -324,14 +324,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         cls = type(self)
         n = next(cls._examples)
         _story.clear()
-        if self.reset is not None:
-            self.reset()
-        if cls._id_floor is None:
-            seen = [self.id_of(r) for r in self.read_committed()]
-            cls._id_floor = (max(seen) // ID_SPAN + 1) * ID_SPAN if seen else 0
         self.example = n
         self.query_name = f"{self.query_prefix}-{self._run_token}-{n}"
-        self.id_base = cls._id_floor + n * ID_SPAN
+        self.id_base = example_id_base(self, n)
         self.next_id = self.id_base
         self.next_batch = n * BATCH_SPAN
         self.last_batch = self.next_batch + BATCH_SPAN - 1
@@ -916,6 +911,19 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             parts.append(f"p{a.partition} attempt {a.attempt} run {a.life} {a.outcome}"
                          + (f" [{a.handle_desc}]" if a.handle_desc else ""))
         return "; ".join(parts)
+
+
+def example_id_base(machine: Any, n: int) -> int:
+    """Reset the target (when the machine has ``reset``) and return the first record id of example
+    ``n``: above every id the target held when the run started (``ID_SPAN`` per example), so
+    earlier data (other runs, other tests) is ignored.  Shared by both state machines."""
+    cls = type(machine)
+    if machine.reset is not None:
+        machine.reset()
+    if cls._id_floor is None:
+        seen = [machine.id_of(r) for r in machine.read_committed()]
+        cls._id_floor = (max(seen) // ID_SPAN + 1) * ID_SPAN if seen else 0
+    return int(cls._id_floor) + n * ID_SPAN
 
 
 def _close(sink: Any) -> None:

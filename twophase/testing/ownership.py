@@ -61,6 +61,7 @@ from twophase.testing.conformance import (
     _story,
     default_id_of,
     default_make_batch,
+    example_id_base,
 )
 from twophase.testing.conformance import note as _note_here
 
@@ -332,14 +333,9 @@ class OwnershipMachine(stateful.RuleBasedStateMachine):
         _story.clear()
         _deferred.clear()
         _test_thread[0] = threading.get_ident()
-        if self.reset is not None:
-            self.reset()
-        if cls._id_floor is None:
-            seen = [self.id_of(r) for r in self.read_committed()]
-            cls._id_floor = (max(seen) // ID_SPAN + 1) * ID_SPAN if seen else 0
         self.example = n
         self.name = f"{self.query_prefix}-{self._run_token}-{n}"
-        self.id_base = cls._id_floor + n * ID_SPAN
+        self.id_base = example_id_base(self, n)
         self.next_id = self.id_base
         self.next_batch = n * BATCH_SPAN
         self.task_ids = 0
