@@ -391,6 +391,16 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             alts.append(tail + ext)
         return re.compile(f"{head}(?:{'|'.join(alts)})")
 
+    def _query_names(self, query_name: str) -> re.Pattern[str]:
+        """The final names (last key segment) of this query's part files of *any* batch and
+        ballot, the batch number in group 1: what a late task attempt of an earlier batch may
+        have left.  Only this scope's names: another pipeline's or generation's, and the
+        unscoped names of older versions (nobody's to claim), never match."""
+        return re.compile(
+            re.escape(f"{self.prefix}-") + r"(\d{8,})-\d{5,}(?:-c\d{3,})?"
+            + re.escape(f"-{name_scope(query_name)}") + r"(?:-[0-9a-f]+)?" + re.escape(f".{self._ext()}")
+        )
+
     # ---------------------------------------------------------------- driver
     def open(self) -> None:
         """Check, before anything is decided, that the target can take this sink's commits
@@ -700,9 +710,16 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     def abort_lingering(
         self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]
     ) -> int:
+        """Abort what attempts of ``batch_id`` left under this INTENT, except ``keep``, and what
+        late task attempts left for this query's *earlier* batches (local/HDFS: their staging
+        folders; S3: their open uploads, found by the same one listing).  Earlier batches are
+        finished when a later one is run or cleaned up (the coordinator commits every decided
+        batch before it starts the next, and recovery commits before it aborts), so an upload
+        of theirs that is still open belongs to nobody's decision still to commit."""
         kept = [e for h in keep for e in self._entries(h)]
         return self._backend.abort_lingering(
-            query_name, batch_id, intent, kept, self._batch_names(batch_id, query_name, intent)
+            query_name, batch_id, intent, kept, self._batch_names(batch_id, query_name, intent),
+            earlier=self._query_names(query_name),
         )
 
     def describe_handle(self, handle: dict) -> str:

@@ -601,6 +601,46 @@ def test_s3_abort_lingering_finds_orphans_of_the_batch_only(s3_service, s3, sroo
 
 
 @pytest.mark.s3
+def test_a_late_attempts_upload_for_a_committed_batch_is_aborted_within_one_batch(s3_service, s3, sroot, s3env):
+    """Issue 25: a task attempt of batch 3 that outlived its job opens an upload after batch 3 was
+    committed and cleaned up.  Batch 4's cleanup (one listing) aborts it, whatever its ballot; it
+    never touches batch 4's decided uploads (``keep``), a later batch's, another pipeline's or
+    another generation's (the same batch ids, decided or pending), or the committed object."""
+    GEN1, GEN2, OTHER = "p.3f9a2b1cg1", "p.3f9a2b1cg2", "p.77e0c4d2g1"  # two generations, a pipeline
+    url, prefix = sroot
+    bucket = s3_service["bucket"]
+    sink = FileSink(url, storage_options=s3env)
+    intent3 = sink.plan_batch(GEN1, 3, 1)
+    won3 = prepare(sink, 3, 0, [1, 2], query=GEN1, intent=intent3)
+    assert sink.commit(won3).outcome is CommitOutcome.COMMITTED
+    assert sink.abort_lingering(GEN1, 3, intent3, [won3]) == 0  # batch 3 is finished
+    # The late attempts: the same partition of batch 3 again (the same key as the committed
+    # object), and an earlier ballot's task of batch 2 (a ballot that was closed long ago).
+    late = prepare(sink, 3, 0, [1, 2], attempt=1, query=GEN1, intent=intent3)
+    late2 = prepare(sink, 2, 1, [9], query=GEN1, intent=sink.plan_batch(GEN1, 2, 2))
+    # Not ours to abort: another pipeline's batch 3, decided, its commit pending, and its batch 2
+    # still preparing; the next generation of our log at batch 2; our own batch 5 (later).
+    theirs = [prepare(sink, 3, 0, [20], query=OTHER), prepare(sink, 2, 0, [21], query=OTHER),
+              prepare(sink, 2, 0, [22], query=GEN2)]
+    later = prepare(sink, 5, 0, [30], query=GEN1)
+    intent4 = sink.plan_batch(GEN1, 4, 1)
+    won4 = prepare(sink, 4, 0, [3, 4], query=GEN1, intent=intent4)  # batch 4 decided, not yet committed
+    lists = []
+    listing = sink._backend.storage._list_uploads
+    sink._backend.storage._list_uploads = lambda p: lists.append(p) or listing(p)
+    assert sink.abort_lingering(GEN1, 4, intent4, [won4]) == 2  # was: 0 (batch 4's names only)
+    assert len(lists) == 1  # one ListMultipartUploads for the batch, whatever the earlier batches
+    up = {u for _, u in sopen(s3, bucket, prefix)}
+    assert not {late["files"][0]["upload_id"], late2["files"][0]["upload_id"]} & up
+    assert {h["files"][0]["upload_id"] for h in [*theirs, later, won4]} <= up
+    assert sink.commit(won4).outcome is CommitOutcome.COMMITTED  # keep was kept
+    assert sink.abort_lingering(GEN1, 4, intent4, [won4]) == 0
+    key3 = won3["files"][0]["key"]
+    assert s3.get_object(Bucket=bucket, Key=key3)["ETag"] == won3["files"][0]["etag"]  # the committed object
+    assert [h["files"][0]["key"][len(prefix) + 1:] for h in (won3, won4)] == svisible(s3, bucket, prefix)
+
+
+@pytest.mark.s3
 def test_s3_upload_listing_is_probed_once_and_the_probe_leaves_nothing(s3_service, s3, sroot, s3env):
     """S3 and moto filter ListMultipartUploads by key prefix; MinIO only by whole key, so there
     the sink lists the bucket's uploads and filters them (the test above passes on both)."""
@@ -769,13 +809,8 @@ def test_conformance_on_s3(s3_service, s3, sroot, s3env):
         for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
             s3.delete_object(Bucket=bucket, Key=o["Key"])
 
-    # The crash machine only.  The ownership machine finds a gap on S3 (issue 25, open): a late
-    # task attempt's multipart upload for an earlier, committed batch is left open, because
-    # abort_lingering lists only the current batch's uploads (PostgreSQL and local files look at
-    # earlier batches' leftovers too).  Run it with ownership=True once that is fixed.
     run_sink_conformance(lambda: FileSink(url, storage_options=s3env), read, reset=reset,
-                         pending=lambda: [k for k, _ in sopen(s3, bucket, prefix)], max_examples=6, steps=15,
-                         ownership=False)
+                         pending=lambda: [k for k, _ in sopen(s3, bucket, prefix)], max_examples=6, steps=15)
 
 
 # ====================================================================== twophase recover

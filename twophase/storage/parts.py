@@ -128,11 +128,16 @@ class PartFiles:
         intent: dict[str, Any],
         keep: list[dict[str, Any]],
         names: re.Pattern[str],
+        *,
+        earlier: re.Pattern[str] | None = None,
     ) -> int:
-        """Abort/delete what attempts of ``batch_id`` of ``query_name`` left, except ``keep``:
+        """Abort/delete what attempts of ``batch_id`` of ``query_name`` left, except ``keep``,
+        and what late task attempts left for this query's earlier (finished) batches:
         local/HDFS, the batch's staging folder (the INTENT's) and this query's older ones;
-        S3, the open uploads under the sink's prefix whose name ``names`` matches in full
-        (this query's scope and batch only: another pipeline's uploads are never touched)."""
+        S3, in one listing, the open uploads under the sink's prefix whose name ``names``
+        matches in full (this batch and INTENT) or ``earlier`` matches in full with a batch
+        number (group 1) below ``batch_id`` (this query's scope only: another pipeline's or
+        generation's uploads are never touched)."""
         raise NotImplementedError
 
     def verify_files(self, entries: list[dict[str, Any]]) -> list[str]:
@@ -216,7 +221,8 @@ class StagedPartFiles(PartFiles):
         """The last ``n`` bytes of a file Spark's writer left (``size`` bytes long)."""
         return self.storage.read_tail(path, size, n)
 
-    def abort_lingering(self, query_name, batch_id, intent, keep, names):
+    def abort_lingering(self, query_name, batch_id, intent, keep, names, *, earlier=None):
+        # ``earlier`` is for S3: here an earlier batch's leftovers are in its own staging folder.
         folder = self.staging_folder(intent, query_name, batch_id)
         n = self.storage.delete_under(folder, {e["staging"] for e in keep})
         return n + self._sweep_older(folder, batch_id)

@@ -1022,23 +1022,36 @@ class S3PartFiles(PartFiles):
     def _list_uploads(self, prefix: str | None) -> list[dict[str, Any]]:
         return self.storage._list_uploads(prefix)
 
-    def abort_lingering(self, query_name, batch_id, intent, keep, names):
+    def abort_lingering(self, query_name, batch_id, intent, keep, names, *, earlier=None):
+        """One ListMultipartUploads (paged) under the prefix (MinIO: the bucket's, filtered),
+        whatever the number of earlier batches: this batch's uploads under this INTENT, and
+        this query's uploads of earlier batches (late task attempts), except ``keep``."""
         self.check_intent(intent, batch_id)
         prefix = self.storage.prefix
         keep_ids = {e["upload_id"] for e in keep}
-        n = 0
+        n, late = 0, []
         for u in self.storage.open_uploads(prefix):
             rel = u["Key"][len(prefix) :]
             segs = rel.split("/")
-            # Only this query's (pipeline's, generation's) part files of this batch:
-            # <k=v/>*<a name ``names`` matches>, never other batches, other pipelines' uploads
-            # (decided ones among them) or foreign keys.
-            if not names.fullmatch(segs[-1]) or not all("=" in s for s in segs[:-1]):
+            # Only this query's (pipeline's, generation's) part files: <k=v/>*<a name ``names``
+            # matches> (this batch, this INTENT), or one ``earlier`` matches for a batch below
+            # this one, any ballot (a late attempt's: every earlier batch is finished).  Never
+            # later batches, other pipelines' uploads (decided ones among them) or foreign keys.
+            if not all("=" in seg for seg in segs[:-1]) or u["UploadId"] in keep_ids:
                 continue
-            if u["UploadId"] in keep_ids:
-                continue
+            if not names.fullmatch(segs[-1]):
+                m = earlier.fullmatch(segs[-1]) if earlier is not None else None
+                if m is None or int(m.group(1)) >= int(batch_id):
+                    continue
+                late.append(u["Key"])
             self.storage.abort(u["Key"], u["UploadId"])
             n += 1
+        if late:
+            log.warning(
+                "batch %d: aborted %d uploads of earlier, finished batches of %s, opened late "
+                "(after their batch's cleanup): %s", batch_id, len(late), query_name,
+                ", ".join(late[:5]) + (", ..." if len(late) > 5 else ""),
+            )
         return n
 
     def verify_files(self, entries):
