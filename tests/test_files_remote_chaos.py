@@ -1,9 +1,10 @@
-"""Kill tests of FileSink on HDFS and on S3: a real streaming driver killed at every crash point and at random.
+"""Kill tests of FileSink on HDFS and on S3: a real streaming driver killed at crash points and at random.
 
 The driver (tests/drivers/files_remote_pipeline.py) reads JSON-lines files with unique ids, one file per
 micro-batch, and writes them through ``Coordinator(FileSink(...))`` with ``partition_by=["k"]`` (values
-include ``/`` and ``..``, escaped Hive-style).  Crash point i hits batch i, then two random SIGKILLs of
-the whole process group, then it runs until done.  Afterwards every input id must be in the committed
+include ``/`` and ``..``, escaped Hive-style).  Crash point i hits batch i (the points where the sink's
+state differs, ``chaos.SINK_POINTS``), then a random SIGKILL of the whole process group, then it runs
+until done.  Afterwards every input id must be in the committed
 output exactly once, and no staged file (HDFS) or open multipart upload (S3) may be left.
 
 HDFS output is read back with Spark (the shared session, hdfs:// through Spark's bundled Hadoop
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1500)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(REPO, "tests", "drivers", "files_remote_pipeline.py")
 KEYS = ["a", "b/c", "..", "d=e"]
-FILES = len(crash.POINTS) + 1
+FILES = len(chaos.SINK_POINTS) + 3
 ROWS = 150
 
 
@@ -48,8 +49,8 @@ def _write_input(folder) -> list[int]:
 
 
 def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
-         log_options: dict | None = None, seed: int = 0, points: tuple[str, ...] = crash.POINTS,
-         random_kills: int = 2):
+         log_options: dict | None = None, seed: int = 0, points: tuple[str, ...] = chaos.SINK_POINTS,
+         random_kills: int = 1):
     cmd = [sys.executable, DRIVER, "--input", str(tmp_path / "in"), "--checkpoint", str(tmp_path / "ck"),
            "--sink-config", json.dumps(sink.to_config()), "--name", f"fc-{uuid.uuid4().hex[:6]}"]
     if log:
@@ -86,13 +87,14 @@ def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_servic
     opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
     expected = _write_input(tmp_path / "in")
     sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"], writer=writer)
-    # The default writer on HDFS (Spark's) gets every fault; the per-task Arrow path, which the
-    # cluster kill test below also drives, the points around its executors' pre-commit (CI time).
+    # The default writer on HDFS (Spark's) gets the sink's crash points and a random kill; the
+    # per-task Arrow path, which the cluster kill test below also drives, the points around its
+    # executors' pre-commit (CI time).
     full = writer == "spark"
-    points = crash.POINTS if full else ("after_pre_commit", "after_prepared_logged", "mid_commit")
+    points = chaos.SINK_POINTS if full else ("after_pre_commit", "after_prepared_logged", "mid_commit")
     try:
         _run(tmp_path, sink, env={}, log=f"{url}/log", log_options=opts, seed=20251123, points=points,
-             random_kills=2 if full else 0)
+             random_kills=1 if full else 0)
         rows = spark.read.parquet(f"{url}/out").select("id", "k").collect()
         verdict = chaos.verify(expected, [r["id"] for r in rows])
         assert verdict.exactly_once, verdict.to_dict()
@@ -128,12 +130,12 @@ def test_s3_exactly_once_under_crash_points_and_sigkills(tmp_path, s3_service):
         return [u for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
                 if u["Key"].startswith(prefix + "/")]
 
-    # MinIO gets every crash point and random kills; moto, the emulator, the points where S3's
-    # multipart uploads are held open, completed from the log, and half completed (CI time).
+    # MinIO gets the sink's crash points and a random kill; moto, the emulator, the points where
+    # S3's multipart uploads are held open, completed from the log, and half completed (CI time).
     minio = s3_service.get("server") == "minio"
-    points = crash.POINTS if minio else ("after_pre_commit", "after_prepared_logged", "mid_commit")
+    points = chaos.SINK_POINTS if minio else ("after_pre_commit", "after_prepared_logged", "mid_commit")
     try:
-        _run(tmp_path, sink, env=env, seed=20251124, points=points, random_kills=2 if minio else 0)
+        _run(tmp_path, sink, env=env, seed=20251124, points=points, random_kills=1 if minio else 0)
         ids, keys = [], []
         paginator = s3.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=bucket, Prefix=prefix + "/"):

@@ -26,6 +26,16 @@ from typing import Any
 
 from twophase import crash
 
+#: The crash points where a sink's state differs, for kill tests that cannot afford every point:
+#: ``after_pre_commit`` (an executor dies with its transaction pre-committed: the task is retried),
+#: ``before_prepared_logged`` (every transaction pre-committed, the batch undecided: recovery
+#: aborts them), ``after_prepared_logged`` (decided, nothing committed: recovery commits every
+#: handle) and ``mid_commit`` (decided, some handles committed: recovery commits again what is
+#: already committed, and the rest).  The other points are the protocol's alone (the sink is in
+#: one of these states there, or idle), so one pipeline that gets every point (``twophase demo``,
+#: tests/test_files_chaos.py) covers them for all sinks.
+SINK_POINTS = ("after_pre_commit", "before_prepared_logged", "after_prepared_logged", "mid_commit")
+
 
 @dataclass
 class Run:
