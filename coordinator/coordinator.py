@@ -616,6 +616,8 @@ class Coordinator:
                     if rb.num_rows == 0:
                         continue
                     if txn is None:
+                        # A worker paused here and resumed late is a late task attempt on demand.
+                        _crash.crash_point("before_begin", batch_id)
                         txn = sink.begin_transaction(ctx)
                     sink.write(txn, rb)
                     rows += rb.num_rows

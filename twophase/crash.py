@@ -2,9 +2,12 @@
 ``TWOPHASE_CRASH_AT`` names the point (optionally ``point:batch_id``, several comma-separated).
 
 Unset, a crash point costs two attribute checks.  Points used by the coordinator:
-``after_intent``, ``after_pre_commit`` (on an executor's Python worker), ``before_prepared_logged``,
-``after_prepared_logged``, ``mid_commit`` (after the first handle committed), ``after_commit``
-(all handles committed, COMMITTED not yet logged) and ``after_committed_logged``.
+``after_intent``, ``before_begin`` (on an executor's Python worker, just before the sink's
+``begin_transaction`` for its partition: nothing of the task is open yet; not reached by a sink
+that prepares whole batches on the driver), ``after_pre_commit`` (on an executor's Python worker),
+``before_prepared_logged``, ``after_prepared_logged``, ``mid_commit`` (after the first handle
+committed), ``after_commit`` (all handles committed, COMMITTED not yet logged) and
+``after_committed_logged``.
 
 Pause points: the same names in ``TWOPHASE_PAUSE_AT`` (same syntax, e.g.
 ``before_prepared_logged:2``) make the process stop itself there with ``SIGSTOP``, as a
@@ -14,9 +17,13 @@ line.  Each named point of each batch pauses a process at most once (a process r
 there goes on, and a replay of the batch in the same process does not stop again).  Where
 both plans name a point, the crash wins.  ``TWOPHASE_PAUSE_LOG`` names a file each
 process appends ``"<point> <batch> <pid>"`` to just before it stops, so a test learns
-which process to resume (an executor's Python worker at ``after_pre_commit``; the
-coordinator ships the pause plan to its tasks like the crash plan).  A test waits for the
-stop itself (``/proc/<pid>/stat`` state ``T``), never for a time.
+which process to resume (an executor's Python worker at ``before_begin`` or
+``after_pre_commit``; the coordinator ships the pause plan to its tasks like the crash plan).
+A test waits for the stop itself (``/proc/<pid>/stat`` state ``T``), never for a time.  A
+worker paused at ``before_begin`` is a *late task attempt* on demand: resumed after its
+driver was killed and another driver took the batch over, it begins its transaction under
+its closed ballot's INTENT.  Such a process may find its stderr gone (a pipe to the dead
+JVM): what this module writes there is best effort and never fails the caller.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ PAUSE_LOG_ENV = "TWOPHASE_PAUSE_LOG"
 
 POINTS = (
     "after_intent",
+    "before_begin",
     "after_pre_commit",
     "before_prepared_logged",
     "after_prepared_logged",
@@ -137,9 +145,8 @@ def _pause(name: str, batch_id: int | None) -> None:
         return
     _paused.add(key)
     pid = os.getpid()
-    sys.stderr.write(f"twophase: pause point {name} reached (batch {batch_id}): process {pid} stops "
-                     "(SIGSTOP) until it is sent SIGCONT\n")
-    sys.stderr.flush()
+    _say(f"twophase: pause point {name} reached (batch {batch_id}): process {pid} stops "
+         "(SIGSTOP) until it is sent SIGCONT\n")
     where = os.environ.get(PAUSE_LOG_ENV)
     if where:
         try:
@@ -148,5 +155,14 @@ def _pause(name: str, batch_id: int | None) -> None:
         except OSError:
             pass
     os.kill(pid, signal.SIGSTOP)
-    sys.stderr.write(f"twophase: pause point {name} (batch {batch_id}): process {pid} resumed\n")
-    sys.stderr.flush()
+    _say(f"twophase: pause point {name} (batch {batch_id}): process {pid} resumed\n")
+
+
+def _say(text: str) -> None:
+    """Write to stderr, best effort: a Python worker resumed after its JVM died has a stderr
+    whose reader is gone (BrokenPipeError), and the point must still return normally."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
