@@ -1,8 +1,8 @@
-"""Ownership with real processes (issue 25, "Done when: Real processes").
+"""Ownership with real processes (issue 25, "Done when: Real processes" and "late task attempts").
 
 tests/test_ownership.py plays these scenarios with two coordinators in one process; here each
 coordinator is a real driver process (tests/drivers/ownership_pipeline.py: Spark, a Coordinator,
-four batches of unique ids) on the real servers, and the faults are real ones:
+a few batches of unique ids) on the real servers, and the faults are real ones:
 
 - **a driver paused past its lease**: driver A stops itself (``SIGSTOP``, the pause point
   ``TWOPHASE_PAUSE_AT=before_prepared_logged:2``) with batch 2 pre-committed and undecided.
@@ -19,14 +19,28 @@ four batches of unique ids) on the real servers, and the faults are real ones:
   ``before_prepared_logged:2``); then the proxy delivers A's PUT, which arrives after B closed
   the ballot: MinIO refuses the exclusive create (412) and A stops with a TwoPhaseError.  B is
   resumed, decides and finishes.
+- **a late task attempt of a killed driver**: each of A's writer tasks of batch 1 stops its
+  Python worker just before the sink's ``begin_transaction`` (pause point ``before_begin:1``;
+  A runs without pyspark's daemon, ``--no-python-daemon``, so that its workers are children of
+  its JVM in its own process group).  Then A's driver and JVM are SIGKILLed, the stopped workers
+  are not.  B (same host: A's pid is gone, so its lease is free at once) closes A's ballot of
+  batch 1, re-runs the batch and stops once it decided it (``after_prepared_logged:1``).  Now
+  the workers are resumed: late attempts of A's closed ballot, beginning after B's decision and
+  before B's commits.  PostgreSQL: each prepares a transaction under the closed ballot's gid
+  prefix; files (local and S3): each stages a file / opens an upload under the closed ballot's
+  staging folder / token; Kafka: each reads the plan fence, finds a newer plan and claims no
+  transactional id (the pool's producer ids and epochs are unchanged).  Each then fails on the
+  dead JVM and its process ends.  Then B is resumed: it commits the batch and runs one more,
+  whose cleanup must find what the late attempts left.
 
-After each: every id exactly once in the target, B exited 0, A's error names the closed ballot
-(never DataLossError), and nothing is left (no prepared transaction with the test's gid prefix,
-no staged file, no open multipart upload).  Each sink is a parameter; FileSink writes local
-files in the first scenario and S3 (MinIO, direct) in the second, so that the open uploads of
-A's pre-committed ballot are checked too.  A Kafka sink joins as a third parameter by adding
-a target class to ``TARGETS_PAUSED`` and ``TARGETS_ON_THE_WIRE`` (and a ``kafka`` shape to the
-driver's ``SHAPES``).
+After each: every id exactly once in the target (Kafka: read_committed), B exited 0, no
+DataLossError anywhere (A, in the first two, stops with a TwoPhaseError naming the closed
+ballot, exit 3), A's ballot closed as aborted and B's decided in the log, and nothing is left:
+no prepared transaction with the test's gid prefix, no staged file, no open multipart upload, no
+open Kafka transaction (neither on the test topic's partitions, DescribeProducers, nor on the
+test's transactional ids, DescribeTransactions).  Each sink is a parameter: PostgreSQL, Kafka
+and FileSink, which writes local files in the first scenario, S3 (MinIO, direct) in the second,
+and both in the third, so that open uploads are checked too.
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(REPO, "tests", "drivers", "ownership_pipeline.py")
 #: A's lease: short, so that B's wait for it to expire costs seconds (A beats every LEASE / 4).
 LEASE = 6.0
-BATCHES, ROWS = 4, 40
+BATCHES, ROWS, PARTITIONS = 4, 40, 2
 #: The batch whose decision A is kept from writing in time.
 HELD = 2
 B_HOST = "twophase-b"
@@ -149,6 +163,35 @@ def drivers():
         d.kill()
 
 
+def _state(pid: int) -> str | None:
+    """The kernel's state letter of a process (``T`` stopped, ``Z`` exited, unreaped), None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def _paused(log: Path, point: str, batch: int) -> list[int]:
+    """Pids that stopped themselves at ``point`` of ``batch`` (the pause log) and are stopped now."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    pids = [int(f[2]) for f in (line.split() for line in lines) if f[:2] == [point, str(batch)]]
+    return [p for p in pids if _state(p) == "T"]
+
+
 # ----------------------------------------------------------------------------------- targets
 def _minio() -> dict:
     from tests.conftest import _service
@@ -160,6 +203,10 @@ class PostgresTarget:
     """PostgresSink into a table of the test's own; leftovers: prepared transactions of its gid prefix."""
 
     marks = [pytest.mark.postgres]
+    shape = "rows"
+    #: What a late task attempt of a closed ballot leaves until a later batch's cleanup: a
+    #: prepared transaction under the closed ballot's gid prefix.
+    late_attempt_leaves = True
 
     def __init__(self, request, tmp_path: Path):
         self.info = request.getfixturevalue("postgres_service")
@@ -202,7 +249,12 @@ class PostgresTarget:
             return [r[0] for r in cur.fetchall()]
 
     def cleanup(self) -> None:
+        # A failed test may leave prepared transactions (a driver killed after its decision): they
+        # hold locks on the table, and the DROP would wait for them for good.
         with self._conn() as c, c.cursor() as cur:
+            for gid in self.leftovers():
+                cur.execute("ROLLBACK PREPARED %s", (gid,))
+            cur.execute("SET lock_timeout = '30s'")
             cur.execute(f'DROP TABLE IF EXISTS "{self.table}"')
 
 
@@ -210,6 +262,8 @@ class LocalFilesTarget:
     """FileSink (arrow writer) into a local folder; leftovers: any file staged under ``_twophase``."""
 
     marks: list = []
+    shape = "rows"
+    late_attempt_leaves = True  # a file staged in the closed ballot's staging folder
 
     def __init__(self, request, tmp_path: Path):
         self.out = tmp_path / "out"
@@ -241,6 +295,8 @@ class S3FilesTarget:
     files) and any object under ``_twophase``."""
 
     marks = [pytest.mark.s3]
+    shape = "rows"
+    late_attempt_leaves = True  # an open multipart upload under the closed ballot's token
 
     def __init__(self, request, tmp_path: Path):
         from tests.services.s3 import client
@@ -291,11 +347,116 @@ class S3FilesTarget:
             self.s3.delete_object(Bucket=self.bucket, Key=key)
 
 
-#: The sinks of each scenario.  Kafka: a KafkaTarget (sink_config with its own
-#: transactional_id_prefix, ids read back read_committed, leftovers = open transactions of its
-#: ids) added to both lists, with the driver's "kafka" shape.
-TARGETS_PAUSED = {"postgres": PostgresTarget, "files": LocalFilesTarget}
-TARGETS_ON_THE_WIRE = {"postgres": PostgresTarget, "files-s3": S3FilesTarget}
+class KafkaTarget:
+    """KafkaSink into a topic (two partitions) and a transactional id prefix of the test's own;
+    ids read back read_committed; leftovers: open transactions, both as the test topic's
+    partitions report them (DescribeProducers: producers with a transaction open there) and as
+    the prefix's ids do (DescribeTransactions of the slot pool and the plan fence)."""
+
+    marks = [pytest.mark.kafka]
+    shape = "kafka"
+    #: A late task attempt reads the plan fence, finds a newer plan and claims no id at all.
+    late_attempt_leaves = False
+    #: Partitions the drivers write with (their --partitions), and more: the pool ids looked at.
+    POOL_PARTITIONS = 4
+
+    def __init__(self, request, tmp_path: Path):
+        from tests.test_kafka_sink import _topic
+
+        self.bootstrap = request.getfixturevalue("kafka_service")["bootstrap_servers"]
+        self.topic = _topic(self.bootstrap, partitions=2, name=f"ownk-{uuid.uuid4().hex[:10]}")
+        self.prefix = f"ownk-{uuid.uuid4().hex[:8]}"
+        self._client = None
+
+    def sink_config(self) -> dict:
+        from twophase.sinks.kafka import KafkaSink
+
+        return KafkaSink(self.bootstrap, self.topic, self.prefix,
+                         transaction_timeout_ms=300_000).to_config()
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def _txn_client(self):
+        from twophase.sinks import _kafka_protocol as kp
+
+        if self._client is None:
+            self._client = kp.TxnClient(kp.kafka_python_config({"bootstrap.servers": self.bootstrap}))
+        return self._client
+
+    def ids(self) -> Counter:
+        """The ids a read_committed consumer sees (from the start, until 3 s pass without records)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"ownk-{uuid.uuid4().hex}",
+                      "isolation.level": "read_committed", "enable.auto.commit": False,
+                      "auto.offset.reset": "earliest"})
+        try:
+            parts = c.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+            c.assign([TopicPartition(self.topic, p, 0) for p in parts])
+            out: Counter = Counter()
+            deadline, last = time.monotonic() + 30, None
+            while time.monotonic() < deadline:
+                msgs = c.consume(1000, 0.2)
+                for m in msgs:
+                    if m.error() is None:
+                        out[int(m.value())] += 1
+                if msgs:
+                    last = time.monotonic()
+                elif last is not None and time.monotonic() - last > 3:
+                    break
+            return out
+        finally:
+            c.close()
+
+    def pool(self) -> list[str]:
+        """The prefix's transactional ids: the slot pool of every partition looked at, the plan fence."""
+        from twophase.sinks.kafka import DEFAULT_SLOTS_PER_PARTITION
+
+        return [f"{self.prefix}-{p}.{s}" for p in range(self.POOL_PARTITIONS)
+                for s in range(DEFAULT_SLOTS_PER_PARTITION)] + [f"{self.prefix}-plans"]
+
+    def pool_epochs(self) -> dict[str, tuple[int, int, int]]:
+        """Each pool id's (error code, producer id, epoch): an initialisation of an id changes it."""
+        states = self._txn_client().describe_transactions(self.pool())
+        return {t: (d.error_code, d.producer_id, d.producer_epoch) for t, d in sorted(states.items())}
+
+    def leftovers(self) -> list[str]:
+        """Open transactions (while one of the pool is still being completed, its markers being
+        written, everything is asked again, for up to 10 s)."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        client = self._txn_client()
+        deadline = time.monotonic() + 10
+        while True:
+            found, settling = [], False
+            for tid, d in sorted(client.describe_transactions(self.pool()).items()):
+                if d.error_code == kp.NONE and d.state in ("PrepareCommit", "PrepareAbort"):
+                    settling = True
+                elif d.error_code == kp.NONE and d.state == "Ongoing":
+                    found.append(f"open transaction of {tid} (producer id {d.producer_id}, epoch "
+                                 f"{d.producer_epoch})")
+            producers = client.describe_producers([f"{self.topic}:{p}" for p in range(2)])
+            for tp, entries in sorted(producers.items()):
+                found += [f"{tp}: producer id {e.producer_id} has a transaction open from offset "
+                          f"{e.txn_start_offset}" for e in entries if e.txn_start_offset >= 0]
+            if not settling or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
+    def cleanup(self) -> None:
+        from confluent_kafka.admin import AdminClient
+
+        if self._client is not None:
+            self._client.close()
+        with contextlib.suppress(Exception):
+            admin = AdminClient({"bootstrap.servers": self.bootstrap})
+            admin.delete_topics([self.topic])[self.topic].result(30)
+
+
+#: The sinks of each scenario.
+TARGETS_PAUSED = {"postgres": PostgresTarget, "files": LocalFilesTarget, "kafka": KafkaTarget}
+TARGETS_ON_THE_WIRE = {"postgres": PostgresTarget, "files-s3": S3FilesTarget, "kafka": KafkaTarget}
 
 
 def _params(targets: dict) -> list:
@@ -320,9 +481,10 @@ def _s3_options(info: dict, endpoint: str, **extra) -> dict:
 
 # ---------------------------------------------------------------------------------- checks
 def _args(target, log: str, name: str, tmp: Path, label: str, *, log_options: dict | None = None,
-          wait_for_lease: float = 0.0) -> list[str]:
+          wait_for_lease: float = 0.0, batches: int = BATCHES) -> list[str]:
     args = ["--sink-config", json.dumps(target.sink_config()), "--log", log, "--name", name,
-            "--lease-timeout", str(LEASE), "--batches", str(BATCHES), "--rows", str(ROWS),
+            "--lease-timeout", str(LEASE), "--batches", str(batches), "--rows", str(ROWS),
+            "--partitions", str(PARTITIONS), "--shape", target.shape,
             "--ready-file", str(tmp / f"{label}.ready"), "--go-file", str(tmp / f"{label}.go")]
     if log_options is not None:
         args += ["--log-options", json.dumps(log_options)]
@@ -537,3 +699,85 @@ def test_a_decision_held_on_the_wire_past_a_takeover_from_another_hostname_is_re
             s3 = client(minio)
             for o in s3.list_objects_v2(Bucket=bucket, Prefix=root + "/log/").get("Contents", []):
                 s3.delete_object(Bucket=bucket, Key=o["Key"])
+
+
+#: The late task attempt's batch, and the batches of that test: one more after it, whose
+#: cleanup must find what the late attempt left.
+LATE, LATE_BATCHES = 1, 3
+TARGETS_LATE = {"postgres": PostgresTarget, "files": LocalFilesTarget, "kafka": KafkaTarget,
+                "files-s3": S3FilesTarget}
+
+
+@pytest.mark.parametrize("target", _params(TARGETS_LATE), indirect=True)
+def test_a_late_task_attempt_of_a_killed_driver_runs_after_the_takeover_and_harms_nothing(
+        target, drivers, tmp_path):
+    """A's writer tasks of batch LATE are stopped before they begin, A is killed, B takes the batch
+    over and decides it; the stopped workers then begin their transactions under A's closed ballot
+    (PostgreSQL, files: they prepare; Kafka: the plan fence refuses them) before B commits.  B
+    commits the batch, and the batch after it cleans up what the late attempts left: every id
+    once, no DataLossError, nothing left."""
+    from twophase.log import TransactionLog
+
+    log, name = str(tmp_path / "log"), f"ownl{uuid.uuid4().hex[:6]}"
+    pauses = tmp_path / "pauses"
+    env = target.env()
+    # Each of A's writer tasks of batch LATE stops its Python worker before it begins its
+    # transaction.  No pyspark daemon: its workers are in a process group of its own, which it
+    # SIGHUPs once its JVM is gone (pyspark/daemon.py), and a stopped worker dies of that when
+    # resumed; without it, each worker is a child of the JVM in A's own process group.
+    a = Driver("a", tmp_path,
+               _args(target, log, name, tmp_path, "a", batches=LATE_BATCHES) + ["--no-python-daemon"],
+               dict(env, **{crash.PAUSE_ENV: f"before_begin:{LATE}", crash.PAUSE_LOG_ENV: str(pauses)}))
+    drivers.append(a)
+    # B (same host: A's pid, once gone, frees the lease at once) stops once it decided batch LATE.
+    b = Driver("b", tmp_path,
+               _args(target, log, name, tmp_path, "b", batches=LATE_BATCHES, wait_for_lease=120),
+               dict(env, **{crash.PAUSE_ENV: f"after_prepared_logged:{LATE}"}))
+    drivers.append(b)
+    b.wait_until("Spark started", lambda: _ready(tmp_path, "b"))
+    _go(tmp_path, "a")
+    a.wait_until(f"its {PARTITIONS} writer tasks of batch {LATE} stopped before they began",
+                 lambda: len(_paused(pauses, "before_begin", LATE)) == PARTITIONS)
+    late = _paused(pauses, "before_begin", LATE)
+    # A dies: its driver, its JVM and whatever else is in its process group, but not the stopped workers.
+    for pid in _group(a.pid):
+        if pid not in late:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    a.proc.wait(30)  # reaped: its pid names no process, so B's lease check finds A dead at once
+    assert [_state(p) for p in late] == ["T"] * PARTITIONS, "the late attempts did not outlive their JVM"
+    _go(tmp_path, "b")
+    b.wait_stopped()  # B took over, closed A's ballot of batch LATE, ran its own and decided it
+    decided = target.leftovers()  # B's decided, uncommitted transactions
+    epochs = target.pool_epochs() if isinstance(target, KafkaTarget) else None
+    for pid in late:  # the late attempts begin their transactions now, under A's closed ballot
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 120
+    while any(_state(p) not in (None, "Z") for p in late):  # each fails once it meets the dead JVM
+        assert time.monotonic() < deadline, f"late attempts still run: {[(p, _state(p)) for p in late]}"
+        time.sleep(0.1)
+    late_left = [x for x in target.leftovers() if x not in decided]
+    if target.late_attempt_leaves:
+        assert len(late_left) == PARTITIONS, (decided, late_left)  # they did begin, write and pre-commit
+    else:
+        assert late_left == [], late_left
+    if epochs is not None:  # Kafka: the plan fence showed them a newer plan; they initialised no id
+        assert target.pool_epochs() == epochs
+    os.kill(b.pid, signal.SIGCONT)  # B commits batch LATE and goes on
+    b_code = b.finish()
+    # B finished the pipeline; every id once; nothing left: the batch after the late one cleaned up.
+    b_events, a_events = b.events(), a.events()
+    assert b_code == 0, b.tail()
+    assert b_events[-1]["event"] == "done", b.tail()
+    assert [e["batch"] for e in b_events if e["event"] == "batch"] == list(range(LATE_BATCHES))
+    assert [e["action"] for e in b_events if e["event"] == "batch" and e["batch"] >= LATE] == \
+        ["committed"] * (LATE_BATCHES - LATE), b.tail()
+    assert [e["batch"] for e in a_events if e["event"] == "batch"] == list(range(LATE)), a.tail()
+    assert "DataLossError" not in a.err.read_text(errors="replace") + b.err.read_text(errors="replace")
+    assert target.ids() == Counter(range(LATE_BATCHES * ROWS))
+    assert target.leftovers() == []
+    log_view = TransactionLog(log, readonly=True)
+    log_view.generation = 1
+    ballots = log_view.view(LATE).ballots
+    assert [(bl.ballot, bl.decision is not None and bl.decision.aborted) for bl in ballots] == \
+        [(0, True), (1, False)]

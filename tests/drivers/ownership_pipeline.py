@@ -12,6 +12,16 @@ coordinator's.  ``--ready-file`` is created once Spark is up; ``--go-file`` make
 for that file before its first batch (so a test can start a second driver's JVM early and let it
 go at the moment of its choosing); ``--wait-for-lease S`` retries, for up to S seconds, a start
 refused because a live coordinator holds the log's lease (the refusals are reported).
+``--shape`` picks the columns (``SHAPES``: ``rows`` for tables and files, ``kafka`` for a
+KafkaSink).  Once Spark is up (after the ready file, before waiting for the go file) the driver
+runs one small job whose Python workers import the sink's executor modules, so that the first
+batch does not pay for starting them (pyspark's daemon reuses those workers).
+``--no-python-daemon`` sets ``spark.python.use.daemon=false`` (and skips that warm-up, whose
+workers would not be reused): each task's Python worker is then a child of the JVM in the
+driver's own process group, instead of a fork of pyspark's daemon, which puts its workers in a
+process group of its own and sends SIGHUP to that group once its JVM is gone (pyspark/daemon.py):
+a worker stopped at a pause point dies of that when it is resumed.  A test that kills the
+driver and its JVM and resumes a stopped worker as a late task attempt needs this.
 
 Pause points (``TWOPHASE_PAUSE_AT``) and crash points (``TWOPHASE_CRASH_AT``) come from the
 environment (twophase/crash.py).  What happened is printed on stdout as lines
@@ -31,17 +41,31 @@ import sys
 import time
 
 #: The columns each kind of sink is given (a ``selectExpr`` over ``spark.range``'s ``id``).
-#: A KafkaSink takes key/value columns: add ``"kafka": ["CAST(id AS STRING) AS key",
-#: "CAST(id AS STRING) AS value"]`` here when the Kafka sink joins the ownership tests (the
-#: test then reads the ids back from the topic, read_committed).
+#: A KafkaSink takes Spark's Kafka sink's key/value columns (strings here); the test reads the
+#: ids back from the topic, read_committed.
 SHAPES: dict[str, list[str]] = {
     "rows": ["id", "concat('row-', CAST(id AS STRING)) AS v"],
+    "kafka": ["CAST(id AS STRING) AS key", "CAST(id AS STRING) AS value"],
 }
 
 
 def _say(event: str, **fields) -> None:
     sys.stdout.write("OWNERSHIP " + json.dumps(dict(fields, event=event), default=str) + "\n")
     sys.stdout.flush()
+
+
+def _warm_up(spark, sink, partitions: int) -> None:
+    """Start the Python workers and import the sink's executor modules in them (one small job)."""
+    modules = [type(sink).__module__, *sink.executor_modules()]
+
+    def imports(batches):
+        import importlib
+
+        for m in modules:
+            importlib.import_module(m)
+        yield from batches
+
+    spark.range(0, partitions, numPartitions=partitions).mapInArrow(imports, "id long").collect()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-file", default=None)
     ap.add_argument("--go-file", default=None)
     ap.add_argument("--wait-for-lease", type=float, default=0.0)
+    ap.add_argument("--no-python-daemon", action="store_true")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -70,11 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     from twophase.spark import local_session
 
     # Short-lived JVMs under load: C1 only and the serial GC start faster and use less CPU.
-    spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf={
-        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+    conf = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+    if args.no_python_daemon:
+        conf["spark.python.use.daemon"] = "false"
+    spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf=conf)
     options = json.loads(args.log_options) if args.log_options else None
     if args.ready_file:
         open(args.ready_file, "w").close()
+    if not args.no_python_daemon:
+        _warm_up(spark, sink_from_config(json.loads(args.sink_config)), args.partitions)
     if args.go_file:
         while not os.path.exists(args.go_file):
             time.sleep(0.1)
