@@ -40,8 +40,13 @@ def _dsn(pg: dict) -> str:
     return f"host={pg['host']} port={pg['port']} dbname={pg['dbname']} user={pg['user']}"
 
 
-def _faults(cmd: list[str], tmp_path: Path, env: dict, *, seed: int, kills: int = 2,
+def _faults(cmd: list[str], tmp_path: Path, env: dict, *, seed: int, kills: int | None = None,
             crash_points: tuple[str, ...] = ("after_prepared_logged",)) -> list[chaos.Run]:
+    """Run the example's driver under faults: ``crash_points``, then ``kills`` random SIGKILLs
+    (default: one after a crash point, two without one, so that a fault surely hits a running
+    driver; every sink's own kill test covers its crash points, an example needs few)."""
+    if kills is None:
+        kills = 1 if crash_points else 2
     log_path = tmp_path / f"driver-{seed}.log"
     t0 = time.time()
     try:

@@ -647,6 +647,7 @@ def test_a_driver_paused_past_its_lease_is_taken_over_from_another_hostname_and_
     _check_outcome(a, b, a_code, b_code, target, TransactionLog(log, readonly=True))
 
 
+@pytest.mark.s3  # the log is on S3 (MinIO) whatever the target
 @pytest.mark.parametrize("target", _params(TARGETS_ON_THE_WIRE), indirect=True)
 def test_a_decision_held_on_the_wire_past_a_takeover_from_another_hostname_is_refused(
         target, drivers, tmp_path, monkeypatch):
