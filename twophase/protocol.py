@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from twophase import crash
 from twophase.errors import BatchVanishedError, CommitError, TwoPhaseError
-from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog
+from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog, parse_batch_name
 from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
 from twophase.sink import TwoPhaseCommitSink
 
@@ -129,25 +129,92 @@ class TwoPhaseProtocol:
         #: The batch this object committed last, while clean: the next batch's records can only
         #: exist if another coordinator wrote them, so its view need not be read (see _run_batch).
         self._last_committed: int | None = None
+        #: (generation, scoped name, last batch) of each replaced generation: read at recovery.
+        self._replaced: list[tuple[int, str, int]] | None = None
+
+    #: Every this many batches (by batch id), the leftovers of late actors of replaced generations
+    #: are swept again, in the background (see :meth:`_sweep_replaced_generations`): one
+    #: ``abort_lingering`` per replaced generation, which may cost the sink a listing.
+    sweep_replaced_every: int = 10
 
     # ------------------------------------------------------------------ recovery
     def recover(self) -> set[tuple[int, int]]:
         """Decided batches of every generation are committed first, oldest first; only then are
-        undecided batches' open ballots closed and their leftovers aborted.  Returns the
-        (generation, batch) pairs it committed."""
+        undecided batches' open ballots closed and their leftovers aborted, and the leftovers of
+        late actors of replaced generations swept (:meth:`_sweep_replaced_generations`).
+        Returns the (generation, batch) pairs it committed."""
         tlog = self.tlog
         committed: set[tuple[int, int]] = set()
         pending = pending_batches(tlog)
-        if not pending:
-            return committed
 
         def mark(b) -> None:
             tlog.write(b.batch_id, COMMITTED, {"recovered": True, "at": time.time()}, generation=b.generation)
             committed.add((b.generation, b.batch_id))
 
-        recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
-                        close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"))
+        if pending:
+            recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
+                            close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"))
+        self._replaced = None  # read the replaced generations' last batches again
+        self._sweep_replaced_generations()
         return committed
+
+    def _sweep_replaced_generations(self) -> None:
+        """Run, for every earlier generation of the log, the cleanup its next batch would have run.
+
+        A late actor of a replaced generation (a zombie task of the old query, a stage retry that
+        began after its batch was cleaned up) leaves its transaction under the old generation's
+        scoped name, and no batch of that generation ever runs again to find it (the sinks' own
+        sweep of a query's earlier batches is by name).  So each earlier generation gets
+        ``abort_lingering(its name, its last batch + 1, {}, [])``: a batch it never ran, whose
+        cleanup takes what the generation's late attempts left.  Run after recovery (every
+        decided batch of every generation committed, every ballot seen closed) and, in the
+        background, every :attr:`sweep_replaced_every` batches, since a zombie of the old
+        query may resume after the new one started.  Best effort: a failure is logged and the
+        next sweep tries again.
+        """
+        tlog = self.tlog
+        if self._replaced is None:
+            replaced = []
+            for g in range(1, int(tlog.generation or 0)):
+                try:
+                    found = self._last_batch(g)
+                except Exception:  # noqa: BLE001 - see the docstring
+                    log.warning("%s: could not read generation %d of the log", self.name, g, exc_info=True)
+                    continue
+                if found is not None:
+                    replaced.append((g, *found))
+            self._replaced = replaced
+        for g, name, last in self._replaced:
+            try:
+                n = self.sink.abort_lingering(name, last + 1, {}, [])
+            except Exception:  # noqa: BLE001 - see the docstring
+                log.warning("%s: could not sweep leftovers of generation %d of the log", self.name, g, exc_info=True)
+                continue
+            if n:
+                log.info("%s: aborted %d transactions of late actors of replaced generation %d (%s)", self.name,
+                         n, g, name)
+
+    def _start_replaced_sweep(self, batch_id: int) -> _InBackground | None:
+        """The periodic sweep of replaced generations, in the background while the batch's tasks
+        run (it touches only the old generations' names), when one is due."""
+        if not self._replaced or batch_id % max(1, self.sweep_replaced_every) != 0:
+            return None
+        return _InBackground(self._sweep_replaced_generations)
+
+    def _last_batch(self, generation: int) -> tuple[str, int] | None:
+        """(scoped query name, highest batch id) of a generation's INTENTs, or None if it has none."""
+        tlog = self.tlog
+        intents: dict[int, int] = {}  # batch -> its highest ballot with an INTENT
+        for n in tlog.store.list(f"g{generation:04d}"):
+            parsed = parse_batch_name(n)
+            if parsed is not None and parsed[1] == INTENT:
+                intents[parsed[0]] = max(parsed[2], intents.get(parsed[0], 0))
+        if not intents:
+            return None
+        last = max(intents)
+        rec = tlog.record(last, INTENT, generation=generation, ballot=intents[last])
+        name = None if rec is None else rec.body.get("name")
+        return (str(name), last) if name else None
 
     # ------------------------------------------------------------------ a batch
     def run_batch(self, batch_id: int, work: BatchWork, prog: BatchProgress) -> None:
@@ -240,6 +307,7 @@ class TwoPhaseProtocol:
         run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
         payload: dict[str, Any] = {}
         fence = _InBackground(tlog.check_fence)  # an early exit only: off the critical path
+        sweep = self._start_replaced_sweep(batch_id)
         try:
             started_at = time.time()
             results = work.prepare(qname, batch_id, intent, run)
@@ -295,6 +363,8 @@ class TwoPhaseProtocol:
         tlog.write(batch_id, COMMITTED, {"rows": prog.rows, "handles_committed": len(handles)})
         prog.log_ms += _ms(t0)
         crash.crash_point("after_committed_logged", batch_id)
+        if sweep is not None:
+            sweep.result()  # done by now, as a rule; it logs its own failures
         self._last_committed = batch_id
         if batch_id % max(1, tlog.retain_batches // 10) == 0:  # a listing: not on every batch
             tlog.prune(batch_id)

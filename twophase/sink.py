@@ -191,6 +191,15 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         Called before a batch's executors run (with ``keep=[]``: leftovers of a
         crashed attempt) and after its handles are committed (leftovers of failed
         task attempts).  Must be idempotent.  Returns how many it aborted.
+
+        ``intent`` is the plan of the ballot being cleaned up, or ``{}`` for a batch that
+        was never planned: after a new log generation started, recovery calls this once
+        per replaced generation with that generation's query name and its last batch + 1,
+        so that a sink that also sweeps what late task attempts left of a query's *earlier*
+        batches finds the old generation's leftovers too.  With ``{}``, what is open under
+        ``batch_id`` itself may be a paused coordinator's ballot, still to be decided:
+        leave it, or abort it only through a fence the decision must pass (PostgresSink
+        dooms a gid in its claims table before it rolls it back).
         """
         return 0
 

@@ -1,0 +1,167 @@
+"""Issue 25: a late task attempt of a generation that a new generation replaced.
+
+A pipeline restarted from a new checkpoint (``new_generation=True``) leaves its old generation
+behind; a late actor of the old one (a zombie task, a stage retry that began after its batch's
+cleanup) prepares its transaction afterwards, under the old generation's scoped name.  No batch of
+the old generation ever runs again, and every sink's sweep of late leftovers is by query name, so
+before the fix nothing ever found it: a PostgreSQL prepared transaction held its locks and a
+``max_prepared_transactions`` slot for good, a staged file stayed forever.  Now the new
+generation's recovery (``TwoPhaseProtocol.recover``, run before its first batch) runs, for each
+replaced generation, the cleanup that generation's next batch would have run.
+
+The protocol runs here without Spark (its ``BatchWork`` runs the one task in-process), on a real
+transaction log, against the real target: local files, and the PostgreSQL server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from twophase import TransactionContext
+from twophase.log import INTENT, TransactionLog
+from twophase.protocol import BatchProgress, TwoPhaseProtocol
+from twophase.recovery import Committer
+from twophase.sink import CommitOutcome, TwoPhaseCommitSink
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def ids(*values: int) -> pa.RecordBatch:
+    return pa.record_batch({"id": pa.array(values, pa.int64()), "v": [f"v{i}" for i in values]})
+
+
+def run_attempt(sink: TwoPhaseCommitSink, ctx: TransactionContext, batch: pa.RecordBatch) -> Any:
+    txn = sink.begin_transaction(ctx)
+    try:
+        sink.write(txn, batch)
+        return sink.pre_commit(txn)
+    except BaseException:
+        sink.abort(txn)
+        raise
+
+
+class OneTask:
+    """The engine's side of a batch (``BatchWork``): one partition, run here."""
+
+    def __init__(self, sink: TwoPhaseCommitSink, batch: pa.RecordBatch):
+        self.sink, self.batch = sink, batch
+
+    def partitions(self, planned: int | None) -> int:
+        return 1
+
+    def prepare(self, query_name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
+        h = run_attempt(self.sink, TransactionContext(query_name, batch_id, 0, 0, intent, run), self.batch)
+        return [{"partition": 0, "attempt": 0, "rows": self.batch.num_rows, "handle": self.sink.encode_handle(h)}]
+
+    def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
+        return None
+
+
+class Driver:
+    """One coordinator process: a log owner and its protocol, as ``Coordinator`` builds them."""
+
+    def __init__(self, sink: TwoPhaseCommitSink, log_url: str, query_id: str, *, new_generation: bool = False):
+        self.sink = sink
+        sink.open()
+        self.tlog = TransactionLog(log_url)
+        self.tlog.acquire(query_id, "pipe", new_generation=new_generation)
+        self.query_name = f"pipe.{self.tlog.scope()}"
+        self.protocol = TwoPhaseProtocol(sink, self.tlog, name="pipe", query_name=self.query_name,
+                                         committer=lambda: Committer(sink, backoff=0.01))
+
+    def batch(self, batch_id: int, rows: pa.RecordBatch) -> BatchProgress:
+        prog = BatchProgress("pipe", batch_id, None, "committed")
+        self.protocol.run_batch(batch_id, OneTask(self.sink, rows), prog)
+        return prog
+
+    def intent(self, batch_id: int) -> dict[str, Any]:
+        rec = self.tlog.record(batch_id, INTENT)
+        assert rec is not None
+        return rec.body["intent"]
+
+    def close(self) -> None:
+        self.tlog.close()
+
+
+def replace_generation_with_a_late_attempt_in_between(make_sink, log_url: str) -> tuple[Any, Driver]:
+    """Generation 1 commits batches 0 and 1 and stops; a late attempt of its batch 1 (next attempt
+    number, same INTENT) pre-commits afterwards; generation 2 starts on the same log and target and
+    runs its batch 0.  Returns the late attempt's handle and generation 2's driver."""
+    old = Driver(make_sink(), log_url, "query-1")
+    assert old.batch(0, ids(1, 2)).action == "committed"
+    assert old.batch(1, ids(3)).action == "committed"
+    intent1, old_name = old.intent(1), old.query_name
+    old.close()
+    late = run_attempt(make_sink(), TransactionContext(old_name, 1, 0, 1, intent1, "e1late0"), ids(99))
+    new = Driver(make_sink(), log_url, "query-2", new_generation=True)
+    assert new.tlog.generation == 2 and new.query_name != old_name
+    assert new.batch(0, ids(10, 11)).action == "committed"
+    return late, new
+
+
+def test_a_late_staged_file_of_a_replaced_generation_is_swept_by_the_new_generations_recovery(tmp_path):
+    from twophase.sinks.files import FileSink
+
+    out = tmp_path / "out"
+
+    def make_sink() -> FileSink:
+        return FileSink(str(out), format="jsonl")
+
+    late, new = replace_generation_with_a_late_attempt_in_between(make_sink, str(tmp_path / "log"))
+    try:
+        assert not os.path.exists(late["staging"]), \
+            "the late attempt's staged file of the replaced generation is still there"
+        visible = sorted(p for p in os.listdir(out) if not p.startswith("_"))
+        rows = sorted(json.loads(line)["id"] for p in visible for line in open(out / p) if line.strip())
+        assert rows == [1, 2, 3, 10, 11]  # the late attempt's row 99 never visible
+        assert make_sink().commit(late).outcome is CommitOutcome.LOST  # swept: it can never be published
+    finally:
+        new.close()
+
+
+@pytest.mark.postgres
+def test_a_late_prepared_transaction_of_a_replaced_generation_is_rolled_back_by_the_new_generations_recovery(
+        postgres_service, tmp_path):
+    import psycopg2
+
+    from twophase.sinks.postgres import PostgresSink
+
+    dsn = postgres_service["dsn"]
+    table = f"regen_{uuid.uuid4().hex[:8]}"
+    admin = psycopg2.connect(dsn)
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f'CREATE TABLE "{table}" (id bigint PRIMARY KEY, v text)')
+
+    def make_sink() -> PostgresSink:
+        return PostgresSink(dsn, table=table, marker_table=f"{table}_m")
+
+    def prepared() -> list[str]:
+        with admin.cursor() as cur:
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() AND gid LIKE %s",
+                        ("tp:pipe.%",))
+            return [g for (g,) in cur.fetchall()]
+
+    late = new = None
+    try:
+        late, new = replace_generation_with_a_late_attempt_in_between(make_sink, str(tmp_path / "log"))
+        assert late["gid"] not in prepared(), \
+            "the late attempt of the replaced generation is still prepared (its locks and slot held for good)"
+        with admin.cursor() as cur:
+            cur.execute(f'SELECT id FROM "{table}" ORDER BY id')
+            assert [r[0] for r in cur.fetchall()] == [1, 2, 3, 10, 11]
+        assert make_sink().commit(late).outcome is CommitOutcome.LOST  # rolled back: never visible
+    finally:
+        if new is not None:
+            new.close()
+        with admin.cursor() as cur:
+            if late is not None and late["gid"] in prepared():
+                cur.execute("ROLLBACK PREPARED %s", (late["gid"],))
+            cur.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_m", "{table}_m_claims"')
+        admin.close()
