@@ -12,6 +12,11 @@ harness failing on:
 - ``CheckThenWriteProtocol`` (scenario 2): a406f01's decision: check the fence, check the slot is
   empty, then write it (not an exclusive create), so a write delayed on the wire overwrites the
   abort a new owner put there;
+- ``NoGenerationSweepProtocol``: recovery without the sweep of replaced generations, so a late
+  task attempt of an old generation leaves its staged file for good;
+- ``BlindIntentProtocol``: a406f01's INTENT: created, its result ignored, so a coordinator whose
+  INTENT was held on the wire past a takeover (the new owner opened the same ballot first) goes on
+  under its own plan: its tasks pre-commit and it decides a ballot another coordinator opened;
 - a406f01's ``PostgresSink`` (scenarios 4 and 6) and ``FileSink`` (scenario 5), loaded from git.
 """
 
@@ -30,8 +35,17 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from twophase.log import COMMIT, PREPARED, BatchRecord, _batch_name, encode_record
+from examples.sqlite_sink import (
+    COMMITS,
+    SQLiteSink,
+    _closing,
+    quote,
+    read_table,
+    staged_transactions,
+)
+from twophase.log import COMMIT, INTENT, PREPARED, BatchRecord, _batch_name, encode_record
 from twophase.protocol import TwoPhaseProtocol
+from twophase.sink import CommitResult
 
 OLD = "a406f01"
 
@@ -68,6 +82,34 @@ class CheckThenWriteProtocol(TwoPhaseProtocol):
             return BatchRecord(batch_id, PREPARED, body, tlog.store.location(name))
 
         tlog.decide = decide  # type: ignore[method-assign]
+
+
+class BlindIntentProtocol(TwoPhaseProtocol):
+    """The INTENT as a406f01 wrote it (``coordinator/coordinator.py``: ``tlog.write(batch_id, INTENT,
+    ...)``, the result unused): a create that finds another coordinator's INTENT in the slot is taken
+    as success, and the coordinator goes on with its own plan (tasks, decision)."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        tlog = self.tlog
+        write = tlog.write
+
+        def write_blind(batch_id: int, state: str, payload: dict[str, Any], generation: int | None = None,
+                        ballot: int = 0) -> BatchRecord:
+            rec = write(batch_id, state, payload, generation=generation, ballot=ballot)
+            if state == INTENT and not tlog.mine(rec):
+                return BatchRecord(batch_id, INTENT, dict(rec.body, writer=tlog.owner), rec.location)  # "ours"
+            return rec
+
+        tlog.write = write_blind  # type: ignore[method-assign]
+
+
+class NoGenerationSweepProtocol(TwoPhaseProtocol):
+    """Recovery as before the replaced-generation sweep: a late task attempt of a generation that
+    a new generation replaced leaves its transaction under the old scoped name, and nobody looks."""
+
+    def _sweep_replaced_generations(self) -> None:
+        return None
 
 
 def load_old_sink(path: str, rev: str = OLD, repo: str | None = None) -> Any:
@@ -152,37 +194,166 @@ class PostgresTarget:
         with self.admin.cursor() as cur:
             for g in self.pending():
                 cur.execute("ROLLBACK PREPARED %s", (g,))
-            cur.execute(f'DROP TABLE IF EXISTS "{self.table}", "{self.markers}"')
+            # today's PostgresSink.open() adds a claims table beside the marker table
+            cur.execute(f'DROP TABLE IF EXISTS "{self.table}", "{self.markers}", "{self.markers}_claims"')
         self.admin.close()
 
 
+# ------------------------------------------------------------------ sinks broken only across a crash
+# Each is the SQLite example sink with one realistic defect that shows only when a driver crashed
+# after the decision (PREPARED) and a new driver, with a new sink object, commits the decided
+# handles in recovery; in the driver that ran the batch everything is right.  The crash machine
+# (run_sink_conformance, ownership=False) is what must catch them.
+
+class VerifiedRangeSink(SQLiteSink):
+    """Defect: commit moves the staging rowid range that ``verify_prepared`` (driver, before the
+    decision) looked up for the transaction, a cheap range move; a new driver never verified the
+    decided transactions, finds no range, moves nothing and records them as committed."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._ranges: dict[str, tuple[int | None, int | None]] = {}
+
+    def verify_prepared(self, batch_id: int, handles: list[dict], *, prepare_started_at: float) -> None:
+        with _closing(self._connect()) as con:
+            if not self._has_staging(con):
+                return
+            for h in handles:
+                lo, hi = con.execute(f"SELECT min(rowid), max(rowid) FROM {quote(self.staging)} WHERE _txn = ?",
+                                     (h["txn"],)).fetchone()
+                self._ranges[h["txn"]] = (lo, hi)
+
+    def commit(self, handle: dict) -> CommitResult:
+        txn = handle["txn"]
+        lo, hi = self._ranges.get(txn, (None, None))
+        with _closing(self._connect()) as con:
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                if con.execute(f"SELECT 1 FROM {quote(COMMITS)} WHERE txn = ?", (txn,)).fetchone():
+                    con.execute("ROLLBACK")
+                    return CommitResult.already_committed()
+                if int(handle["rows"]):
+                    cols = ", ".join(quote(c) for c in self._columns(con))
+                    con.execute(f"INSERT INTO {quote(self.table)} ({cols}) SELECT {cols} FROM {quote(self.staging)} "
+                                "WHERE rowid BETWEEN ? AND ? AND _txn = ? ORDER BY rowid", (lo, hi, txn))
+                    con.execute(f"DELETE FROM {quote(self.staging)} WHERE _txn = ?", (txn,))
+                con.execute(f"INSERT INTO {quote(COMMITS)} VALUES (?, ?, ?, ?, ?)",
+                            (txn, handle.get("query"), handle.get("batch"), int(handle["rows"]), time.time()))
+                con.execute("COMMIT")
+            except BaseException:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+                raise
+        return CommitResult.committed()
+
+
+class SlimHandleSink(SQLiteSink):
+    """Defect: the logged handle keeps only what ``commit`` needs (``txn``, ``rows``); the recovery
+    path, ``recover_and_commit``, also looks the transaction's staged rows up by query and batch,
+    which the handle no longer carries, finds none and takes the transaction for committed by the
+    dead driver."""
+
+    def handle_to_json(self, handle: dict) -> dict[str, Any]:
+        return {"txn": handle["txn"], "rows": handle["rows"]}
+
+    def recover_and_commit(self, handle: dict) -> CommitResult:
+        # After a restart: did the dead driver commit it?  Committed (moved) rows are no longer staged.
+        with _closing(self._connect()) as con:
+            if con.execute(f"SELECT 1 FROM {quote(COMMITS)} WHERE txn = ?", (handle["txn"],)).fetchone():
+                return CommitResult.already_committed()
+            staged = con.execute(f"SELECT count(*) FROM {quote(self.staging)} WHERE _query = ? AND _batch = ? "
+                                 "AND _txn = ?", (handle.get("query"), handle.get("batch"), handle["txn"])
+                                 ).fetchone()[0] if self._has_staging(con) else 0
+        if int(handle["rows"]) and not staged:
+            return CommitResult.already_committed("nothing staged any more: the dead driver moved it")
+        return self.commit(handle)
+
+
+class MemoryIdempotentSink(SQLiteSink):
+    """Defect: commit copies the staged rows and remembers the transaction in the sink object, not
+    in the database: a second commit in the same driver is a no-op, but a new driver's recovery of
+    a batch whose commits had landed before the crash copies them again (staging is emptied by the
+    cleanup after COMMITTED)."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._committed: set[str] = set()
+
+    def commit(self, handle: dict) -> CommitResult:
+        if handle["txn"] in self._committed:
+            return CommitResult.already_committed()
+        with _closing(self._connect()) as con:
+            if int(handle["rows"]):
+                cols = ", ".join(quote(c) for c in self._columns(con))
+                con.execute(f"INSERT INTO {quote(self.table)} ({cols}) SELECT {cols} FROM {quote(self.staging)} "
+                            "WHERE _txn = ?", (handle["txn"],))
+        self._committed.add(handle["txn"])
+        return CommitResult.committed()
+
+    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]) -> int:
+        # Once a batch is COMMITTED all its execution staged can go (its committed rows were copied).
+        with _closing(self._connect()) as con:
+            if not self._has_staging(con):
+                return 0
+            return con.execute(f"DELETE FROM {quote(self.staging)} WHERE _query = ? AND "
+                               "((_batch = ? AND _ballot = ?) OR _batch < ?)",
+                               (query_name, batch_id, str(intent.get("ballot", "")), batch_id)).rowcount
+
+
+def sqlite_target(folder: str, sink_class: Any = None) -> dict[str, Any]:
+    """``run_sink_conformance`` arguments for the SQLite example sink (or ``sink_class``) in ``folder``."""
+    cls = sink_class or SQLiteSink
+    db = os.path.join(folder, "events.db")
+    return {"sink_factory": lambda: cls(db), "read_committed": lambda: read_table(db),
+            "pending": lambda: staged_transactions(db)}
+
+
+#: Broken sinks for the crash machine: bugs that show only after a crash after PREPARED and a
+#: recovery in a new sink object.
+CRASH_CLASSES = {
+    "after-PREPARED crash: commit needs a range only the verifying driver knows (SQLite)": VerifiedRangeSink,
+    "after-PREPARED crash: the handle drops what recover_and_commit needs (SQLite)": SlimHandleSink,
+    "after-PREPARED crash: commit idempotent in one sink object only (SQLite)": MemoryIdempotentSink,
+}
+
+
 # ------------------------------------------------------------------ the reach run
-def _classes(dsn: str | None) -> dict[str, Callable[[str], tuple[dict[str, Any], Callable[[], None]]]]:
-    """name -> (folder -> (run_ownership_conformance kwargs, cleanup))."""
-    def files(protocol: Any = None, old: bool = False) -> Callable[[str], tuple[dict[str, Any], Callable[[], None]]]:
+Maker = Callable[[str], tuple[dict[str, Any], Callable[[], None]]]
+
+
+def _classes(dsn: str | None) -> dict[str, tuple[str, Maker]]:
+    """name -> (machine, folder -> (its run_*_conformance kwargs, cleanup)); machine is "ownership"
+    (run_ownership_conformance) or "crash" (run_sink_conformance, ownership=False)."""
+    def files(protocol: Any = None, old: bool = False) -> tuple[str, Maker]:
         def make(folder: str) -> tuple[dict[str, Any], Callable[[], None]]:
             cls = load_old_sink("sinks/files.py").FileSink if old else None
             kw = files_target(os.path.join(folder, "out"), cls)
             if protocol is not None:
                 kw["protocol_factory"] = protocol
             return kw, lambda: None
-        return make
+        return "ownership", make
+
+    def sqlite(cls: Any) -> tuple[str, Maker]:
+        return "crash", lambda folder: (sqlite_target(folder, cls), lambda: None)
 
     out = {
         "scenario 1: deposed owner's whole-INTENT cleanup (FileSink)": files(WholeIntentCleanupProtocol),
         "scenario 2: check-then-write decision (FileSink)": files(CheckThenWriteProtocol),
+        "late INTENT: its create's result ignored (FileSink)": files(BlindIntentProtocol),
+        "replaced generation's late leftovers never swept (FileSink)": files(NoGenerationSweepProtocol),
         "scenario 5: a406f01 FileSink (unscoped final names)": files(old=True),
     }
     if dsn:
         def pg(folder: str) -> tuple[dict[str, Any], Callable[[], None]]:
             t = PostgresTarget(dsn, load_old_sink("sinks/postgres.py").PostgresSink)
             return t.kwargs(), t.close
-        out["scenarios 4+6: a406f01 PostgresSink (late prepares, attempt-number gids)"] = pg
+        out["scenarios 4+6: a406f01 PostgresSink (late prepares, attempt-number gids)"] = ("ownership", pg)
+    out.update({name: sqlite(cls) for name, cls in CRASH_CLASSES.items()})
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from twophase.testing.conformance import ConformanceError
+    from twophase.testing.conformance import ConformanceError, run_sink_conformance
     from twophase.testing.ownership import run_ownership_conformance
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -190,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--postgres", default=os.environ.get("TWOPHASE_REACH_PG_DSN"),
                     help="a PostgreSQL DSN (the old PostgresSink's class is skipped without one)")
     ap.add_argument("--only", default=None, help="run the classes whose name contains this")
-    ap.add_argument("--good", action="store_true", help="also time today's FileSink (must pass every run)")
+    ap.add_argument("--good", action="store_true",
+                    help="also time today's FileSink (ownership) and SQLite example (crash machine): must pass")
     args = ap.parse_args(argv)
     import logging
 
@@ -201,13 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     from twophase.testing.ownership import DEFAULT_EXAMPLES, DEFAULT_STEPS
 
     # The defaults, without shrinking (reach is about finding; shrinking a failure only costs time).
-    no_shrink = hypothesis.settings(default_settings(DEFAULT_EXAMPLES, DEFAULT_STEPS),
-                                    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
+    find = [hypothesis.Phase.explicit, hypothesis.Phase.generate]
+    no_shrink = {"ownership": hypothesis.settings(default_settings(DEFAULT_EXAMPLES, DEFAULT_STEPS), phases=find),
+                 "crash": hypothesis.settings(default_settings(), phases=find)}
     classes = _classes(args.postgres)
     if args.good:
-        classes = {"today's FileSink and protocol (must pass)": lambda f: (files_target(os.path.join(f, "out")),
-                                                                          lambda: None), **classes}
-    for name, make in classes.items():
+        classes = {"today's FileSink and protocol (must pass)":
+                   ("ownership", lambda f: (files_target(os.path.join(f, "out")), lambda: None)),
+                   "today's SQLite example, crash machine (must pass)":
+                   ("crash", lambda f: (sqlite_target(f), lambda: None)), **classes}
+    for name, (machine, make) in classes.items():
         if args.only and args.only not in name:
             continue
         caught, kinds, secs = 0, [], []
@@ -217,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
             seed = random.getrandbits(32)
             t0 = time.perf_counter()
             try:
-                run_ownership_conformance(seed=seed, settings=no_shrink, **kw)
+                if machine == "crash":
+                    run_sink_conformance(seed=seed, settings=no_shrink[machine], ownership=False, **kw)
+                else:
+                    run_ownership_conformance(seed=seed, settings=no_shrink[machine], **kw)
             except ConformanceError as e:
                 caught += 1
                 first = str(e).splitlines()
@@ -226,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 secs.append(time.perf_counter() - t0)
                 cleanup()
                 shutil.rmtree(folder, ignore_errors=True)
-        print(f"{name}: caught {caught}/{args.runs}, {sum(secs) / len(secs):.1f} s per run", flush=True)
+        print(f"{name} [{machine} machine]: caught {caught}/{args.runs}, {sum(secs) / len(secs):.1f} s per run",
+              flush=True)
         for k in sorted(set(kinds), key=kinds.count, reverse=True)[:4]:
             print(f"    {kinds.count(k)}x {k}", flush=True)
     return 0

@@ -3,8 +3,8 @@
 Each test runs the harness as a sink author would, against a406f01's protocol behaviour (a protocol
 subclass, scenarios 1 and 2) or a406f01's sinks (loaded from git, scenarios 4, 5 and 6), and
 asserts that it FAILS, naming the problem; and that today's protocol and sinks pass.  Seeds are
-pinned so that each run is the same; ``python -m tests.harness_reach --runs 20`` measures how
-often an unpinned run at the defaults catches each one.
+pinned (the first of a few that catches it counts); ``python -m tests.harness_reach --runs 20``
+measures how often an unpinned run at the defaults catches each one.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import hypothesis
 import pytest
 
 from tests.harness_reach import (
+    BlindIntentProtocol,
     CheckThenWriteProtocol,
+    NoGenerationSweepProtocol,
     PostgresTarget,
     WholeIntentCleanupProtocol,
     files_target,
@@ -60,28 +63,49 @@ def test_todays_protocol_and_filesink_pass(out_dir):
     assert stats["examples"] == 10 and stats["takeovers"] > 0
 
 
-def test_scenario_1_a_deposed_owners_whole_intent_cleanup_is_caught(out_dir):
-    with pytest.raises(ConformanceError) as e:
-        run_ownership_conformance(**files_target(str(out_dir / "out")), protocol_factory=WholeIntentCleanupProtocol,
-                                  settings=FIND, seed=1)
-    assert "DATA LOSS" in str(e.value) or "missing although the log decided" in str(e.value)
+def caught(out_dir: Path, sink_class: Any = None, protocol: Any = None, seeds: tuple[int, ...] = (1, 2, 3)) -> str:
+    """The first failure the harness reports over a few seeded runs at the defaults (each catches
+    these in about 19 runs of 20, ``python -m tests.harness_reach``; a pinned single seed would
+    stop catching whenever a draw of the harness changes).  Fails if no run caught anything."""
+    for seed in seeds:
+        folder = out_dir / f"seed{seed}"
+        kw = files_target(str(folder / "out"), sink_class)
+        if protocol is not None:
+            kw["protocol_factory"] = protocol
+        try:
+            run_ownership_conformance(**kw, settings=FIND, seed=seed)
+        except ConformanceError as e:
+            return str(e)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    pytest.fail(f"the harness passed {len(seeds)} seeded runs (seeds {seeds}) of a broken protocol or sink")
 
+
+def test_scenario_1_a_deposed_owners_whole_intent_cleanup_is_caught(out_dir):
+    msg = caught(out_dir, protocol=WholeIntentCleanupProtocol)
+    assert "DATA LOSS" in msg or "missing although the log decided" in msg, msg
 
 
 def test_scenario_2_a_decision_delayed_past_a_takeover_is_caught(out_dir):
-    with pytest.raises(ConformanceError) as e:
-        run_ownership_conformance(**files_target(str(out_dir / "out")), protocol_factory=CheckThenWriteProtocol,
-                                  settings=FIND, seed=1)
-    msg = str(e.value)
+    msg = caught(out_dir, protocol=CheckThenWriteProtocol)
     assert "deposed coordinator" in msg or "commit decisions" in msg or "DATA LOSS" in msg, msg
+
+
+def test_an_intent_held_on_the_wire_whose_create_lost_is_caught(out_dir):
+    """a406f01 ignored the result of the INTENT's create: a coordinator whose INTENT landed after a
+    new owner opened the same ballot went on under its own plan and decided the other's ballot."""
+    msg = caught(out_dir, protocol=BlindIntentProtocol)
+    assert "no INTENT of its own" in msg or "INTENT is epoch" in msg or "DATA LOSS" in msg, msg
+
+
+def test_a_replaced_generations_late_leftovers_never_swept_are_caught(out_dir):
+    msg = caught(out_dir, protocol=NoGenerationSweepProtocol)
+    assert "still open at a quiescent point" in msg, msg
 
 
 @needs_old
 def test_scenario_5_old_filesink_unscoped_names_are_caught(out_dir):
-    old = load_old_sink("sinks/files.py").FileSink
-    with pytest.raises(ConformanceError) as e:
-        run_ownership_conformance(**files_target(str(out_dir / "out"), old), settings=FIND, seed=1)
-    msg = str(e.value)
+    msg = caught(out_dir, sink_class=load_old_sink("sinks/files.py").FileSink)
     assert "second pipeline" in msg or "missing although" in msg or "appears" in msg, msg
 
 
@@ -93,15 +117,20 @@ def test_a_late_stage_retry_cannot_roll_back_a_decided_postgres_attempt(postgres
     attempt of the same run), and the commit found it gone: DATA LOSS.  Now the driver claims
     every gid as decided before the decision, and a retry rolls back only what it could claim
     as doomed (the claims table, docs/postgres.md): the same run passes."""
-    t = PostgresTarget(postgres_service["dsn"])
-    try:
-        stats = run_ownership_conformance(**t.kwargs(), settings=FIND, max_examples=10, seed=7)
-    finally:
-        with t.admin.cursor() as cur:  # the claims table open() made beside the target's marker table
-            cur.execute(f'DROP TABLE IF EXISTS "{t.markers}_claims"')
-        t.close()
-    assert stats["examples"] == 10, stats
-    assert stats.get("late task between_decision_and_commit", 0) > 0, stats  # the finding's timing was played
+    played = 0
+    for seed in (7, 8, 9, 10):  # until a run played the finding's timing (every run must pass)
+        t = PostgresTarget(postgres_service["dsn"])
+        try:
+            stats = run_ownership_conformance(**t.kwargs(), settings=FIND, max_examples=10, seed=seed)
+        finally:
+            with t.admin.cursor() as cur:  # the claims table open() made beside the target's marker table
+                cur.execute(f'DROP TABLE IF EXISTS "{t.markers}_claims"')
+            t.close()
+        assert stats["examples"] == 10, stats
+        played += stats.get("late task between_decision_and_commit", 0)
+        if played:
+            break
+    assert played > 0, stats  # the finding's timing was played
 
 
 @pytest.mark.postgres
