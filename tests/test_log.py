@@ -240,3 +240,29 @@ def test_full_disk_prepared_record_fails_and_leaves_no_record(tiny_fs):
     assert not [n for n in os.listdir(tiny_fs / "log" / "g0001") if n.endswith(".tmp")]
     tlog.write(7, PREPARED, {"handles": [], "rows": 1})  # room for a small one: the log still works
     assert tlog.state(7).body["rows"] == 1
+
+
+def test_a_record_the_store_did_not_answer_is_a_clear_log_error_naming_batch_and_record(tmp_path):
+    """The log store times out on the decision's write (a partition, tests/nemesis.py): the
+    coordinator sees a LogUnavailableError naming the batch, the record and the log's location,
+    saying the outcome is unknown, not the store's own exception."""
+    from twophase import LogUnavailableError
+    from twophase.log import PREPARED
+
+    log = TransactionLog(str(tmp_path / "log"))
+    log.acquire("q", "pipe")
+    real = log.store.create
+
+    def timing_out(name, data):
+        if ".prepared" in name:
+            raise TimeoutError("read timed out")
+        return real(name, data)
+
+    log.store.create = timing_out  # type: ignore[method-assign]
+    with pytest.raises(LogUnavailableError) as e:
+        log.decide(7, 0, {"handles": [], "rows": 0})
+    msg = str(e.value)
+    assert "batch 7: the decision could not be written to" in msg and "batch-000000000007.prepared" in msg, msg
+    assert "TimeoutError: read timed out" in msg and "unknown" in msg, msg
+    assert isinstance(e.value.__cause__, TimeoutError)
+    assert log.record(7, PREPARED) is None

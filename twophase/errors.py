@@ -24,6 +24,13 @@ class LogError(TwoPhaseError):
     """The transaction log cannot be used."""
 
 
+class LogUnavailableError(LogError):
+    """The log's store did not answer a write (a timeout, a refused connection, a server error).
+
+    Whether the record landed is unknown; nothing is assumed: the batch's next run (or
+    ``twophase recover``) reads the record's slot again, and a decision that did land is committed."""
+
+
 class CorruptLogError(LogError):
     """A log record is unreadable or fails its checksum.  The job stops; the record is never skipped."""
 

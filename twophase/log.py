@@ -52,8 +52,10 @@ from twophase.errors import (
     CorruptLogError,
     LogError,
     LogOwnershipError,
+    LogUnavailableError,
     PrunedBatchError,
     QueryMismatchError,
+    TwoPhaseError,
 )
 
 # The stores live in twophase.storage (one module per backend, picked by URL scheme in its
@@ -604,7 +606,20 @@ class TransactionLog:
         if ballot:
             body["ballot"] = ballot
         name = _batch_name(g or 0, batch_id, state, ballot)
-        if not self.store.create(name, encode_record(body)):
+        try:
+            created = self.store.create(name, encode_record(body))
+        except TwoPhaseError:
+            raise
+        except Exception as e:  # the store's own error (botocore, fsspec, OSError): name what was written
+            what = {PREPARED: "decision", INTENT: "INTENT", COMMITTED: "COMMITTED record"}.get(state, state)
+            if state == PREPARED and body.get("outcome") == ABORT:
+                what = "abort (the close of a ballot)"
+            raise LogUnavailableError(
+                f"batch {batch_id}: the {what} could not be written to {self.store.location(name)}: "
+                f"{type(e).__name__}: {str(e)[:300]}. Whether it landed is unknown; nothing is assumed: "
+                "the batch's next run, or 'twophase recover', reads its slot again (a decision that "
+                "landed is committed, never aborted)") from e
+        if not created:
             existing = self.record(batch_id, state, generation=g, ballot=ballot)
             if existing is None:
                 raise LogError(f"{self.store.location(name)} exists but cannot be read back")
