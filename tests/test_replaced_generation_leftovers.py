@@ -20,73 +20,13 @@ import os
 import uuid
 from typing import Any
 
-import pyarrow as pa
 import pytest
 
+from tests.inprocess import Driver, ids, run_attempt
 from twophase import TransactionContext
-from twophase.log import INTENT, TransactionLog
-from twophase.protocol import BatchProgress, TwoPhaseProtocol
-from twophase.recovery import Committer
-from twophase.sink import CommitOutcome, TwoPhaseCommitSink
+from twophase.sink import CommitOutcome
 
 pytestmark = [pytest.mark.timeout(300)]
-
-
-def ids(*values: int) -> pa.RecordBatch:
-    return pa.record_batch({"id": pa.array(values, pa.int64()), "v": [f"v{i}" for i in values]})
-
-
-def run_attempt(sink: TwoPhaseCommitSink, ctx: TransactionContext, batch: pa.RecordBatch) -> Any:
-    txn = sink.begin_transaction(ctx)
-    try:
-        sink.write(txn, batch)
-        return sink.pre_commit(txn)
-    except BaseException:
-        sink.abort(txn)
-        raise
-
-
-class OneTask:
-    """The engine's side of a batch (``BatchWork``): one partition, run here."""
-
-    def __init__(self, sink: TwoPhaseCommitSink, batch: pa.RecordBatch):
-        self.sink, self.batch = sink, batch
-
-    def partitions(self, planned: int | None) -> int:
-        return 1
-
-    def prepare(self, query_name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
-        h = run_attempt(self.sink, TransactionContext(query_name, batch_id, 0, 0, intent, run), self.batch)
-        return [{"partition": 0, "attempt": 0, "rows": self.batch.num_rows, "handle": self.sink.encode_handle(h)}]
-
-    def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
-        return None
-
-
-class Driver:
-    """One coordinator process: a log owner and its protocol, as ``Coordinator`` builds them."""
-
-    def __init__(self, sink: TwoPhaseCommitSink, log_url: str, query_id: str, *, new_generation: bool = False):
-        self.sink = sink
-        sink.open()
-        self.tlog = TransactionLog(log_url)
-        self.tlog.acquire(query_id, "pipe", new_generation=new_generation)
-        self.query_name = f"pipe.{self.tlog.scope()}"
-        self.protocol = TwoPhaseProtocol(sink, self.tlog, name="pipe", query_name=self.query_name,
-                                         committer=lambda: Committer(sink, backoff=0.01))
-
-    def batch(self, batch_id: int, rows: pa.RecordBatch) -> BatchProgress:
-        prog = BatchProgress("pipe", batch_id, None, "committed")
-        self.protocol.run_batch(batch_id, OneTask(self.sink, rows), prog)
-        return prog
-
-    def intent(self, batch_id: int) -> dict[str, Any]:
-        rec = self.tlog.record(batch_id, INTENT)
-        assert rec is not None
-        return rec.body["intent"]
-
-    def close(self) -> None:
-        self.tlog.close()
 
 
 def replace_generation_with_a_late_attempt_in_between(make_sink, log_url: str) -> tuple[Any, Driver]:

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from twophase import crash
-from twophase.errors import BatchVanishedError, CommitError, TwoPhaseError
+from twophase.errors import BatchVanishedError, CommitError, LogOwnershipError, TwoPhaseError
 from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog, parse_batch_name
 from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
 from twophase.sink import TwoPhaseCommitSink
@@ -79,6 +79,10 @@ class BatchWork(Protocol):
     def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
         """The source offsets to record in the decision (``None``: none known)."""
 
+
+#: Late INTENTs of deposed coordinators one batch closes before it stops (each is another
+#: coordinator's write landing in the slot this one was about to take).
+_MAX_LATE_INTENTS = 3
 
 #: Decisions of one batch proved void in one call before the batch fails (each void means the
 #: target aborted a whole decided batch: something is wrong beyond a one-off timeout).
@@ -287,19 +291,34 @@ class TwoPhaseProtocol:
             return
 
         t0 = time.perf_counter()                                                    # step 3
-        number = self._close_earlier_ballots(batch_id, view, prog, after_recovery=recovered is not None)
-        planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
-                        if b.intent is not None), None)
-        num_partitions = work.partitions(int(planned) if planned else None)
         qname = self.query_name
-        intent = self.sink.plan_batch(qname, batch_id, num_partitions)
-        opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
-                                               "num_partitions": num_partitions}, ballot=number)
-        if not tlog.mine(opened):
+        for tries in range(_MAX_LATE_INTENTS + 1):
+            number = self._close_earlier_ballots(batch_id, view, prog, after_recovery=recovered is not None)
+            planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
+                            if b.intent is not None), None)
+            num_partitions = work.partitions(int(planned) if planned else None)
+            intent = self.sink.plan_batch(qname, batch_id, num_partitions)
+            opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
+                                                   "num_partitions": num_partitions}, ballot=number)
+            if tlog.mine(opened):
+                break
+            # Another coordinator's INTENT holds this ballot's slot.
             self.dirty = True
-            raise TwoPhaseError(f"batch {batch_id}: another coordinator opened ballot {number} "
-                                f"{'first' if fast else 'at the same time'}; this one stops without writing "
-                                "(the replay runs the batch)")
+            other = opened.body.get("epoch")
+            if other is None or tlog.epoch is None or int(other) >= tlog.epoch or tries == _MAX_LATE_INTENTS:
+                # A newer owner's (or one we cannot place): we are the deposed one, or racing it.
+                raise LogOwnershipError(
+                    f"batch {batch_id}: coordinator epoch {other} opened ballot {number} "
+                    f"{'first' if fast else 'at the same time'}; this one (epoch {tlog.epoch}) stops without "
+                    "writing (the owner runs the batch)")
+            # A deposed coordinator's INTENT that landed late (paused, or held on the wire): the
+            # batch is ours to run.  Its ballot is closed like any earlier one (its transactions
+            # aborted only after its slot says abort; a decision that beat the close stands: the
+            # replay commits it), and we open the next ballot.
+            log.warning("%s: batch %d: ballot %d was opened by deposed coordinator epoch %s (a late INTENT); "
+                        "closing it and opening the next", self.name, batch_id, number, other)
+            view = tlog.view(batch_id)
+            recovered = recovered or set()  # earlier ballots were handled: abort only what is closed now
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
 
