@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="*", default=["all"], help=f"any of {', '.join(NAMES)} or all (default)")
     args = p.parse_args(argv)
     names = list(NAMES) if "all" in args.names or not args.names else args.names
+    if args.action == "stop":
+        names.reverse()  # servers on test hosts before the hosts themselves
     rc = 0
     for n in names:
         svc = get(n)

@@ -40,6 +40,17 @@ BIN_DIR = Path(os.environ.get("TWOPHASE_MINIO_BIN", JAR_CACHE.parent / "minio" /
 class MinioService(Service):
     name = "minio"
     start_timeout = 60.0
+    host = HOST
+    port = PORT
+    console_port = CONSOLE_PORT
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self, argv: list[str]) -> list[str]:
+        """How the server is started (a subclass runs it on a test host)."""
+        return argv
 
     @property
     def binary(self) -> Path:
@@ -64,8 +75,8 @@ class MinioService(Service):
         data = self.dir / "data"
         shutil.rmtree(data, ignore_errors=True)
         data.mkdir(parents=True)
-        return popen([str(self.binary), "server", str(data), "--address", f"{HOST}:{PORT}",
-                      "--console-address", f"{HOST}:{CONSOLE_PORT}", "--quiet"], log,
+        return popen(self.command([str(self.binary), "server", str(data), "--address", f"{self.host}:{self.port}",
+                                   "--console-address", f"{self.host}:{self.console_port}", "--quiet"]), log,
                      env={"MINIO_ROOT_USER": KEY, "MINIO_ROOT_PASSWORD": SECRET,
                           "MINIO_BROWSER": "off", "MINIO_UPDATE": "off"},
                      cwd=self.dir)
@@ -73,7 +84,7 @@ class MinioService(Service):
     def ready(self) -> bool:
         """MinIO's readiness probe answers 200 once the server takes requests."""
         try:
-            with urllib.request.urlopen(f"{ENDPOINT}/minio/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.endpoint}/minio/health/ready", timeout=2) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
@@ -84,7 +95,7 @@ class MinioService(Service):
         ensure_bucket(self.info())
 
     def info(self) -> dict[str, Any]:
-        return {"endpoint_url": ENDPOINT, "bucket": BUCKET, "key": KEY, "secret": SECRET, "region": REGION,
+        return {"endpoint_url": self.endpoint, "bucket": BUCKET, "key": KEY, "secret": SECRET, "region": REGION,
                 "server": "minio"}
 
 

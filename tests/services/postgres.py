@@ -67,6 +67,19 @@ class PostgresService(Service):
     name = "postgres"
     start_timeout = 60.0
     _proc: subprocess.Popen | None = None
+    #: Where clients reach it (``listen_addresses``, ``pg_hba``, ``info``).
+    host = HOST
+    port = PORT
+    #: The addresses ``pg_hba.conf`` lets in by password (CIDR).
+    clients = f"{HOST}/32"
+
+    @property
+    def dsn(self) -> str:
+        return f"host={self.host} port={self.port} dbname={DBNAME} user={USER} password={PASSWORD}"
+
+    def command(self, argv: list[str]) -> list[str]:
+        """How the postmaster is started (a subclass runs it on a test host)."""
+        return argv
 
     @property
     def data_dir(self) -> Path:
@@ -139,7 +152,7 @@ class PostgresService(Service):
                 raise ServiceError("apt-get installed postgresql but no pg_ctl under /usr/lib/postgresql/*/bin")
         self.os_user()
         self._make_reachable()
-        if len(str(self.socket_dir / f".s.PGSQL.{PORT}")) > 100:
+        if len(str(self.socket_dir / f".s.PGSQL.{self.port}")) > 100:
             raise ServiceError(f"unix socket path under {self.socket_dir} is too long; set a shorter TWOPHASE_SERVICES_DIR")
         self._owned_dir(self.socket_dir, 0o755)
         if not (self.data_dir / "PG_VERSION").exists():
@@ -161,14 +174,15 @@ class PostgresService(Service):
         text = conf.read_text()
         if "include_if_exists = 'twophase.conf'" not in text:
             conf.write_text(text + "\n# twophase test service settings\ninclude_if_exists = 'twophase.conf'\n")
-        settings = dict(SETTINGS, unix_socket_directories=f"'{self.socket_dir}'")
+        settings = dict(SETTINGS, unix_socket_directories=f"'{self.socket_dir}'", port=self.port,
+                        listen_addresses=f"'{self.host}'")
         extra = self.data_dir / "twophase.conf"
         extra.write_text("".join(f"{k} = {v}\n" for k, v in settings.items()))
         hba = self.data_dir / "pg_hba.conf"
         hba.write_text(
             "# written by tests/services/postgres.py\n"
             "local   all   all                  trust\n"
-            f"host    all   all   {HOST}/32    scram-sha-256\n"
+            f"host    all   all   {self.clients}    scram-sha-256\n"
         )
         for p in (extra, hba):
             os.chown(p, u.pw_uid, u.pw_gid)
@@ -189,23 +203,27 @@ class PostgresService(Service):
             pid = None
         if pid is not None or self._postmaster_pid() is not None:
             return None  # our cluster is already starting: wait for it, never start a second one
-        if port_open(PORT):
-            raise ServiceError(f"port {PORT} is taken by a server this module did not start; stop it first")
-        cmd = [str(self.bindir() / "postgres"), "-D", str(self.data_dir)]
+        if port_open(self.port, self.host):
+            raise ServiceError(f"port {self.port} is taken by a server this module did not start; stop it first")
+        cmd = self.command([str(self.bindir() / "postgres"), "-D", str(self.data_dir)])
         self._proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env(),
-            cwd=str(self.data_dir), start_new_session=True, **self._as_user(),
+            cwd=str(self.data_dir), start_new_session=True, **self._launch_as(),
         )
         return self._proc
+
+    def _launch_as(self) -> dict[str, Any]:
+        """Popen's user switch for the postmaster (a subclass that switches in ``command`` gives none)."""
+        return self._as_user()
 
     def _superuser_conn(self, timeout: int = 2):
         import psycopg2
 
-        return psycopg2.connect(host=str(self.socket_dir), port=PORT, dbname="postgres",
+        return psycopg2.connect(host=str(self.socket_dir), port=self.port, dbname="postgres",
                                 user=SUPERUSER, connect_timeout=timeout)
 
     def ready(self) -> bool:
-        if not port_open(PORT, HOST):
+        if not port_open(self.port, self.host):
             return False
         try:
             conn = self._superuser_conn()
@@ -239,12 +257,13 @@ class PostgresService(Service):
         finally:
             conn.close()
         try:  # the real client path: TCP + password
-            psycopg2.connect(DSN, connect_timeout=10).close()
+            psycopg2.connect(self.dsn, connect_timeout=10).close()
         except psycopg2.Error as e:
-            raise ServiceError(f"postgres is up but `{DSN}` cannot log in: {e}") from None
+            raise ServiceError(f"postgres is up but `{self.dsn}` cannot log in: {e}") from None
 
     def info(self) -> dict[str, Any]:
-        return {"host": HOST, "port": PORT, "dbname": DBNAME, "user": USER, "password": PASSWORD, "dsn": DSN}
+        return {"host": self.host, "port": self.port, "dbname": DBNAME, "user": USER, "password": PASSWORD,
+                "dsn": self.dsn}
 
     def terminate(self) -> None:
         # SIGINT = fast shutdown (abort sessions, checkpoint, exit). The base class's SIGTERM
@@ -268,7 +287,7 @@ class PostgresService(Service):
     def restart(self) -> dict[str, Any]:
         """Stop the server and start it again on the same data dir (prepared transactions survive)."""
         self.stop()
-        wait_until(lambda: not port_open(PORT, HOST), 30, "postgres port to close")
+        wait_until(lambda: not port_open(self.port, self.host), 30, "postgres port to close")
         return self.start()
 
 
