@@ -12,7 +12,8 @@ coordinator's.  ``--ready-file`` is created once Spark is up; ``--go-file`` make
 for that file before its first batch (so a test can start a second driver's JVM early and let it
 go at the moment of its choosing); ``--wait-for-lease S`` retries, for up to S seconds, a start
 refused because a live coordinator holds the log's lease (the refusals are reported).
-``--shape`` picks the columns (``SHAPES``: ``rows`` for tables and files, ``kafka`` for a
+``--interval`` paces the batches it writes; ``--stop-file`` ends the pipeline early, after the
+first batch this driver wrote once the file appeared (``done`` names that batch).  ``--shape`` picks the columns (``SHAPES``: ``rows`` for tables and files, ``kafka`` for a
 KafkaSink).  Once Spark is up (after the ready file, before waiting for the go file) the driver
 runs one small job whose Python workers import the sink's executor modules, so that the first
 batch does not pay for starting them (pyspark's daemon reuses those workers).
@@ -50,7 +51,7 @@ SHAPES: dict[str, list[str]] = {
 
 
 def _say(event: str, **fields) -> None:
-    sys.stdout.write("OWNERSHIP " + json.dumps(dict(fields, event=event), default=str) + "\n")
+    sys.stdout.write("OWNERSHIP " + json.dumps(dict(fields, event=event, at=time.time()), default=str) + "\n")
     sys.stdout.flush()
 
 
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--go-file", default=None)
     ap.add_argument("--wait-for-lease", type=float, default=0.0)
     ap.add_argument("--no-python-daemon", action="store_true")
+    ap.add_argument("--interval", type=float, default=0.0, help="seconds between batches")
+    ap.add_argument("--stop-file", default=None,
+                    help="end (done) after the batch during which this file appeared, before --batches")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -135,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.5)
             _say("batch", batch=n, action=progress["action"], rows=progress["rows"],
                  epoch=c.log.epoch if c.log is not None else None)
-        _say("done", epoch=c.log.epoch if c.log is not None else None)
+            if progress["action"] == "skipped":
+                continue  # a batch an earlier driver committed: catch up at once
+            if args.stop_file and os.path.exists(args.stop_file):
+                break
+            if args.interval:
+                time.sleep(args.interval)
+        _say("done", epoch=c.log.epoch if c.log is not None else None, last=n)
     except DataLossError as e:
         _say("error", type=type(e).__name__, message=str(e), data_loss=True)
         code = 4

@@ -1,0 +1,516 @@
+"""The nemesis: real faults injected while batches flow, on test hosts that really are apart.
+
+    python -m tests.nemesis --sink postgres --minutes 2 --seed 7 [--out DIR]
+
+The cluster (tests/services/hosts.py): drivers on the hosts ``driver-a`` and ``driver-b`` (each
+its own network namespace, address, hostname and folder; Spark ``local[2]`` inside), the
+transaction log on MinIO on the host ``s3``, the target on PostgreSQL on the host ``pg``.  A
+driver is ``tests/drivers/ownership_pipeline.py``: one Coordinator writing batches of unique ids,
+one every ``--interval`` seconds, skipping the batches the log has committed; a short lease, so
+that a successor takes a silent or paused driver's log over within seconds.
+
+One driver is active; a standby on the other host has its Spark up and waits for its go.  Then,
+until ``--minutes`` have passed, after a quiet spell of batches, one fault hits the active driver
+and the standby takes over (it waits out the lease, then closes the old driver's open ballot):
+
+- ``kill``: SIGKILL of the driver and its Spark (a crash);
+- ``pause``: SIGSTOP of the driver's processes past its lease, then SIGCONT: a zombie that wakes
+  up in the middle of its batch, deposed;
+- ``partition-log``: the log store stops answering the driver (a blackhole route on the ``s3``
+  host towards the driver: its requests go unanswered, PostgreSQL still works), then heals;
+- ``isolate``: the driver's host leaves the bridge (nothing reaches it, nothing it sends
+  arrives), then rejoins.
+
+The healed or resumed driver must stop without harm (fenced: exit 3, never a ``DataLossError``);
+a new standby is started on its host.  At the end the pipeline is let run without faults to the
+batch during which the stop file appeared.
+
+The checker reads the history (faults with start and end, every driver's batches, exits) and
+the target, and gives a verdict per property: every id exactly once (read back from PostgreSQL),
+no data loss reported, progress resumed within a bound after the last heal, nothing left behind
+(no prepared transaction of the run's gid prefix), the pipeline finished.  It prints a verdict
+table, writes ``history.json`` and a timeline picture (``timeline.png``: faults as bands,
+batches committed over time, each driver's life) into ``--out``, and exits 0 only if every
+verdict holds.  The same ``--seed`` plays the same schedule (timings vary with the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DRIVER = REPO / "tests" / "drivers" / "ownership_pipeline.py"
+FAULTS = ("kill", "pause", "partition-log", "isolate")
+DRIVER_HOSTS = ("driver-a", "driver-b")
+#: Rows per batch and writer tasks (one transaction each) per batch.
+ROWS, PARTITIONS = 20, 2
+
+
+def _log(msg: str) -> None:
+    print(f"[nemesis {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ history
+@dataclass
+class Fault:
+    kind: str
+    driver: str
+    start: float
+    end: float | None = None
+    note: str = ""
+
+
+@dataclass
+class DriverLife:
+    label: str
+    host: str
+    started: float
+    went: float | None = None
+    ended: float | None = None
+    exit: int | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    killed_at_end: bool = False
+
+
+@dataclass
+class History:
+    sink: str
+    seed: int
+    started: float
+    lease: float
+    faults: list[Fault] = field(default_factory=list)
+    drivers: list[DriverLife] = field(default_factory=list)
+    stop_requested: float | None = None
+    finished: float | None = None
+
+    def batches(self) -> list[tuple[float, str, int, str]]:
+        """(time, driver, batch, action) of every batch a driver reported, by time."""
+        out = [(e["at"], d.label, e["batch"], e["action"]) for d in self.drivers for e in d.events
+               if e.get("event") == "batch"]
+        return sorted(out)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------ target
+class PostgresTarget:
+    """PostgresSink into a table of the run's own on the ``pg`` host; leftovers: prepared
+    transactions of the run's gid prefix."""
+
+    name = "postgres"
+
+    def __init__(self, info: dict[str, Any], run: str):
+        self.info = info
+        self.table = f"nemesis_{run}"
+        self.gid_prefix = f"nm{run[:6]}"
+        with self._conn() as c, c.cursor() as cur:
+            cur.execute(f'CREATE TABLE "{self.table}" (id bigint NOT NULL, v text)')
+
+    @contextlib.contextmanager
+    def _conn(self):
+        import psycopg2
+
+        c = psycopg2.connect(self.info["dsn"], connect_timeout=10)
+        c.autocommit = True
+        try:
+            yield c
+        finally:
+            c.close()
+
+    def sink_config(self) -> dict[str, Any]:
+        from twophase.sinks.postgres import PostgresSink
+
+        i = self.info
+        dsn = f"host={i['host']} port={i['port']} dbname={i['dbname']} user={i['user']} connect_timeout=5"
+        return PostgresSink(dsn, self.table, gid_prefix=self.gid_prefix, password={"env": "PGPASSWORD"},
+                            lock_timeout="20s").to_config()
+
+    def env(self) -> dict[str, str]:
+        return {"PGPASSWORD": self.info["password"]}
+
+    def ids(self) -> Counter:
+        with self._conn() as c, c.cursor() as cur:
+            cur.execute(f'SELECT id FROM "{self.table}"')
+            return Counter(r[0] for r in cur.fetchall())
+
+    def leftovers(self) -> list[str]:
+        prefix = self.gid_prefix + ":"
+        with self._conn() as c, c.cursor() as cur:
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s", (prefix, prefix))
+            return [r[0] for r in cur.fetchall()]
+
+    def cleanup(self) -> None:
+        with self._conn() as c, c.cursor() as cur:
+            for gid in self.leftovers():
+                cur.execute("ROLLBACK PREPARED %s", (gid,))
+            cur.execute(f'DROP TABLE IF EXISTS "{self.table}"')
+
+
+TARGETS = {"postgres": PostgresTarget}
+
+
+# ------------------------------------------------------------------------------------ drivers
+class Driver:
+    """One driver process on a test host (its own process group: its Spark dies with it)."""
+
+    def __init__(self, label: str, host: str, folder: Path, args: list[str], env: dict[str, str]):
+        from tests.services import hosts
+
+        self.label, self.host, self.folder = label, host, folder
+        self.go_file = folder / f"{label}.go"
+        self.out, self.err = folder / f"{label}.out", folder / f"{label}.log"
+        self.address = hosts.host(host).address
+        full = dict(os.environ, **env)
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        full.setdefault("PYSPARK_PYTHON", sys.executable)
+        full["SPARK_LOCAL_IP"] = self.address
+        full["TWOPHASE_SPARK_DRIVER_MEMORY"] = "512m"
+        for k in ("TWOPHASE_CRASH_AT", "TWOPHASE_PAUSE_AT"):
+            full.pop(k, None)
+        with open(self.out, "wb") as o, open(self.err, "wb") as e:
+            self.proc = hosts.popen(host, [sys.executable, str(DRIVER), *args, "--go-file", str(self.go_file),
+                                           "--ready-file", str(folder / f"{label}.ready")],
+                                    env=full, stdin=subprocess.DEVNULL, stdout=o, stderr=e,
+                                    start_new_session=True, cwd=str(folder))
+        self.life = DriverLife(label, host, time.time())
+        self.ready_file = folder / f"{label}.ready"
+
+    def go(self) -> None:
+        self.go_file.touch()
+        self.life.went = time.time()
+
+    def events(self) -> list[dict[str, Any]]:
+        lines = self.out.read_text(errors="replace").splitlines() if self.out.exists() else []
+        out = []
+        for line in lines:
+            if line.startswith("OWNERSHIP "):
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line[len("OWNERSHIP "):]))
+        return out
+
+    def done(self) -> bool:
+        return any(e.get("event") == "done" for e in self.events())
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self, *, kill: bool) -> None:
+        if kill and self.alive():
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGKILL)
+            self.life.killed_at_end = True
+        self.wait(30)
+        self.life.ended = self.life.ended or time.time()
+        self.life.exit = self.proc.returncode
+        self.life.events = self.events()
+
+    def tail(self, n: int = 30) -> str:
+        text = self.err.read_text(errors="replace").splitlines()[-n:] if self.err.exists() else []
+        return f"--- {self.label} on {self.host} ({self.err}) ---\n" + "\n".join(text)
+
+
+# ------------------------------------------------------------------------------------ the run
+class Nemesis:
+    def __init__(self, sink: str, seed: int, minutes: float, out: Path, *, lease: float = 6.0,
+                 interval: float = 0.5, faults: tuple[str, ...] = FAULTS):
+        self.rng = random.Random(seed)
+        self.minutes, self.out, self.lease, self.interval = minutes, out, lease, interval
+        self.fault_kinds = faults
+        self.run_id = uuid.uuid4().hex[:10]
+        self.history = History(sink, seed, time.time(), lease)
+        self.drivers: list[Driver] = []
+        self.next_label = 0
+        self.sink = sink
+        #: The fault kinds to play, in order, instead of drawing them for ``minutes`` (a CI schedule).
+        self.schedule: list[str] | None = None
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        from tests.services import ensure
+
+        info = ensure("hosts", "minio_host", "postgres_host")
+        self.minio = info["minio_host"]
+        self.target = TARGETS[self.sink](info["postgres_host"], self.run_id)
+        self.log_url = f"s3://{self.minio['bucket']}/nemesis-{self.run_id}/log"
+        self.log_options = {"key": self.minio["key"], "secret": {"env": "TP_NEMESIS_S3_SECRET"},
+                            "endpoint_url": self.minio["endpoint_url"], "region_name": self.minio["region"],
+                            # a request the partition leaves unanswered fails within seconds, not minutes
+                            "config_kwargs": {"connect_timeout": 3, "read_timeout": 10,
+                                              "retries": {"max_attempts": 2, "mode": "standard"}}}
+        self.stop_file = self.out / "stop"
+        self.env = dict(self.target.env(), TP_NEMESIS_S3_SECRET=self.minio["secret"])
+
+    def start_driver(self, host: str) -> Driver:
+        self.next_label += 1
+        label = f"d{self.next_label}"
+        args = ["--sink-config", json.dumps(self.target.sink_config()), "--log", self.log_url,
+                "--log-options", json.dumps(self.log_options), "--name", f"nemesis-{self.run_id}",
+                "--lease-timeout", str(self.lease), "--batches", "100000", "--rows", str(ROWS),
+                "--partitions", str(PARTITIONS), "--interval", str(self.interval),
+                "--wait-for-lease", "600", "--stop-file", str(self.stop_file)]
+        d = Driver(label, host, self.out, args, self.env)
+        self.drivers.append(d)
+        self.history.drivers.append(d.life)
+        _log(f"{label}: started on {host} ({d.address})")
+        return d
+
+    def other_host(self, host: str) -> str:
+        return DRIVER_HOSTS[1 - DRIVER_HOSTS.index(host)]
+
+    def wait_ready(self, d: Driver, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not d.ready_file.exists():
+            if not d.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{d.label} never got Spark up (exit {d.proc.poll()})\n{d.tail()}")
+            time.sleep(0.2)
+
+    def wait_batches(self, d: Driver, n: int, timeout: float) -> bool:
+        """Wait until ``d`` reported ``n`` more batches than now (False after ``timeout``)."""
+        have = sum(1 for e in d.events() if e.get("event") == "batch")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sum(1 for e in d.events() if e.get("event") == "batch") >= have + n or not d.alive():
+                return d.alive()
+            time.sleep(0.2)
+        return False
+
+    # ---------------------------------------------------------------- faults
+    def inject(self, kind: str, victim: Driver) -> tuple[Fault, Any]:
+        from tests.services import hosts
+
+        f = Fault(kind, victim.label, time.time())
+        _log(f"FAULT {kind} on {victim.label} ({victim.host})")
+        if kind == "kill":
+            victim.signal(signal.SIGKILL)
+            f.end = f.start
+            return f, None
+        if kind == "pause":
+            victim.signal(signal.SIGSTOP)
+            return f, lambda: victim.signal(signal.SIGCONT)
+        if kind == "partition-log":
+            hosts.cut("s3", victim.address)
+            return f, lambda: hosts.uncut("s3", victim.address)
+        if kind == "isolate":
+            hosts.isolate(victim.host)
+            return f, lambda: hosts.rejoin(victim.host)
+        raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
+
+    # ---------------------------------------------------------------- the schedule
+    def run(self) -> History:
+        self.setup()
+        try:
+            self._schedule()
+        finally:
+            self._teardown()
+        return self.history
+
+    def _schedule(self) -> None:
+        budget_end = time.monotonic() + self.minutes * 60
+        active = self.start_driver(DRIVER_HOSTS[0])
+        standby = self.start_driver(DRIVER_HOSTS[1])
+        self.wait_ready(active)
+        active.go()
+        played = 0
+        while (time.monotonic() < budget_end) if self.schedule is None else played < len(self.schedule):
+            # A quiet spell: some batches commit before the next fault.
+            quiet = self.rng.randint(2, 6)
+            if not self.wait_batches(active, quiet, timeout=120):
+                raise RuntimeError(f"{active.label} committed no {quiet} batches in 120 s without a fault\n"
+                                   f"{active.tail()}")
+            kind = self.rng.choice(self.fault_kinds) if self.schedule is None else self.schedule[played]
+            played += 1
+            self.wait_ready(standby)
+            fault, undo = self.inject(kind, active)
+            self.history.faults.append(fault)
+            standby.go()  # takes the log over once the victim's lease expired
+            old, active = active, standby
+            if undo is not None:
+                # Long enough for the successor to take over and commit: the victim is deposed.
+                took_over = self.wait_batches(active, 1, timeout=self.lease * 4 + 60)
+                time.sleep(self.rng.uniform(0.0, 2.0))
+                undo()
+                fault.end = time.time()
+                fault.note = "successor committed during the fault" if took_over else "no batch during the fault"
+                _log(f"HEAL {kind} on {old.label} ({fault.note})")
+            code = old.wait(self.lease * 3 + 60)
+            if code is None:
+                _log(f"{old.label} still runs {self.lease * 3 + 60:.0f}s after the fault: killed")
+                old.close(kill=True)
+            else:
+                old.close(kill=False)
+                _log(f"{old.label} exited {code}")
+            standby = self.start_driver(old.host)
+        # No more faults: the active driver ends the pipeline after the batch running now.
+        self.wait_batches(active, 2, timeout=self.lease * 4 + 120)
+        self.stop_file.touch()
+        self.history.stop_requested = time.time()
+        _log("stop requested")
+        code = active.wait(240)
+        if code is None:
+            _log(f"{active.label} did not finish in 240 s")
+        self.history.finished = time.time()
+
+    def _teardown(self) -> None:
+        from tests.services import hosts
+
+        with contextlib.suppress(Exception):
+            hosts.heal()
+        for d in self.drivers:
+            d.close(kill=True)
+
+
+# ------------------------------------------------------------------------------------ checker
+@dataclass
+class Verdict:
+    name: str
+    ok: bool
+    detail: str
+
+
+def check(history: History, target: Any, *, progress_bound: float) -> list[Verdict]:
+    out: list[Verdict] = []
+    done = [e for d in history.drivers for e in d.events if e.get("event") == "done"]
+    last = max((int(e.get("last", -1)) for e in done), default=None)
+    out.append(Verdict("the pipeline finished", last is not None,
+                       f"done after batch {last}" if last is not None else "no driver reached the stop"))
+    seen = target.ids()
+    expected = set(range(((last if last is not None else -1) + 1) * ROWS))
+    lost = sorted(expected - set(seen))
+    dup = sorted(i for i, n in seen.items() if n > 1)
+    extra = sorted(set(seen) - expected)
+    out.append(Verdict("every id exactly once", not lost and not dup and not extra,
+                       f"{len(expected)} expected, {sum(seen.values())} rows read; lost {len(lost)} "
+                       f"{lost[:5]}, duplicated {len(dup)} {dup[:5]}, unexpected {len(extra)} {extra[:5]}"))
+    losses = [d.label for d in history.drivers
+              if d.exit == 4 or any(e.get("data_loss") for e in d.events)]
+    out.append(Verdict("no data loss reported", not losses, f"DataLossError in {losses}" if losses else
+                       f"{len(history.drivers)} drivers, exits {[d.exit for d in history.drivers]}"))
+    heals = [f.end for f in history.faults if f.end is not None]
+    if heals:
+        last_heal = max(heals)
+        after = [t for t, _, _, action in history.batches() if t > last_heal and action == "committed"]
+        delay = (after[0] - last_heal) if after else None
+        ok = delay is not None and delay <= progress_bound
+        out.append(Verdict(f"progress within {progress_bound:.0f} s of the last heal", ok,
+                           f"first batch committed {delay:.1f} s after it" if delay is not None
+                           else "no batch committed after it"))
+    left = target.leftovers()
+    out.append(Verdict("nothing left behind", not left, f"{len(left)} prepared: {left[:3]}" if left
+                       else "no prepared transaction of the run"))
+    return out
+
+
+def table(verdicts: list[Verdict], history: History) -> str:
+    kinds = Counter(f.kind for f in history.faults)
+    lines = [f"  nemesis: {history.sink}, seed {history.seed}, {len(history.faults)} faults "
+             f"({', '.join(f'{k} x{n}' for k, n in sorted(kinds.items())) or 'none'}), "
+             f"{len(history.drivers)} drivers, {len(history.batches())} batches reported",
+             "  " + "-" * 72]
+    for v in verdicts:
+        lines.append(f"  {'PASS' if v.ok else 'FAIL'}  {v.name:<40} {v.detail}")
+    lines.append(f"  result: {'EXACTLY ONCE, NO STALL' if all(v.ok for v in verdicts) else 'VIOLATED'}")
+    return "\n".join(lines)
+
+
+def timeline(history: History, path: Path) -> None:
+    """Faults as bands, batches committed over time, each driver's life as a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = history.started
+    fig, (ax, bars) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, height_ratios=[3, 1.4])
+    colours = {"kill": "#d62728", "pause": "#ff7f0e", "partition-log": "#9467bd", "isolate": "#8c564b"}
+    for f in history.faults:
+        end = f.end if f.end is not None and f.end > f.start else f.start + 0.4
+        for a in (ax, bars):
+            a.axvspan(f.start - t0, end - t0, color=colours.get(f.kind, "grey"), alpha=0.25, lw=0)
+        ax.text(f.start - t0, 0.98, f"{f.kind}\n{f.driver}", transform=ax.get_xaxis_transform(), va="top",
+                fontsize=7, color=colours.get(f.kind, "grey"))
+    committed = [(t, b) for t, _, b, a in history.batches() if a in ("committed", "recommitted")]
+    if committed:
+        xs = [t - t0 for t, _ in committed]
+        ax.step(xs, range(1, len(xs) + 1), where="post", color="#1f77b4", label="batches committed")
+    ax.set_ylabel("batches committed")
+    ax.set_title(f"nemesis {history.sink}, seed {history.seed}: faults (bands) and batches committed")
+    for i, d in enumerate(history.drivers):
+        start = (d.went or d.started) - t0
+        end = (d.ended or history.finished or time.time()) - t0
+        bars.barh(i, end - start, left=start, color="#2ca02c" if d.exit == 0 else "#7f7f7f", height=0.6)
+        bars.text(start, i, f" {d.label} {d.host} exit {d.exit}", va="center", fontsize=7)
+    bars.set_yticks([])
+    bars.set_xlabel("seconds since the start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.nemesis", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--sink", choices=sorted(TARGETS), default="postgres")
+    ap.add_argument("--minutes", type=float, default=2.0, help="how long faults are injected (default 2)")
+    ap.add_argument("--seed", type=int, default=None, help="the schedule's seed (default: random, printed)")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {', '.join(FAULTS)}")
+    ap.add_argument("--lease", type=float, default=6.0, help="the drivers' lease timeout, seconds")
+    ap.add_argument("--out", default=None, help="folder for history.json, timeline.png, driver logs")
+    args = ap.parse_args(argv)
+    from tests.services import hosts
+
+    why = hosts.available()
+    if why:
+        print(f"nemesis: test hosts cannot be made here: {why}", file=sys.stderr)
+        return 2
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        print(f"nemesis: unknown fault(s) {unknown}; known: {', '.join(FAULTS)}", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    out = Path(args.out or f"/tmp/twophase-nemesis-{seed}-{uuid.uuid4().hex[:6]}")
+    out.mkdir(parents=True, exist_ok=True)
+    _log(f"seed {seed}; output in {out}")
+    n = Nemesis(args.sink, seed, args.minutes, out, lease=args.lease, faults=faults)
+    try:
+        history = n.run()
+        verdicts = check(history, n.target, progress_bound=args.lease * 4 + 60)
+    finally:
+        if hasattr(n, "target"):
+            (out / "history.json").write_text(json.dumps(n.history.to_json(), indent=1, default=str))
+    with contextlib.suppress(Exception):
+        timeline(history, out / "timeline.png")
+    print(table(verdicts, history))
+    print(f"  history: {out / 'history.json'}; timeline: {out / 'timeline.png'}; driver logs in {out}")
+    if all(v.ok for v in verdicts):
+        n.target.cleanup()
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

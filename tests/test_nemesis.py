@@ -1,0 +1,36 @@
+"""The nemesis's short schedule (issue 27): faults injected while batches flow, on hosts that
+really are apart, then the history checker's verdict.  ``python -m tests.nemesis --minutes 30``
+is the long run; this is the CI one: every fault kind at least once (kill, pause past the lease,
+the log store cut from the driver only, the driver's host isolated), checked by unique id."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import nemesis
+from tests.services import hosts
+
+pytestmark = [pytest.mark.nemesis, pytest.mark.hosts, pytest.mark.chaos, pytest.mark.postgres, pytest.mark.s3,
+              pytest.mark.timeout(900),
+              pytest.mark.skipif(hosts.available() is not None, reason=f"test hosts: {hosts.available()}")]
+
+
+def test_postgres_short_schedule_every_fault_once(tmp_path):
+    n = nemesis.Nemesis("postgres", seed=27, minutes=0.0, out=tmp_path, faults=nemesis.FAULTS)
+    n.schedule = list(nemesis.FAULTS)  # each kind once, in this order, then the end
+    history = n.run()
+    verdicts = nemesis.check(history, n.target, progress_bound=n.lease * 4 + 60)
+    report = nemesis.table(verdicts, history)
+    print(report)
+    nemesis.timeline(history, tmp_path / "timeline.png")
+    assert sorted(f.kind for f in history.faults) == sorted(nemesis.FAULTS), report
+    assert all(v.ok for v in verdicts), report
+    # Every deposed driver stopped: killed by its fault, or failed with an error that is not data
+    # loss (fenced, its log or target unreachable); none went on to the end beside its successor.
+    victims = {f.driver for f in history.faults}
+    for d in history.drivers:
+        if d.label in victims:
+            last = d.events[-1] if d.events else {}
+            assert d.exit == -9 or (d.exit in (1, 3) and last.get("event") == "error"
+                                    and not last.get("data_loss")), (d.label, d.exit, last)
+    n.target.cleanup()
