@@ -109,6 +109,13 @@ def armed() -> bool:
     return bool(_plan)
 
 
+def planned(name: str, batch_id: int | None = None) -> bool:
+    """Does the crash plan name point ``name`` (of batch ``batch_id``)?"""
+    if _plan is None:
+        reload()
+    return bool(_plan) and _names(_plan or {}, name, batch_id)
+
+
 def _names(plan: dict[str, set[int] | None], name: str, batch_id: int | None) -> bool:
     if name not in plan:
         return False

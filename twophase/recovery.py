@@ -163,8 +163,9 @@ class Committer:
         """Commit every (decoded) handle of one decided batch; results in the handles' order."""
         if not handles:
             return []
-        # Armed crash points commit one at a time, so mid_commit really leaves some uncommitted.
-        workers = 1 if crash.armed() else min(self.parallelism, len(handles))
+        # A mid_commit crash point commits one at a time, so that it really leaves some uncommitted;
+        # every other crash plan (and a random kill) meets the parallel commits.
+        workers = 1 if crash.planned("mid_commit", batch_id) else min(self.parallelism, len(handles))
         results: list[CommitResult | None] = [None] * len(handles)
         errors: list[tuple[int, BaseException]] = []
         done = 0
