@@ -288,12 +288,17 @@ class Nemesis:
                 raise RuntimeError(f"{d.label} never got Spark up (exit {d.proc.poll()})\n{d.tail()}")
             time.sleep(0.2)
 
+    @staticmethod
+    def _written(d: Driver) -> int:
+        """Batches ``d`` wrote (committed or recommitted; a batch it skipped was an earlier driver's)."""
+        return sum(1 for e in d.events() if e.get("event") == "batch" and e.get("action") != "skipped")
+
     def wait_batches(self, d: Driver, n: int, timeout: float) -> bool:
-        """Wait until ``d`` reported ``n`` more batches than now (False after ``timeout``)."""
-        have = sum(1 for e in d.events() if e.get("event") == "batch")
+        """Wait until ``d`` wrote ``n`` more batches than now (False after ``timeout`` or if it died)."""
+        have = self._written(d)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if sum(1 for e in d.events() if e.get("event") == "batch") >= have + n or not d.alive():
+            if self._written(d) >= have + n or not d.alive():
                 return d.alive()
             time.sleep(0.2)
         return False
@@ -409,6 +414,18 @@ def check(history: History, target: Any, *, progress_bound: float) -> list[Verdi
               if d.exit == 4 or any(e.get("data_loss") for e in d.events)]
     out.append(Verdict("no data loss reported", not losses, f"DataLossError in {losses}" if losses else
                        f"{len(history.drivers)} drivers, exits {[d.exit for d in history.drivers]}"))
+    # Each takeover: from the fault to the first batch committed by another driver.
+    takeovers = []
+    for f in history.faults:
+        later = [t for t, who, _, action in history.batches()
+                 if t > f.start and who != f.driver and action in ("committed", "recommitted")]
+        takeovers.append(later[0] - f.start if later else None)
+    if takeovers:
+        known = sorted(x for x in takeovers if x is not None)
+        worst = None if len(known) < len(takeovers) else known[-1]
+        out.append(Verdict(f"every takeover within {progress_bound:.0f} s", worst is not None and worst <= progress_bound,
+                           (f"median {known[len(known) // 2]:.1f} s, max {worst:.1f} s" if worst is not None
+                            else f"{len(takeovers) - len(known)} fault(s) never followed by another driver's batch")))
     heals = [f.end for f in history.faults if f.end is not None]
     if heals:
         last_heal = max(heals)
