@@ -19,6 +19,8 @@ def ids(*values: int) -> pa.RecordBatch:
 
 
 def run_attempt(sink: TwoPhaseCommitSink, ctx: TransactionContext, batch: pa.RecordBatch) -> Any:
+    """One task attempt as the coordinator's executor code runs it: begin, write, pre_commit;
+    on failure the transaction is aborted and the error raised."""
     txn = sink.begin_transaction(ctx)
     try:
         sink.write(txn, batch)
@@ -70,3 +72,48 @@ class Driver:
 
     def close(self) -> None:
         self.tlog.close()
+
+
+class PgTable:
+    """A table of a test's own on the PostgreSQL server, ``(id bigint PRIMARY KEY, v text)``, and
+    what a PostgresSink leaves beside it; on exit, every prepared transaction of ``gid_prefix``
+    is rolled back and the tables dropped.  ``sink()`` makes a PostgresSink into it."""
+
+    def __init__(self, dsn: str, stem: str):
+        import uuid
+
+        import psycopg2
+
+        self.dsn = dsn
+        self.name = f"{stem}_{uuid.uuid4().hex[:8]}"
+        self.gid_prefix = f"t{uuid.uuid4().hex[:7]}"
+        self.admin = psycopg2.connect(dsn)
+        self.admin.autocommit = True
+        self.execute(f'CREATE TABLE "{self.name}" (id bigint PRIMARY KEY, v text)')
+
+    def __enter__(self) -> PgTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for gid in self.prepared():
+            self.execute("ROLLBACK PREPARED %s", (gid,))
+        self.execute(f'DROP TABLE IF EXISTS "{self.name}", "{self.name}_m", "{self.name}_m_claims"')
+        self.admin.close()
+
+    def sink(self) -> TwoPhaseCommitSink:
+        from twophase.sinks.postgres import PostgresSink
+
+        return PostgresSink(self.dsn, table=self.name, marker_table=f"{self.name}_m", gid_prefix=self.gid_prefix)
+
+    def execute(self, statement: str, args: Any = None) -> list[tuple]:
+        with self.admin.cursor() as cur:
+            cur.execute(statement, args)
+            return cur.fetchall() if cur.description else []
+
+    def ids(self) -> list[int]:
+        return [r[0] for r in self.execute(f'SELECT id FROM "{self.name}" ORDER BY id')]
+
+    def prepared(self) -> list[str]:
+        """Prepared transactions of this table's sinks (by their gid prefix)."""
+        return [r[0] for r in self.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s",
+                                           (self.gid_prefix, self.gid_prefix))]

@@ -107,60 +107,15 @@ class History:
 
 
 # ------------------------------------------------------------------------------------ target
-class PostgresTarget:
+def _postgres_target(info: dict[str, Any]) -> Any:
     """PostgresSink into a table of the run's own on the ``pg`` host; leftovers: prepared
-    transactions of the run's gid prefix."""
+    transactions of the run's gid prefix (the real-process ownership tests' target)."""
+    from tests.test_ownership_processes import PostgresTarget
 
-    name = "postgres"
-
-    def __init__(self, info: dict[str, Any], run: str):
-        self.info = info
-        self.table = f"nemesis_{run}"
-        self.gid_prefix = f"nm{run[:6]}"
-        with self._conn() as c, c.cursor() as cur:
-            cur.execute(f'CREATE TABLE "{self.table}" (id bigint NOT NULL, v text)')
-
-    @contextlib.contextmanager
-    def _conn(self):
-        import psycopg2
-
-        c = psycopg2.connect(self.info["dsn"], connect_timeout=10)
-        c.autocommit = True
-        try:
-            yield c
-        finally:
-            c.close()
-
-    def sink_config(self) -> dict[str, Any]:
-        from twophase.sinks.postgres import PostgresSink
-
-        i = self.info
-        dsn = f"host={i['host']} port={i['port']} dbname={i['dbname']} user={i['user']} connect_timeout=5"
-        return PostgresSink(dsn, self.table, gid_prefix=self.gid_prefix, password={"env": "PGPASSWORD"},
-                            lock_timeout="20s").to_config()
-
-    def env(self) -> dict[str, str]:
-        return {"PGPASSWORD": self.info["password"]}
-
-    def ids(self) -> Counter:
-        with self._conn() as c, c.cursor() as cur:
-            cur.execute(f'SELECT id FROM "{self.table}"')
-            return Counter(r[0] for r in cur.fetchall())
-
-    def leftovers(self) -> list[str]:
-        prefix = self.gid_prefix + ":"
-        with self._conn() as c, c.cursor() as cur:
-            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s", (prefix, prefix))
-            return [r[0] for r in cur.fetchall()]
-
-    def cleanup(self) -> None:
-        with self._conn() as c, c.cursor() as cur:
-            for gid in self.leftovers():
-                cur.execute("ROLLBACK PREPARED %s", (gid,))
-            cur.execute(f'DROP TABLE IF EXISTS "{self.table}"')
+    return PostgresTarget(None, None, info=info)
 
 
-TARGETS = {"postgres": PostgresTarget}
+TARGETS = {"postgres": _postgres_target}
 
 
 # ------------------------------------------------------------------------------------ drivers
@@ -254,7 +209,7 @@ class Nemesis:
 
         info = ensure("hosts", "minio_host", "postgres_host")
         self.minio = info["minio_host"]
-        self.target = TARGETS[self.sink](info["postgres_host"], self.run_id)
+        self.target = TARGETS[self.sink](info["postgres_host"])
         self.log_url = f"s3://{self.minio['bucket']}/nemesis-{self.run_id}/log"
         self.log_options = {"key": self.minio["key"], "secret": {"env": "TP_NEMESIS_S3_SECRET"},
                             "endpoint_url": self.minio["endpoint_url"], "region_name": self.minio["region"],

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections import Counter
 
 import pytest
 
-from tests.inprocess import Driver, OneTask, ids
+from tests.inprocess import Driver, OneTask, PgTable, ids
 from twophase import LogOwnershipError
 from twophase.log import INTENT
 
@@ -71,41 +70,14 @@ def test_a_deposed_coordinators_late_intent_in_the_owners_slot_is_closed_and_the
 @pytest.mark.postgres
 def test_a_deposed_coordinators_late_intent_in_the_owners_slot_is_closed_and_the_batch_runs_postgres(
         postgres_service, tmp_path):
-    import psycopg2
-
-    from twophase.sinks.postgres import PostgresSink
-
-    dsn = postgres_service["dsn"]
-    table = f"lateint_{uuid.uuid4().hex[:8]}"
-    admin = psycopg2.connect(dsn)
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'CREATE TABLE "{table}" (id bigint PRIMARY KEY, v text)')
-    prefix = f"li{uuid.uuid4().hex[:6]}"
-
-    def prepared() -> list[str]:
-        with admin.cursor() as cur:
-            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s", (prefix, prefix))
-            return [g for (g,) in cur.fetchall()]
-
-    a = b = None
-    try:
-        a, b = late_intent_lands_after_the_takeover(
-            lambda: PostgresSink(dsn, table=table, marker_table=f"{table}_m", gid_prefix=prefix),
-            str(tmp_path / "log"))
-        with admin.cursor() as cur:
-            cur.execute(f'SELECT id FROM "{table}" ORDER BY id')
-            assert [r[0] for r in cur.fetchall()] == [1, 2, 3, 4, 5]
-        assert prepared() == []  # A's prepared transaction of its closed ballot was rolled back
-    finally:
-        for d in (a, b):
-            if d is not None:
-                d.close()
-        with admin.cursor() as cur:
-            for gid in prepared():
-                cur.execute("ROLLBACK PREPARED %s", (gid,))
-            cur.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_m", "{table}_m_claims"')
-        admin.close()
+    with PgTable(postgres_service["dsn"], "lateint") as t:
+        a, b = late_intent_lands_after_the_takeover(t.sink, str(tmp_path / "log"))
+        try:
+            assert t.ids() == [1, 2, 3, 4, 5]
+            assert t.prepared() == []  # A's prepared transaction of its closed ballot was rolled back
+        finally:
+            a.close()
+            b.close()
 
 
 def test_a_newer_owners_intent_in_the_slot_stops_the_older_coordinator(tmp_path):

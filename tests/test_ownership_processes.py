@@ -208,8 +208,8 @@ class PostgresTarget:
     #: prepared transaction under the closed ballot's gid prefix.
     late_attempt_leaves = True
 
-    def __init__(self, request, tmp_path: Path):
-        self.info = request.getfixturevalue("postgres_service")
+    def __init__(self, request, tmp_path: Path | None, info: dict | None = None):
+        self.info = info if info is not None else request.getfixturevalue("postgres_service")
         self.table = f"ownp_{uuid.uuid4().hex[:8]}"
         self.gid_prefix = f"op{uuid.uuid4().hex[:6]}"
         with self._conn() as c, c.cursor() as cur:

@@ -24,6 +24,7 @@ import uuid
 import pyarrow as pa
 import pytest
 
+from tests.inprocess import run_attempt
 from tests.test_postgres_sink import _uid, ids_batch, prepared_gids, q, table
 from twophase import TransactionContext, TwoPhaseError
 from twophase.log import INTENT, PREPARED, TransactionLog
@@ -41,18 +42,6 @@ def scopes(db):
     for prefix in used:
         for gid in prepared_gids(db, prefix):
             q(db, "ROLLBACK PREPARED %s", (gid,))
-
-
-def run_attempt(sink: PostgresSink, ctx: TransactionContext, batch: pa.RecordBatch) -> dict:
-    """One task attempt as the coordinator's executor code runs it: begin, write, pre_commit;
-    on failure the transaction is aborted and the error raised."""
-    txn = sink.begin_transaction(ctx)
-    try:
-        sink.write(txn, batch)
-        return sink.pre_commit(txn)
-    except BaseException:
-        sink.abort(txn)
-        raise
 
 
 def kv(keys, v: str) -> pa.RecordBatch:

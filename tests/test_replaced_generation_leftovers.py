@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from typing import Any
 
 import pytest
 
-from tests.inprocess import Driver, ids, run_attempt
+from tests.inprocess import Driver, PgTable, ids, run_attempt
 from twophase import TransactionContext
 from twophase.sink import CommitOutcome
 
@@ -68,40 +67,12 @@ def test_a_late_staged_file_of_a_replaced_generation_is_swept_by_the_new_generat
 @pytest.mark.postgres
 def test_a_late_prepared_transaction_of_a_replaced_generation_is_rolled_back_by_the_new_generations_recovery(
         postgres_service, tmp_path):
-    import psycopg2
-
-    from twophase.sinks.postgres import PostgresSink
-
-    dsn = postgres_service["dsn"]
-    table = f"regen_{uuid.uuid4().hex[:8]}"
-    admin = psycopg2.connect(dsn)
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'CREATE TABLE "{table}" (id bigint PRIMARY KEY, v text)')
-
-    def make_sink() -> PostgresSink:
-        return PostgresSink(dsn, table=table, marker_table=f"{table}_m")
-
-    def prepared() -> list[str]:
-        with admin.cursor() as cur:
-            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() AND gid LIKE %s",
-                        ("tp:pipe.%",))
-            return [g for (g,) in cur.fetchall()]
-
-    late = new = None
-    try:
-        late, new = replace_generation_with_a_late_attempt_in_between(make_sink, str(tmp_path / "log"))
-        assert late["gid"] not in prepared(), \
-            "the late attempt of the replaced generation is still prepared (its locks and slot held for good)"
-        with admin.cursor() as cur:
-            cur.execute(f'SELECT id FROM "{table}" ORDER BY id')
-            assert [r[0] for r in cur.fetchall()] == [1, 2, 3, 10, 11]
-        assert make_sink().commit(late).outcome is CommitOutcome.LOST  # rolled back: never visible
-    finally:
-        if new is not None:
+    with PgTable(postgres_service["dsn"], "regen") as t:
+        late, new = replace_generation_with_a_late_attempt_in_between(t.sink, str(tmp_path / "log"))
+        try:
+            assert late["gid"] not in t.prepared(), \
+                "the late attempt of the replaced generation is still prepared (its locks and slot held for good)"
+            assert t.ids() == [1, 2, 3, 10, 11]
+            assert t.sink().commit(late).outcome is CommitOutcome.LOST  # rolled back: never visible
+        finally:
             new.close()
-        with admin.cursor() as cur:
-            if late is not None and late["gid"] in prepared():
-                cur.execute("ROLLBACK PREPARED %s", (late["gid"],))
-            cur.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_m", "{table}_m_claims"')
-        admin.close()

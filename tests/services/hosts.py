@@ -160,6 +160,28 @@ def heal() -> None:
                 uncut(h.name, parts[1].split("/")[0])
 
 
+# ------------------------------------------------------------------------------------ servers on hosts
+class OnHost:
+    """A mixin for a :class:`~tests.services.Service` run on a test host: its state in the host's
+    folder, the hosts made before it installs, its command run on the host (``on_host``)."""
+
+    on_host: Host
+    name: str
+
+    @property
+    def dir(self) -> Path:
+        d = self.on_host.folder / self.name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def install(self) -> None:
+        SERVICE.start()  # the host must exist first (idempotent)
+        super().install()  # type: ignore[misc]
+
+    def command(self, argv: list[str]) -> list[str]:
+        return command(self.on_host.name, argv)
+
+
 # ------------------------------------------------------------------------------------ the service
 class HostsService(Service):
     """The namespaces and the bridge: no process of their own (``launch`` returns None)."""

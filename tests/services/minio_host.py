@@ -8,32 +8,16 @@ the bridge, and that a fault can take away from one of them (``hosts.isolate``, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests.services import hosts
 from tests.services.minio import CONSOLE_PORT, PORT, MinioService
 
-HOST = hosts.host("s3")
 
-
-class MinioOnHostService(MinioService):
+class MinioOnHostService(hosts.OnHost, MinioService):
     name = "minio_host"
-    host = HOST.address
+    on_host = hosts.host("s3")
+    host = on_host.address
     port = PORT
     console_port = CONSOLE_PORT
-
-    @property
-    def dir(self) -> Path:
-        d = HOST.folder / "minio"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
-    def install(self) -> None:
-        hosts.SERVICE.start()  # the host must exist first (idempotent)
-        super().install()
-
-    def command(self, argv: list[str]) -> list[str]:
-        return hosts.command(HOST.name, argv)
 
 
 SERVICE = MinioOnHostService()

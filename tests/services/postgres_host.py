@@ -8,37 +8,25 @@ folder; clients on the other test hosts (and the test runner, on the bridge) log
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from tests.services import hosts
 from tests.services.postgres import PORT, PostgresService
 
-HOST = hosts.host("pg")
 
-
-class PostgresOnHostService(PostgresService):
+class PostgresOnHostService(hosts.OnHost, PostgresService):
     name = "postgres_host"
-    host = HOST.address
+    on_host = hosts.host("pg")
+    host = on_host.address
     port = PORT
     clients = f"{hosts.SUBNET}.0/{hosts.PREFIX}"
-
-    @property
-    def dir(self) -> Path:
-        d = HOST.folder / "postgres"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
-    def install(self) -> None:
-        hosts.SERVICE.start()  # the host must exist first (idempotent)
-        super().install()
 
     def command(self, argv: list[str]) -> list[str]:
         # Entering the namespaces needs root; the server then drops to its OS user (setpriv).
         if self._as_user():
             u = self.os_user()
             argv = ["setpriv", f"--reuid={u.pw_uid}", f"--regid={u.pw_gid}", "--clear-groups", *argv]
-        return hosts.command(HOST.name, argv)
+        return super().command(argv)
 
     def _launch_as(self) -> dict[str, Any]:
         return {}
