@@ -177,7 +177,8 @@ class TwoPhaseProtocol:
         next sweep tries again.
         """
         tlog = self.tlog
-        if self._replaced is None:
+        replaced = self._replaced  # one read: recovery may reset it meanwhile (this may run in the background)
+        if replaced is None:
             replaced = []
             for g in range(1, int(tlog.generation or 0)):
                 try:
@@ -188,7 +189,7 @@ class TwoPhaseProtocol:
                 if found is not None:
                     replaced.append((g, *found))
             self._replaced = replaced
-        for g, name, last in self._replaced:
+        for g, name, last in replaced:
             try:
                 n = self.sink.abort_lingering(name, last + 1, {}, [])
             except Exception:  # noqa: BLE001 - see the docstring
