@@ -1,6 +1,6 @@
 """A TCP proxy for fault tests: forwards bytes unchanged, and can hold, drop or cut them.
 
-It listens on ``127.0.0.1:0`` and forwards every connection to one upstream ``host:port``.
+It listens on ``127.0.0.1:0`` (or another local address: the test hosts' bridge) and forwards every connection to one upstream ``host:port``.
 Being a pure byte forwarder it changes nothing in what passes, so signed requests stay
 valid (S3 SigV4 signs the ``Host`` header the client sent, which the server reads back
 unchanged).  The faults it plays:
@@ -33,6 +33,8 @@ class Hold:
     """One armed hold: the bytes of the first connection whose client->server stream matches."""
 
     pattern: re.Pattern[bytes]
+    #: Only a connection from this client address matches (None: any client).
+    client: str | None = None
     matched: threading.Event = field(default_factory=threading.Event)
     #: What the match saw: the connection number and the held chunk's first line.
     connection: int | None = None
@@ -44,12 +46,17 @@ class Hold:
         """Block until a connection's bytes matched (and are held); False after ``timeout``."""
         return self.matched.wait(timeout)
 
+    @property
+    def released(self) -> bool:
+        """Released or dropped already."""
+        return self._released.is_set()
+
     def release(self) -> None:
         """Deliver the held bytes (and let the connection go on)."""
         self._released.set()
 
     def drop(self) -> None:
-        """Cut the held connection without delivering what it held."""
+        """Cut the held connection without delivering what it held (before a match: disarm)."""
         self._dropped = True
         self._released.set()
 
@@ -64,6 +71,7 @@ class Proxy:
         self._lock = threading.Lock()
         self._holds: list[Hold] = []
         self._conns: dict[int, tuple[socket.socket, socket.socket]] = {}
+        self._clients: dict[int, str] = {}  # each open connection's client address
         self._next = 0
         self._refuse = False
         self._closed = False
@@ -87,13 +95,15 @@ class Proxy:
         self.close()
 
     # ---------------------------------------------------------------- faults
-    def hold(self, pattern: bytes | str) -> Hold:
+    def hold(self, pattern: bytes | str, *, client: str | None = None) -> Hold:
         """Arm a hold: the next connection whose client->server bytes match ``pattern`` (a regular
         expression) stops forwarding at the chunk that matched until the hold is released or
-        dropped.  One hold catches one connection; arm another for the next."""
+        dropped.  One hold catches one connection; arm another for the next.  With ``client``
+        (an IP address), only a connection from that address is caught: one of several clients
+        of the proxy, each on its own test host."""
         if isinstance(pattern, str):
             pattern = pattern.encode()
-        h = Hold(re.compile(pattern))
+        h = Hold(re.compile(pattern), client)
         with self._lock:
             self._holds.append(h)
         return h
@@ -126,7 +136,7 @@ class Proxy:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                client, _ = self._listener.accept()
+                client, peer = self._listener.accept()
             except OSError:
                 return
             self.connections += 1
@@ -143,6 +153,7 @@ class Proxy:
                 n = self._next
                 self._next += 1
                 self._conns[n] = (client, server)
+                self._clients[n] = peer[0]
             threading.Thread(target=self._pump, args=(n, client, server, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(n, server, client, False), daemon=True).start()
 
@@ -152,7 +163,9 @@ class Proxy:
         buf = tail + data
         with self._lock:
             for h in self._holds:
-                if h.connection is None and any(m.end() > len(tail) for m in h.pattern.finditer(buf)):
+                if h.client is not None and self._clients.get(n) != h.client:
+                    continue
+                if h.connection is None and not h.released and any(m.end() > len(tail) for m in h.pattern.finditer(buf)):
                     h.connection = n
                     return h
         return None
@@ -179,6 +192,7 @@ class Proxy:
         finally:
             with self._lock:
                 pair = self._conns.pop(n, None)
+                self._clients.pop(n, None)
             for s in pair or (src, dst):
                 _close(s)
 

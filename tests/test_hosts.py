@@ -1,6 +1,6 @@
 """The test hosts (tests/services/hosts.py) and the servers on them: each host has its own address
 and hostname, the faults really cut what they say (a request times out, no error comes back) and
-heal, and PostgreSQL and MinIO on their hosts answer at their hosts' addresses only."""
+heal, and PostgreSQL, MinIO and Kafka on their hosts answer at their hosts' addresses only."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def probe(host: str, address: str, port: int, timeout: float = 2.0) -> str:
 def servers():
     from tests.services import ensure
 
-    info = ensure("hosts", "minio_host", "postgres_host")
+    info = ensure("hosts", "minio_host", "postgres_host", "kafka_host")
     yield info
     hosts.heal()
 
@@ -57,6 +57,22 @@ def test_servers_answer_at_their_hosts_address_only(servers):
     r = hosts.run("pg", ["ss", "-ltnH"], capture_output=True, text=True)
     listening = [line.split()[3] for line in r.stdout.splitlines() if line.strip()]
     assert listening == [f"{pg['host']}:{pg['port']}"], r.stdout
+
+
+def test_kafka_on_its_host_advertises_that_hosts_address(servers):
+    """A client on another host gets the broker's metadata with the kafka host's address (what
+    it then connects to), and the broker listens there only."""
+    from confluent_kafka.admin import AdminClient
+
+    bootstrap = servers["kafka_host"]["bootstrap_servers"]
+    address = hosts.host("kafka").address
+    assert bootstrap == f"{address}:19092"
+    md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30)
+    assert [f"{b.host}:{b.port}" for b in md.brokers.values()] == [bootstrap]
+    assert probe("driver-a", address, 19092) == "connected"
+    r = hosts.run("kafka", ["ss", "-ltnH"], capture_output=True, text=True)
+    listening = sorted(line.split()[3] for line in r.stdout.splitlines() if line.strip())
+    assert listening == [f"{address}:19092", f"{address}:19093"], r.stdout
 
 
 def test_isolate_makes_requests_time_out_and_rejoin_heals(servers):
@@ -87,6 +103,26 @@ def test_cut_on_the_servers_host_silences_one_client_only(servers):
         hosts.heal()
     t0 = time.monotonic()
     assert probe("driver-a", s3, port) == "connected" and time.monotonic() - t0 < 30
+
+
+def test_cut_on_the_root_namespace_silences_one_host_from_what_listens_there(servers):
+    """The nemesis's fault proxy listens on the bridge's root address: a cut there (hosts.ROOT)
+    silences one host's requests to it, and heal() takes that route away too."""
+    import socket
+
+    listener = socket.create_server((hosts.ROOT_ADDRESS, 0))
+    port = listener.getsockname()[1]
+    with listener:
+        try:
+            hosts.cut(hosts.ROOT, hosts.host("driver-a").address)
+            out = probe("driver-a", hosts.ROOT_ADDRESS, port)
+            assert out.startswith(("TimeoutError", "timeout")), out
+            assert probe("driver-b", hosts.ROOT_ADDRESS, port) == "connected"
+        finally:
+            hosts.heal()
+        assert probe("driver-a", hosts.ROOT_ADDRESS, port) == "connected"
+    with pytest.raises(hosts.ServiceError, match="not a test host"):
+        hosts.cut(hosts.ROOT, "127.0.0.1")  # never a route away from anything but the test hosts
 
 
 def test_start_is_idempotent_and_status_reports_the_hosts(servers):

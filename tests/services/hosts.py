@@ -10,7 +10,8 @@ Faults, each undone by its twin (tests/nemesis.py drives them while batches flow
 
 - :func:`isolate` / :func:`rejoin`: detach a host's veth from the bridge: every packet it sends
   or should receive is dropped silently, so requests time out (no error comes back);
-- :func:`cut` / :func:`uncut`: a blackhole route on one host towards one address: that host
+- :func:`cut` / :func:`uncut`: a blackhole route on one host (or the root namespace,
+  :data:`ROOT`) towards one address: that host
   loses that peer only (its own sends fail at once; the peer's replies to it are dropped, so
   the peer's side sees silence).  Cut on the *server's* host, towards a client's address, a
   client sees its requests time out while every other peer still works.
@@ -137,27 +138,40 @@ def rejoin(name: str) -> None:
     _ip("link", "set", host(name).veth, "master", BRIDGE)
 
 
+#: The root namespace as a host name for :func:`cut`: the test runner, and what it serves on the
+#: bridge at ``ROOT_ADDRESS`` (a fault proxy in front of a server on a host).
+ROOT = "root"
+
+
+def _netns(name: str) -> str | None:
+    return None if name == ROOT else host(name).netns
+
+
 def cut(name: str, address: str) -> None:
-    """Host ``name`` loses ``address`` only (a blackhole route on ``name``; idempotent)."""
-    _ip("route", "replace", "blackhole", f"{address}/32", netns=host(name).netns)
+    """Host ``name`` (or :data:`ROOT`) loses ``address`` only (a blackhole route there; idempotent)."""
+    if not address.startswith(SUBNET + "."):
+        raise ServiceError(f"cut: {address} is not a test host's address ({SUBNET}.0/{PREFIX})")
+    _ip("route", "replace", "blackhole", f"{address}/32", netns=_netns(name))
 
 
 def uncut(name: str, address: str) -> None:
     """Undo :func:`cut` (idempotent)."""
-    _ip("route", "del", "blackhole", f"{address}/32", netns=host(name).netns, check=False)
+    _ip("route", "del", "blackhole", f"{address}/32", netns=_netns(name), check=False)
 
 
 def heal() -> None:
-    """Undo every fault: every host on the bridge, no blackhole route anywhere."""
+    """Undo every fault: every host on the bridge, no blackhole route to a test host anywhere."""
+    names = [ROOT]
     for h in HOSTS.values():
-        if not _exists("link", h.veth):
-            continue
-        rejoin(h.name)
-        routes = _ip("route", "show", "type", "blackhole", netns=h.netns, check=False).stdout.split("\n")
+        if _exists("link", h.veth):
+            rejoin(h.name)
+            names.append(h.name)
+    for name in names:
+        routes = _ip("route", "show", "type", "blackhole", netns=_netns(name), check=False).stdout.split("\n")
         for line in routes:
             parts = line.split()
-            if len(parts) >= 2 and parts[0] == "blackhole":
-                uncut(h.name, parts[1].split("/")[0])
+            if len(parts) >= 2 and parts[0] == "blackhole" and parts[1].startswith(SUBNET + "."):
+                uncut(name, parts[1].split("/")[0])
 
 
 # ------------------------------------------------------------------------------------ servers on hosts

@@ -88,6 +88,18 @@ class KafkaService(Service):
     name = "kafka"
     start_timeout = 120.0
     _proc: subprocess.Popen | None = None
+    #: The address the broker listens on and advertises.
+    host = "127.0.0.1"
+    #: The SASL (SCRAM, OAUTHBEARER) and mutual-TLS listeners too (the security tests' broker).
+    secured = True
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{PORT}"
+
+    def command(self, argv: list[str]) -> list[str]:
+        """How the broker's commands are run (a subclass runs them on a test host)."""
+        return argv
 
     # -- layout ---------------------------------------------------------------
     @property
@@ -109,16 +121,16 @@ class KafkaService(Service):
     def jars(self) -> list[Path]:
         return resolve(COORDS, f"kafka-{KAFKA_VERSION}")
 
-    @staticmethod
-    def _listeners() -> str:
-        return (f"PLAINTEXT://127.0.0.1:{PORT},CONTROLLER://127.0.0.1:{CONTROLLER_PORT},"
-                f"SASL_PLAINTEXT://127.0.0.1:{SASL_PORT},SSL://127.0.0.1:{SSL_PORT}")
+    def _listeners(self) -> str:
+        h = self.host
+        out = f"PLAINTEXT://{h}:{PORT},CONTROLLER://{h}:{CONTROLLER_PORT}"
+        return out + (f",SASL_PLAINTEXT://{h}:{SASL_PORT},SSL://{h}:{SSL_PORT}" if self.secured else "")
 
     def server_properties(self) -> str:
         props = {
             "process.roles": "broker,controller",
             "node.id": NODE_ID,
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{CONTROLLER_PORT}",
+            "controller.quorum.bootstrap.servers": f"{self.host}:{CONTROLLER_PORT}",
             "listeners": self._listeners(),
             "advertised.listeners": self._listeners(),
             "controller.listener.names": "CONTROLLER",
@@ -158,6 +170,8 @@ class KafkaService(Service):
             "delete.topic.enable": "true",
             "log.retention.hours": 24,
         }
+        if not self.secured:
+            props = {k: v for k, v in props.items() if not k.startswith(("sasl.", "listener.name."))}
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
     # -- Service API --------------------------------------------------------------
@@ -191,38 +205,40 @@ class KafkaService(Service):
     def launch(self, log) -> subprocess.Popen | None:
         if self._our_pid_running():
             return None  # already starting (not ready yet): wait for it, never start a second broker
-        if any(port_open(p) for p in (PORT, CONTROLLER_PORT, SASL_PORT, SSL_PORT)):
+        if any(port_open(p, self.host) for p in (PORT, CONTROLLER_PORT, SASL_PORT, SSL_PORT)):
             raise ServiceError(
-                f"ports {PORT}/{CONTROLLER_PORT}/{SASL_PORT}/{SSL_PORT} are taken by a process this "
-                "module did not start "
+                f"ports {PORT}/{CONTROLLER_PORT}/{SASL_PORT}/{SSL_PORT} on {self.host} are taken by a "
+                "process this module did not start "
                 f"(no live pid in {self.pid_path}); stop it first"
             )
         jars = self.jars()
-        make_tls(self.tls_dir)
+        if self.secured:
+            make_tls(self.tls_dir)
         self.log4j_path.write_text(LOG4J2_XML)
         self.config_path.write_text(self.server_properties())
         if not (self.data_dir / "meta.properties").exists():
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            cmd = self._java("kafka.tools.StorageTool", [
+            cmd = self.command(self._java("kafka.tools.StorageTool", [
                 "format", "--standalone", "--ignore-formatted",
                 "-t", _cluster_id(), "-c", str(self.config_path),
-            ], jars)
+            ], jars))
             r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
-            log.write(f"$ {' '.join(cmd[:3])} ... StorageTool format\n{r.stdout}{r.stderr}\n".encode())
+            log.write(f"$ java ... StorageTool format\n{r.stdout}{r.stderr}\n".encode())
             log.flush()
             if r.returncode != 0:
                 tail = "\n".join((r.stdout + r.stderr).splitlines()[-20:])
                 raise ServiceError(f"kafka StorageTool format failed (exit {r.returncode}):\n{tail}")
-        self._proc = popen(self._java("kafka.Kafka", [str(self.config_path)], jars), log, cwd=self.dir)
+        self._proc = popen(self.command(self._java("kafka.Kafka", [str(self.config_path)], jars)), log,
+                           cwd=self.dir)
         return self._proc
 
     def ready(self) -> bool:
-        if not port_open(PORT):
+        if not port_open(PORT, self.host):
             return False
         try:
             from confluent_kafka.admin import AdminClient
 
-            admin = AdminClient({"bootstrap.servers": BOOTSTRAP, "socket.timeout.ms": 2000, "log_level": 0})
+            admin = AdminClient({"bootstrap.servers": self.bootstrap, "socket.timeout.ms": 2000, "log_level": 0})
             md = admin.list_topics(timeout=3)
             return len(md.brokers) >= 1 and md.controller_id is not None and md.controller_id >= 0
         except Exception:
@@ -230,6 +246,8 @@ class KafkaService(Service):
 
     def after_ready(self) -> None:
         """The SCRAM user, for both mechanisms (idempotent: an upsert of its credentials)."""
+        if not self.secured:
+            return
         from confluent_kafka.admin import (
             AdminClient,
             ScramCredentialInfo,
