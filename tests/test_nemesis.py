@@ -1,7 +1,8 @@
 """The nemesis's short schedule (issue 27): faults injected while batches flow, on hosts that
 really are apart, then the history checker's verdict.  ``python -m tests.nemesis --minutes 30``
-is the long run; this is the CI one: every fault kind at least once (kill, pause past the lease,
-the log store cut from the driver only, the driver's host isolated), checked by unique id."""
+is the long run; this is the CI one, per sink (PostgreSQL, FileSink on S3, Kafka): every fault kind once (kill, pause past
+the lease, a decision held on the wire past a takeover, the log store cut from the driver only,
+the driver's host isolated), checked by unique id."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import pytest
 from tests import nemesis
 from tests.services import hosts
 
-pytestmark = [pytest.mark.nemesis, pytest.mark.hosts, pytest.mark.chaos, pytest.mark.postgres, pytest.mark.s3,
+pytestmark = [pytest.mark.nemesis, pytest.mark.hosts, pytest.mark.chaos, pytest.mark.s3,  # the log is on S3
               pytest.mark.timeout(900),
               pytest.mark.skipif(hosts.available() is not None, reason=f"test hosts: {hosts.available()}")]
 
 
-def test_postgres_short_schedule_every_fault_once(tmp_path):
-    n = nemesis.Nemesis("postgres", seed=27, minutes=0.0, out=tmp_path, faults=nemesis.FAULTS)
+@pytest.mark.parametrize("sink", [pytest.param("postgres", marks=pytest.mark.postgres), "files-s3",
+                                  pytest.param("kafka", marks=pytest.mark.kafka)])
+def test_short_schedule_every_fault_once(sink, tmp_path):
+    n = nemesis.Nemesis(sink, seed=27, minutes=0.0, out=tmp_path, faults=nemesis.FAULTS)
     n.schedule = list(nemesis.FAULTS)  # each kind once, in this order, then the end
     history = n.run()
     verdicts = nemesis.check(history, n.target, progress_bound=n.lease * 4 + 60)

@@ -298,10 +298,10 @@ class S3FilesTarget:
     shape = "rows"
     late_attempt_leaves = True  # an open multipart upload under the closed ballot's token
 
-    def __init__(self, request, tmp_path: Path):
+    def __init__(self, request, tmp_path: Path | None, info: dict | None = None):
         from tests.services.s3 import client
 
-        self.info = _minio()
+        self.info = info if info is not None else _minio()
         self.s3 = client(self.info)
         self.bucket = self.info["bucket"]
         self.prefix = f"twophase-test/own-{uuid.uuid4().hex[:10]}/out"
@@ -360,10 +360,10 @@ class KafkaTarget:
     #: Partitions the drivers write with (their --partitions), and more: the pool ids looked at.
     POOL_PARTITIONS = 4
 
-    def __init__(self, request, tmp_path: Path):
+    def __init__(self, request, tmp_path: Path | None, info: dict | None = None):
         from tests.test_kafka_sink import _topic
 
-        self.bootstrap = request.getfixturevalue("kafka_service")["bootstrap_servers"]
+        self.bootstrap = (info if info is not None else request.getfixturevalue("kafka_service"))["bootstrap_servers"]
         self.topic = _topic(self.bootstrap, partitions=2, name=f"ownk-{uuid.uuid4().hex[:10]}")
         self.prefix = f"ownk-{uuid.uuid4().hex[:8]}"
         self._client = None
@@ -608,6 +608,18 @@ def test_the_proxy_forwards_unchanged_and_holds_drops_and_cuts_connections():
             assert c.recv(100) == b"x"
             assert proxy.cut_all() == 1
             assert c.recv(100) == b""
+        # A hold for one client's address: another client's matching bytes pass; its own are held.
+        hold = proxy.hold(b"mine", client="127.0.0.2")
+        with connect() as c:
+            c.sendall(b"mine, from 127.0.0.1")
+            assert c.recv(100) == b"mine, from 127.0.0.1" and not hold.matched.is_set()
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=30,
+                                      source_address=("127.0.0.2", 0)) as c:
+            c.sendall(b"mine, from 127.0.0.2")
+            assert hold.wait(30)
+            assert b"mine, from 127.0.0.2" not in b"".join(seen)
+            hold.release()
+            assert c.recv(100) == b"mine, from 127.0.0.2"
         proxy.refuse_new()
         with connect() as c:
             assert c.recv(100) == b""
