@@ -1,12 +1,14 @@
 """The nemesis: real faults injected while batches flow, on test hosts that really are apart.
 
-    python -m tests.nemesis --sink postgres|files-s3 --minutes 2 --seed 7 [--out DIR]
+    python -m tests.nemesis --sink postgres|postgres-upsert|files-s3|kafka --minutes 2 --seed 7 [--out DIR]
 
 The cluster (tests/services/hosts.py): drivers on the hosts ``driver-a`` and ``driver-b`` (each
 its own network namespace, address, hostname and folder; Spark ``local[2]`` inside), the
 transaction log on MinIO on the host ``s3``, reached through a fault proxy (tests/netproxy.py)
-on the bridge's root address; the target on PostgreSQL on the host ``pg`` (``--sink postgres``)
-or files on that MinIO, reached directly (``--sink files-s3``, FileSink's multipart uploads).  A
+on the bridge's root address; the target a table on PostgreSQL on the host ``pg`` (``--sink
+postgres``, inserts; ``postgres-upsert``, upserts on the id), files on that MinIO, reached directly
+(``--sink files-s3``, FileSink's multipart uploads), or a topic on Kafka on the host ``kafka``
+(``--sink kafka``, read back ``read_committed``).  A
 driver is ``tests/drivers/ownership_pipeline.py``: one Coordinator writing batches of unique ids,
 one every ``--interval`` seconds, skipping the batches the log has committed; a short lease, so
 that a successor takes a silent or paused driver's log over within seconds.
@@ -128,6 +130,14 @@ def _postgres_target(info: dict[str, Any]) -> Any:
     return PostgresTarget(None, None, info=info["postgres_host"])
 
 
+def _postgres_upsert_target(info: dict[str, Any]) -> Any:
+    """The same, upserting on ``id`` (a primary key): a duplicate cannot show in the table, a
+    zombie's prepared transaction that holds a row's lock stalls the successor's upsert of it."""
+    from tests.test_ownership_processes import PostgresTarget
+
+    return PostgresTarget(None, None, info=info["postgres_host"], mode="upsert")
+
+
 def _files_s3_target(info: dict[str, Any]) -> Any:
     """FileSink into a prefix of the run's own on MinIO on the ``s3`` host (reached directly, not
     through the log's proxy); leftovers: open multipart uploads and staged objects."""
@@ -145,11 +155,14 @@ def _kafka_target(info: dict[str, Any]) -> Any:
     return KafkaTarget(None, None, info=info["kafka_host"])
 
 
-TARGETS = {"postgres": _postgres_target, "files-s3": _files_s3_target, "kafka": _kafka_target}
+TARGETS = {"postgres": _postgres_target, "postgres-upsert": _postgres_upsert_target, "files-s3": _files_s3_target,
+           "kafka": _kafka_target}
 #: The servers on hosts each sink's run needs besides the log's MinIO.
-SERVERS = {"postgres": ("postgres_host",), "files-s3": (), "kafka": ("kafka_host",)}
+SERVERS = {"postgres": ("postgres_host",), "postgres-upsert": ("postgres_host",), "files-s3": (),
+           "kafka": ("kafka_host",)}
 #: What "nothing left behind" looked for, per sink.
-NOTHING_LEFT = {"postgres": "no prepared transaction", "files-s3": "no open upload, no staged object",
+NOTHING_LEFT = {"postgres": "no prepared transaction", "postgres-upsert": "no prepared transaction",
+                "files-s3": "no open upload, no staged object",
                 "kafka": "no open transaction"}
 
 

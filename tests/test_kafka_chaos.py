@@ -1,6 +1,7 @@
 """Kill tests: Kafka source -> Spark -> Coordinator(KafkaSink) -> Kafka, driver killed at the crash
-points where the sink's state differs (``chaos.SINK_POINTS``) and at a random moment; a
-read_committed consumer then finds every input id exactly once."""
+points where the sink's state differs (``chaos.SINK_POINTS``); a read_committed consumer then finds
+every input id exactly once.  (SIGKILLs of the driver at random moments are the nemesis's, with
+the driver on a host of its own: tests/test_nemesis.py.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ N = 1500
 @pytest.mark.spark
 @pytest.mark.chaos
 @pytest.mark.timeout(2400)
-def test_driver_killed_at_the_sinks_crash_points_and_randomly(kafka_service, tmp_path):
+def test_driver_killed_at_the_sinks_crash_points(kafka_service, tmp_path):
     from confluent_kafka import Producer
 
     bs = kafka_service["bootstrap_servers"]
@@ -40,8 +41,7 @@ def test_driver_killed_at_the_sinks_crash_points_and_randomly(kafka_service, tmp
     t0 = time.time()
     # Crash point i at batch i: every restart gets one batch further, so each point hits its own batch.
     points = [f"{p}:{i}" for i, p in enumerate(SINK_POINTS)]
-    runs = run_with_faults(cmd, crash_points=points, random_kills=1, kill_window=(12.0, 30.0),
-                           seed=7, env={"PYTHONPATH": str(REPO)}, log_path=str(log_path), timeout=600)
+    runs = run_with_faults(cmd, crash_points=points, random_kills=0, seed=7, env={"PYTHONPATH": str(REPO)}, log_path=str(log_path), timeout=600)
     assert runs[-1].completed
     # Every crash point really fired: the driver died (137), or the executor's worker did (task fails: 1).
     for run, point in zip(runs, SINK_POINTS):

@@ -208,12 +208,16 @@ class PostgresTarget:
     #: prepared transaction under the closed ballot's gid prefix.
     late_attempt_leaves = True
 
-    def __init__(self, request, tmp_path: Path | None, info: dict | None = None):
+    def __init__(self, request, tmp_path: Path | None, info: dict | None = None, *, mode: str = "insert"):
         self.info = info if info is not None else request.getfixturevalue("postgres_service")
         self.table = f"ownp_{uuid.uuid4().hex[:8]}"
         self.gid_prefix = f"op{uuid.uuid4().hex[:6]}"
+        #: insert, or upsert on ``id`` (a replayed row updates it: duplicates cannot show, but a
+        #: late prepared transaction holding a row's lock stalls the next writer of that row).
+        self.mode = mode
+        key = "PRIMARY KEY" if mode == "upsert" else "NOT NULL"
         with self._conn() as c, c.cursor() as cur:
-            cur.execute(f'CREATE TABLE "{self.table}" (id bigint NOT NULL, v text)')
+            cur.execute(f'CREATE TABLE "{self.table}" (id bigint {key}, v text)')
 
     @contextlib.contextmanager
     def _conn(self):
@@ -231,8 +235,9 @@ class PostgresTarget:
 
         i = self.info
         dsn = f"host={i['host']} port={i['port']} dbname={i['dbname']} user={i['user']}"
+        keys = ["id"] if self.mode == "upsert" else None
         return PostgresSink(dsn, self.table, gid_prefix=self.gid_prefix, password={"env": "PGPASSWORD"},
-                            lock_timeout="20s").to_config()
+                            lock_timeout="20s", mode=self.mode, key_columns=keys).to_config()
 
     def env(self) -> dict[str, str]:
         return {"PGPASSWORD": self.info["password"]}
