@@ -36,7 +36,7 @@ a new standby is started on its host.  At the end the pipeline is let run withou
 batch during which the stop file appeared.
 
 The checker reads the history (faults with start and end, every driver's batches, exits) and
-the target, and gives a verdict per property: every id exactly once (read back from PostgreSQL),
+the target, and gives a verdict per property: every id exactly once (read back from the target),
 no data loss reported, progress resumed within a bound after the last heal, nothing left behind
 (no prepared transaction of the run's gid prefix; no open upload or staged object of the run's
 output), the pipeline finished.  It prints a verdict
