@@ -247,6 +247,7 @@ class Nemesis:
         self.fault_kinds = faults
         #: A folder holding another ``twophase`` package for the drivers (an older commit's).
         self.package = package
+        self._package_config: dict[str, Any] | None = None
         self.run_id = uuid.uuid4().hex[:10]
         self.history = History(sink, seed, time.time(), lease)
         self.drivers: list[Driver] = []
@@ -283,6 +284,8 @@ class Nemesis:
         config = self.target.sink_config()
         if self.package is None:
             return config
+        if self._package_config is not None:
+            return self._package_config
         code = ("import inspect, json, sys\n"
                 "from twophase.config import sink_class\n"
                 "config = json.loads(sys.argv[1])\n"
@@ -295,6 +298,7 @@ class Nemesis:
         known = json.loads(out)
         if set(known) != set(config):
             _log(f"--package: parameters its sink does not know, left out: {sorted(set(config) - set(known))}")
+        self._package_config = known  # one look per run, not one per driver
         return known
 
     def start_driver(self, host: str) -> Driver:

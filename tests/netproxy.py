@@ -1,6 +1,7 @@
 """A TCP proxy for fault tests: forwards bytes unchanged, and can hold, drop or cut them.
 
-It listens on ``127.0.0.1:0`` (or another local address: the test hosts' bridge) and forwards every connection to one upstream ``host:port``.
+It listens on ``127.0.0.1:0`` (or another local address: the test hosts' bridge) and forwards
+every connection to one upstream ``host:port``.
 Being a pure byte forwarder it changes nothing in what passes, so signed requests stay
 valid (S3 SigV4 signs the ``Host`` header the client sent, which the server reads back
 unchanged).  The faults it plays:
@@ -165,7 +166,9 @@ class Proxy:
             for h in self._holds:
                 if h.client is not None and self._clients.get(n) != h.client:
                     continue
-                if h.connection is None and not h.released and any(m.end() > len(tail) for m in h.pattern.finditer(buf)):
+                if h.connection is not None or h.released:
+                    continue
+                if any(m.end() > len(tail) for m in h.pattern.finditer(buf)):
                     h.connection = n
                     return h
         return None
