@@ -43,6 +43,8 @@ MAX_IN_FLIGHT = 32
 #: Requests this client has outstanding at once (all connections): callers beyond it wait.
 #: Below MAX_IN_FLIGHT, so kafka-python's own metadata requests always fit beside them.
 CONCURRENT_REQUESTS = 16
+#: How long a partition's leader, looked up for DescribeProducers, is used without asking again.
+LEADER_CACHE_S = 60.0
 
 # Kafka protocol error codes (org.apache.kafka.common.protocol.Errors) that matter here.
 NONE = 0
@@ -357,6 +359,7 @@ class TxnClient:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(CONCURRENT_REQUESTS)
         self._coordinators: dict[str, Any] = {}
+        self._leaders: dict[Any, tuple[Any, float]] = {}  # partition -> (leader, when looked up)
         self.closed = False
 
     def close(self) -> None:
@@ -547,8 +550,42 @@ class TxnClient:
             tps.append(TopicPartition(topic, int(part)))
         if not tps:
             return {}
-        with self._slots:
-            found = self._admin.describe_producers(tps)
+        found = self._describe_producers_at_leaders(tps)
         return {f"{tp.topic}:{tp.partition}": [
             ProducerEntry(int(p.producer_id), int(p.producer_epoch), int(p.current_transaction_start_offset))
             for p in state.active_producers] for tp, state in found.items()}
+
+    def _describe_producers_at_leaders(self, tps: list[Any]) -> dict[Any, Any]:
+        """DescribeProducers sent to each partition's leader, from leaders cached for
+        :data:`LEADER_CACHE_S` (one metadata round trip saved per call: a task asks once per
+        transaction).  A cached leader that moved answers an error: the leaders are then looked
+        up again and the request sent once more."""
+        import time
+
+        now = time.monotonic()
+        with self._lock:
+            cached = {tp: self._leaders.get(tp) for tp in tps}
+        if all(e is not None and now - e[1] < LEADER_CACHE_S for e in cached.values()):
+            by_leader: dict[Any, list[Any]] = {}
+            for tp, (node, _) in cached.items():
+                by_leader.setdefault(node, []).append(tp)
+            try:
+                found: dict[Any, Any] = {}
+                for node, group in by_leader.items():
+                    with self._slots:
+                        found.update(self._admin.describe_producers(group, broker_id=node))
+                return found
+            except (self._errors.KafkaError, OSError):
+                with self._lock:
+                    for tp in tps:
+                        self._leaders.pop(tp, None)
+        leaders = self._run(self._admin._async_get_leader_for_partitions, tps)
+        with self._lock:
+            for node, group in leaders.items():
+                for tp in group:
+                    self._leaders[tp] = (node, now)
+        found = {}
+        for node, group in leaders.items():
+            with self._slots:
+                found.update(self._admin.describe_producers(sorted(group), broker_id=node))
+        return found

@@ -455,7 +455,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         """Abort what this ballot's attempts left open on its ids, never what a newer one opened (driver).
 
         Describes the INTENT's ids (and those of wider earlier plans, see :meth:`plan_batch`)
-        first, then the plan fence.  An open transaction (not one of
+        first, then, if an open transaction there depends on it, the plan fence (after a clean
+        batch nothing is open: one request).  An open transaction (not one of
         ``keep``) is aborted, by EndTxn under the exact producer id and epoch just described, if
         the INTENT's snapshot lists it as open before this ballot was planned (a leftover of a
         closed execution), or if the plan fence still holds this INTENT's epoch (no execution has
@@ -477,8 +478,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         kept = {(str(h["transactional_id"]), int(h["producer_id"]), int(h["producer_epoch"])) for h in keep}
         client = self._txn_client()
         states = self._describe(client, tids)
-        latest = self._plan_fence_holds(client, pool)  # asked after the ids: see the docstring
-        snapshot = pool.get("open") or {}
+        latest: bool | None = None  # the plan fence, asked after the ids (see the docstring) and
+        snapshot = pool.get("open") or {}  # only if an open transaction depends on it
         aborted, left = 0, []
         for tid in tids:
             st = states.get(tid)
@@ -486,7 +487,10 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 continue
             if (tid, st.producer_id, st.producer_epoch) in kept:
                 continue
-            if latest or snapshot.get(tid) == [st.producer_id, st.producer_epoch]:
+            listed = snapshot.get(tid) == [st.producer_id, st.producer_epoch]
+            if not listed and latest is None:
+                latest = self._plan_fence_holds(client, pool)
+            if listed or latest:
                 if self._abort_open(client, tid, st.producer_id, st.producer_epoch, f"batch {batch_id}"):
                     aborted += 1
             else:

@@ -195,3 +195,36 @@ def test_describe_producers_gives_the_first_offset_of_an_open_transaction(kafka_
     assert [(e.producer_id, e.producer_epoch, e.txn_start_offset) for e in entries] == \
         [(st.producer_id, st.producer_epoch, 0)]
     client.close()
+
+
+@pytest.mark.kafka
+def test_describe_producers_asks_a_cached_leader_and_looks_again_when_it_is_wrong(kafka_service):
+    """The partition's leader is looked up once and reused (one round trip a call, not two); a cached
+    leader that is wrong (a broker that moved, here one that does not exist) fails that request,
+    the leaders are looked up again and the answer is the right one."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, tid = _topic(bs, 1), f"fact4-{uuid.uuid4().hex[:8]}"
+    client = kp.TxnClient({"bootstrap_servers": bs})
+    _ongoing(bs, topic, tid).flush(30)
+    st = client.describe_transactions([tid])[tid]
+    want = [(st.producer_id, st.producer_epoch, 0)]
+
+    def entries():
+        return [(e.producer_id, e.producer_epoch, e.txn_start_offset)
+                for e in client.describe_producers([f"{topic}:0"])[f"{topic}:0"]]
+
+    assert entries() == want
+    (tp, (leader, _)), = client._leaders.items()
+    lookups = []
+    real = client._admin._async_get_leader_for_partitions
+
+    async def counted(tps):
+        lookups.append(list(tps))
+        return await real(tps)
+
+    client._admin._async_get_leader_for_partitions = counted
+    assert entries() == want and lookups == []                     # the cached leader, no lookup
+    client._leaders[tp] = (leader + 1000, client._leaders[tp][1])  # a leader that is not there
+    assert entries() == want and len(lookups) == 1                 # looked up again, right answer
+    assert client._leaders[tp][0] == leader
+    client.close()
