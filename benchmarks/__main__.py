@@ -45,6 +45,8 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     ap.add_argument("--partition-counts", help="comma list of input partition counts for the "
                     "partitions section (default 2,50,200)")
     ap.add_argument("--targets", help="comma list of files, kafka, postgres for the partitions section")
+    ap.add_argument("--stream-partitions", type=int, help="source partitions of the partitions section's "
+                    "streaming comparison (default 50; 0 leaves it out)")
     ap.add_argument("--file-targets", help="comma list of local, hdfs, s3, s3-moto, s3a for the files "
                     "section (default all but s3a; s3a: FileSink S3 against Spark's own S3A writer on MinIO, "
                     "which needs hadoop-aws and the ~690 MB AWS SDK bundle from Maven Central)")
@@ -71,6 +73,10 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     p.profile = a.profile
     if a.partition_counts:
         p.partition_counts = tuple(int(x) for x in a.partition_counts.split(","))
+    if a.stream_partitions is not None:
+        if a.stream_partitions < 0:
+            ap.error("--stream-partitions must be >= 0")
+        p.stream_partitions = a.stream_partitions
     if a.targets:
         p.partition_targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
         bad_t = [t for t in p.partition_targets if t not in ("files", "kafka", "postgres")]

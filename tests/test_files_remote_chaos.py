@@ -77,7 +77,10 @@ def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
 
 @pytest.mark.hdfs
 @pytest.mark.spark
-@pytest.mark.parametrize("writer", ["arrow", "spark"])
+@pytest.mark.parametrize("writer", [pytest.param("arrow", marks=pytest.mark.skipif(
+    not os.environ.get("TWOPHASE_FULL_CHAOS"),
+    reason="CI time: the per-task Arrow path on HDFS under faults is the cluster kill test's "
+           "(after_pre_commit inside executors, mid_commit); TWOPHASE_FULL_CHAOS=1 runs it")), "spark"])
 def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_service, spark, writer):
     from hdfs import InsecureClient
 
@@ -167,9 +170,10 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
 
     Faults, few and placed: ``after_pre_commit`` fires inside an executor's Python worker (the
     coordinator ships the crash plan with its tasks; the crash log proves where it fired), the
-    driver dies ``mid_commit``, one random SIGKILL of the driver while batches flow, and a
-    thread SIGKILLs executor JVMs (with their Python workers, as a lost container) while
-    batches are in flight.  Every id must then be in the output exactly once.
+    driver dies ``mid_commit``, and a thread SIGKILLs executor JVMs (with their Python workers,
+    as a lost container) while batches are in flight.  Every id must then be in the output
+    exactly once.  (A SIGKILL of the driver while batches flow on the cluster is the Kafka
+    twin's; CI time.)
     """
     from hdfs import InsecureClient
 
@@ -195,7 +199,7 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
     try:
         with cluster.Saboteur(log_records, ["executor", "executor"], seed=20261123) as saboteur:
             runs = chaos.run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:3"],
-                                         random_kills=1, kill_window=(0.5, 2.0), seed=17, log_path=log_path,
+                                         random_kills=0, seed=17, log_path=log_path,
                                          timeout=400, env={"PYTHONPATH": REPO,
                                                            "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"},
                                          progress_probe=log_records)

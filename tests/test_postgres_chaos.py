@@ -172,9 +172,9 @@ def test_insert_exactly_once_on_a_cluster_whose_executors_and_workers_die(tmp_pa
     ``spark.executorEnv.PGPASSWORD`` (executors do not inherit the driver's environment).
 
     Faults: ``after_pre_commit`` fires in executors' Python workers (prepared transactions whose
-    handles never reach the driver), the driver dies ``mid_commit``, one SIGKILL of the driver
-    while batches flow; meanwhile an executor JVM is SIGKILLed with its Python workers, and a
-    worker with its executors (then started again).  Every id is then in the table exactly once,
+    handles never reach the driver), the driver dies ``mid_commit``; meanwhile an executor JVM is
+    SIGKILLed with its Python workers, and a worker with its executors (then started again).  (A
+    SIGKILL of the driver while batches flow on the cluster is the Kafka twin's; CI time.)  Every id is then in the table exactly once,
     nothing of the query is left prepared, and the password is in no driver or executor log.
     """
     from tests import cluster
@@ -206,9 +206,9 @@ def test_insert_exactly_once_on_a_cluster_whose_executors_and_workers_die(tmp_pa
     try:
         with cluster.Saboteur(log_records, ["executor", "worker"], seed=20261124, gap=10) as saboteur:
             runs = _run(tmp_path, info, table, "insert", name, ["after_pre_commit:1", "mid_commit:2"],
-                        random_kills=1, seed=11, user=role, password=secret,
+                        random_kills=0, seed=11, user=role, password=secret,
                         cluster_conf={"spark.executorEnv.PGPASSWORD": secret},
-                        progress_probe=log_records, kill_window=(0.5, 2.0), timeout=400)
+                        progress_probe=log_records, timeout=400)
         cluster.check_fault_runs(runs, saboteur)
         with _conn(as_role) as c, c.cursor() as cur:
             cur.execute(f'SELECT id FROM "{role}"."{table}"')

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
                          "executors need PGPASSWORD as spark.executorEnv.PGPASSWORD")
     ap.add_argument("--connect", action="store_true",
                     help="run as a Spark Connect client of a local[2] server that pyspark starts")
+    ap.add_argument("--remote", metavar="URL",
+                    help="run as a Spark Connect client of the running server at URL (sc://host:port), "
+                         "which does not share this process's environment: the password goes inline")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -40,10 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     from twophase.sinks.postgres import PostgresSink
     from twophase.spark import local_session
 
+    password: str | dict[str, str] = {"env": "PGPASSWORD"}
     if args.cluster:
         from tests.cluster import cluster_session
 
         spark = cluster_session(f"twophase-{args.name}")
+    elif args.remote:
+        import os
+
+        from pyspark.sql import SparkSession
+
+        from twophase.spark import bound_connect_retries
+
+        spark = bound_connect_retries(SparkSession.builder.remote(args.remote)
+                                      .appName(f"twophase-{args.name}").getOrCreate())
+        password = os.environ["PGPASSWORD"]  # kept in the sink's memory, never logged
     else:
         # Short-lived JVMs under load: C1 only and the serial GC start faster and use less CPU.
         spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf={
@@ -51,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             connect=args.connect)
     sink = PostgresSink(args.dsn, table=args.table, schema=args.schema, mode=args.mode,
                         key_columns=["k"] if args.mode == "upsert" else None,
-                        password={"env": "PGPASSWORD"}, lock_timeout="20s")
+                        password=password, lock_timeout="20s")
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name,
                               retry_backoff=0.1)
     df = (spark.readStream.schema("id LONG, k LONG, v LONG").option("maxFilesPerTrigger", 1)
