@@ -564,8 +564,8 @@ class TxnClient:
 
         now = time.monotonic()
         with self._lock:
-            cached = {tp: self._leaders.get(tp) for tp in tps}
-        if all(e is not None and now - e[1] < LEADER_CACHE_S for e in cached.values()):
+            cached = {tp: e for tp in tps if (e := self._leaders.get(tp)) is not None and now - e[1] < LEADER_CACHE_S}
+        if len(cached) == len(tps):
             by_leader: dict[Any, list[Any]] = {}
             for tp, (node, _) in cached.items():
                 by_leader.setdefault(node, []).append(tp)

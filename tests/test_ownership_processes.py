@@ -230,11 +230,13 @@ class PostgresTarget:
         finally:
             c.close()
 
-    def sink_config(self) -> dict:
+    def sink_config(self, address: tuple[str, int] | None = None) -> dict:
+        """``address``: the server's (host, port) to connect to instead (a proxy in front of it)."""
         from twophase.sinks.postgres import PostgresSink
 
         i = self.info
-        dsn = f"host={i['host']} port={i['port']} dbname={i['dbname']} user={i['user']}"
+        host, port = address if address is not None else (i["host"], i["port"])
+        dsn = f"host={host} port={port} dbname={i['dbname']} user={i['user']}"
         keys = ["id"] if self.mode == "upsert" else None
         return PostgresSink(dsn, self.table, gid_prefix=self.gid_prefix, password={"env": "PGPASSWORD"},
                             lock_timeout="20s", mode=self.mode, key_columns=keys).to_config()
@@ -721,6 +723,72 @@ def test_a_decision_held_on_the_wire_past_a_takeover_from_another_hostname_is_re
             s3 = client(minio)
             for o in s3.list_objects_v2(Bucket=bucket, Prefix=root + "/log/").get("Contents", []):
                 s3.delete_object(Bucket=bucket, Key=o["Key"])
+
+
+@pytest.mark.postgres
+def test_a_commit_held_on_the_wire_past_a_takeover_lands_late_and_harms_nothing(request, drivers, tmp_path):
+    """The fault model's commit decision delayed on the network past its lease, on PostgreSQL:
+    A decides a batch, and its ``COMMIT PREPARED`` is held in a proxy in front of the server
+    while A stops (its lease lapses).  B, on another hostname, takes the log over, commits A's
+    decided batch itself (recovery) and runs the rest.  Then the held ``COMMIT PREPARED``
+    arrives, after B's, and A wakes: the server answers that the transaction does not exist,
+    which the sink resolves by its marker row as committed before (A's decision is committed:
+    A says so), and A stops, fenced, on the log it no longer owns.  No data loss is reported, every id is in the table once, nothing is left
+    prepared."""
+    refusal = _unshare_refusal()
+    if refusal:
+        pytest.skip(refusal)
+    from tests.netproxy import Proxy
+    from twophase.log import TransactionLog
+
+    target = PostgresTarget(request, tmp_path)
+    try:
+        log, name = str(tmp_path / "log"), f"ownc{uuid.uuid4().hex[:6]}"
+        env = target.env()
+        with Proxy(target.info["host"], int(target.info["port"])) as proxy:
+            a_args = _args(target, log, name, tmp_path, "a")
+            a_args[a_args.index("--sink-config") + 1] = json.dumps(target.sink_config((proxy.host, proxy.port)))
+            a = Driver("a", tmp_path, a_args, dict(env, **{crash.PAUSE_ENV: f"after_prepared_logged:{HELD}"}))
+            drivers.append(a)
+            b = Driver("b", tmp_path, _args(target, log, name, tmp_path, "b", wait_for_lease=180), env,
+                       hostname=B_HOST)
+            drivers.append(b)
+            b.wait_until("Spark started", lambda: _ready(tmp_path, "b"))
+            _go(tmp_path, "a")
+            a.wait_stopped()  # batches 0 and 1 committed; batch 2 decided, not committed
+            held = proxy.hold(rb"COMMIT PREPARED")
+            os.kill(a.pid, signal.SIGCONT)
+            a.wait_until("its commit of batch 2 was held by the proxy", held.matched.is_set)
+            os.kill(a.pid, signal.SIGSTOP)  # A waits for the answer, its lease's heartbeat stopped too
+            _go(tmp_path, "b")
+            b_code = b.finish()  # B waited out A's lease, committed batch 2 (A's decision), ran batch 3
+            assert a.state() == "T"
+            assert target.leftovers() == [], "B left A's decided transactions prepared"
+            held.release()  # A's COMMIT PREPARED arrives now, after B's
+            time.sleep(1.0)
+            os.kill(a.pid, signal.SIGCONT)
+            a_code = a.finish()
+        b_events, a_events = b.events(), a.events()
+        assert b_code == 0, b.tail()
+        # B's recovery, when it took the log, committed A's decided batch; its query then skips it.
+        assert f"batch {HELD} (generation 1) was decided but not fully committed: committing its " \
+            f"{PARTITIONS} handles" in b.err.read_text(errors="replace"), b.tail()
+        assert [(e["batch"], e["action"]) for e in b_events if e["event"] == "batch"] == \
+            [(0, "skipped"), (1, "skipped"), (HELD, "skipped"), (3, "committed")], b.tail()
+        # A's late commit found its transactions committed (by B): batch 2, its own decision, is
+        # committed, which A reports; then it stops, fenced, before any other batch.
+        assert [e["batch"] for e in a_events if e["event"] == "batch"] == list(range(HELD + 1)), a.tail()
+        err = a_events[-1]
+        assert err["event"] == "error" and not err["data_loss"] and err["type"] == "LogOwnershipError", a.tail()
+        assert a_code == 3, a.tail()
+        assert "DataLossError" not in a.err.read_text(errors="replace") + b.err.read_text(errors="replace")
+        assert target.ids() == Counter(range(BATCHES * ROWS))
+        assert target.leftovers() == []
+        view = TransactionLog(log, readonly=True)
+        view.generation = 1
+        assert view.view(HELD).committed is not None
+    finally:
+        target.cleanup()
 
 
 #: The late task attempt's batch, and the batches of that test: one more after it, whose
