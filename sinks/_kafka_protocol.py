@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,8 +206,6 @@ def oauth_token_provider(conf: dict[str, Any]) -> Any:
             self._lock = threading.Lock()
 
         def token(self) -> str:
-            import time
-
             with self._lock:
                 if self._token is None or time.time() >= self._until:
                     self._token, lifetime = self._fetch()
@@ -218,8 +217,6 @@ def oauth_token_provider(conf: dict[str, Any]) -> Any:
 
     if flag("enable.sasl.oauthbearer.unsecure.jwt"):
         import json
-        import time
-
         cfg = _parse_kv(str(conf.get("sasl.oauthbearer.config", "")), "sasl.oauthbearer.config")
         principal = cfg.get("principal")
         if not principal:
@@ -560,32 +557,28 @@ class TxnClient:
         :data:`LEADER_CACHE_S` (one metadata round trip saved per call: a task asks once per
         transaction).  A cached leader that moved answers an error: the leaders are then looked
         up again and the request sent once more."""
-        import time
-
         now = time.monotonic()
         with self._lock:
-            cached = {tp: e for tp in tps if (e := self._leaders.get(tp)) is not None and now - e[1] < LEADER_CACHE_S}
+            cached = {tp: e[0] for tp in tps if (e := self._leaders.get(tp)) is not None
+                      and now - e[1] < LEADER_CACHE_S}
         if len(cached) == len(tps):
-            by_leader: dict[Any, list[Any]] = {}
-            for tp, (node, _) in cached.items():
-                by_leader.setdefault(node, []).append(tp)
             try:
-                found: dict[Any, Any] = {}
-                for node, group in by_leader.items():
-                    with self._slots:
-                        found.update(self._admin.describe_producers(group, broker_id=node))
-                return found
+                return self._describe_producers_by_leader(cached)
             except (self._errors.KafkaError, OSError):
-                with self._lock:
-                    for tp in tps:
-                        self._leaders.pop(tp, None)
-        leaders = self._run(self._admin._async_get_leader_for_partitions, tps)
+                pass  # looked up again below
+        found = self._run(self._admin._async_get_leader_for_partitions, tps)
+        leaders = {tp: node for node, group in found.items() for tp in group}
         with self._lock:
-            for node, group in leaders.items():
-                for tp in group:
-                    self._leaders[tp] = (node, now)
-        found = {}
-        for node, group in leaders.items():
+            self._leaders.update((tp, (node, now)) for tp, node in leaders.items())
+        return self._describe_producers_by_leader(leaders)
+
+    def _describe_producers_by_leader(self, leaders: dict[Any, Any]) -> dict[Any, Any]:
+        """One DescribeProducers per leader, for ``{partition: leader}``."""
+        by_leader: dict[Any, list[Any]] = {}
+        for tp, node in leaders.items():
+            by_leader.setdefault(node, []).append(tp)
+        found: dict[Any, Any] = {}
+        for node, group in by_leader.items():
             with self._slots:
-                found.update(self._admin.describe_producers(sorted(group), broker_id=node))
+                found.update(self._admin.describe_producers(group, broker_id=node))
         return found

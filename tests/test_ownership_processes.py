@@ -492,8 +492,9 @@ def _s3_options(info: dict, endpoint: str, **extra) -> dict:
 
 # ---------------------------------------------------------------------------------- checks
 def _args(target, log: str, name: str, tmp: Path, label: str, *, log_options: dict | None = None,
-          wait_for_lease: float = 0.0, batches: int = BATCHES) -> list[str]:
-    args = ["--sink-config", json.dumps(target.sink_config()), "--log", log, "--name", name,
+          wait_for_lease: float = 0.0, batches: int = BATCHES, sink_config: dict | None = None) -> list[str]:
+    config = sink_config if sink_config is not None else target.sink_config()
+    args = ["--sink-config", json.dumps(config), "--log", log, "--name", name,
             "--lease-timeout", str(LEASE), "--batches", str(batches), "--rows", str(ROWS),
             "--partitions", str(PARTITIONS), "--shape", target.shape,
             "--ready-file", str(tmp / f"{label}.ready"), "--go-file", str(tmp / f"{label}.go")]
@@ -746,8 +747,7 @@ def test_a_commit_held_on_the_wire_past_a_takeover_lands_late_and_harms_nothing(
         log, name = str(tmp_path / "log"), f"ownc{uuid.uuid4().hex[:6]}"
         env = target.env()
         with Proxy(target.info["host"], int(target.info["port"])) as proxy:
-            a_args = _args(target, log, name, tmp_path, "a")
-            a_args[a_args.index("--sink-config") + 1] = json.dumps(target.sink_config((proxy.host, proxy.port)))
+            a_args = _args(target, log, name, tmp_path, "a", sink_config=target.sink_config((proxy.host, proxy.port)))
             a = Driver("a", tmp_path, a_args, dict(env, **{crash.PAUSE_ENV: f"after_prepared_logged:{HELD}"}))
             drivers.append(a)
             b = Driver("b", tmp_path, _args(target, log, name, tmp_path, "b", wait_for_lease=180), env,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -49,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
 
         spark = cluster_session(f"twophase-{args.name}")
     elif args.remote:
-        import os
-
         from pyspark.sql import SparkSession
 
         from twophase.spark import bound_connect_retries
