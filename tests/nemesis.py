@@ -1,13 +1,14 @@
 """The nemesis: real faults injected while batches flow, on test hosts that really are apart.
 
-    python -m tests.nemesis --sink postgres|postgres-upsert|files-s3|kafka --minutes 2 --seed 7 [--out DIR]
+    python -m tests.nemesis --sink postgres|postgres-upsert|files-s3|files-hdfs|kafka --minutes 2 --seed 7 [--cluster] [--out DIR]
 
 The cluster (tests/services/hosts.py): drivers on the hosts ``driver-a`` and ``driver-b`` (each
 its own network namespace, address, hostname and folder; Spark ``local[2]`` inside), the
 transaction log on MinIO on the host ``s3``, reached through a fault proxy (tests/netproxy.py)
 on the bridge's root address; the target a table on PostgreSQL on the host ``pg`` (``--sink
 postgres``, inserts; ``postgres-upsert``, upserts on the id), files on that MinIO, reached directly
-(``--sink files-s3``, FileSink's multipart uploads), or a topic on Kafka on the host ``kafka``
+(``--sink files-s3``, FileSink's multipart uploads), files on HDFS on the host ``hdfs`` (``--sink
+files-hdfs``, FileSink's Arrow writer through WebHDFS: staged files renamed), or a topic on Kafka on the host ``kafka``
 (``--sink kafka``, read back ``read_committed``).  A
 driver is ``tests/drivers/ownership_pipeline.py``: one Coordinator writing batches of unique ids,
 one every ``--interval`` seconds, skipping the batches the log has committed; a short lease, so
@@ -31,13 +32,31 @@ and the standby takes over (it waits out the lease, then closes the old driver's
 - ``isolate``: the driver's host leaves the bridge (nothing reaches it, nothing it sends
   arrives), then rejoins.
 
+With ``--cluster`` the drivers run their batches on a Spark standalone cluster across the hosts
+(tests/services/spark_hosts.py: the master on the bridge's root address, a worker on each of the
+hosts ``worker-1`` and ``worker-2``; each driver holds one executor on each worker), with a
+shuffle before the write, and three faults of one executor of the active driver join the
+schedule.  Each waits until the batch's write tasks run on both workers (the tasks of that
+batch wait a few seconds after marking their start, so that the fault finds them running), then
+hits the executor of one of them; the driver is not deposed and must go on:
+
+- ``executor-kill``: SIGKILL of the executor JVM and its Python workers.  Its shuffle output is
+  lost with it, so its task's retry fails to fetch it and the write stage is retried while the
+  other worker's task of the old stage attempt still runs: two attempts of one partition at once;
+- ``executor-pause``: SIGSTOP of the executor and its Python workers past the driver's network
+  timeout (its tasks run again elsewhere), then SIGCONT: a zombie executor;
+- ``executor-cut``: the worker's host loses the driver's address only (its heartbeats fail; its
+  task runs on, reaches the target and pre-commits, and its result never arrives), healed after
+  the network timeout.
+
 The healed or resumed driver must stop without harm (fenced: exit 3, never a ``DataLossError``);
 a new standby is started on its host.  At the end the pipeline is let run without faults to the
 batch during which the stop file appeared.
 
 The checker reads the history (faults with start and end, every driver's batches, exits) and
 the target, and gives a verdict per property: every id exactly once (read back from the target),
-no data loss reported, progress resumed within a bound after the last heal, nothing left behind
+no data loss reported, every takeover and every executor fault followed by a committed batch
+within a bound, progress resumed within a bound after the last heal, nothing left behind
 (no prepared transaction of the run's gid prefix; no open upload or staged object of the run's
 output), the pipeline finished.  It prints a verdict
 table, writes ``history.json`` and a timeline picture (``timeline.png``: faults as bands,
@@ -67,6 +86,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "drivers" / "ownership_pipeline.py"
 FAULTS = ("kill", "pause", "delay", "partition-log", "isolate")
+#: Faults of one executor of the active driver (``--cluster`` only): the driver is not deposed.
+EXECUTOR_FAULTS = ("executor-kill", "executor-pause", "executor-cut")
+ALL_FAULTS = FAULTS + EXECUTOR_FAULTS
+#: With ``--cluster``: seconds an executor may be silent before its driver declares it lost, and
+#: seconds every write task waits after its mark (so that an executor fault finds one running).
+NETWORK_TIMEOUT, TASK_DELAY = 10.0, 4.0
 DRIVER_HOSTS = ("driver-a", "driver-b")
 #: Rows per batch and writer tasks (one transaction each) per batch.
 ROWS, PARTITIONS = 20, 2
@@ -110,6 +135,17 @@ class History:
     finished: float | None = None
     #: Set when the pipeline stopped making progress (no batch without a fault): what stalled.
     stalled: str | None = None
+    #: The slow write tasks' marks (``--cluster``): batch, partition, task id, attempt, host, start.
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+
+    def overlaps(self, within: float) -> list[tuple[int, int]]:
+        """(batch, partition) run by two task attempts at once: two attempts of it started less
+        than ``within`` (a slow task's wait) apart, so the first still ran when the second began."""
+        by: dict[tuple[int, int], list[float]] = {}
+        for t in self.tasks:
+            by.setdefault((t["batch"], t["partition"]), []).append(t["at"])
+        return sorted(k for k, ats in by.items()
+                      if any(b - a < within for a, b in zip(sorted(ats), sorted(ats)[1:])))
 
     def batches(self) -> list[tuple[float, str, int, str]]:
         """(time, driver, batch, action) of every batch a driver reported, by time."""
@@ -146,6 +182,14 @@ def _files_s3_target(info: dict[str, Any]) -> Any:
     return S3FilesTarget(None, None, info=info["minio_host"])
 
 
+def _files_hdfs_target(info: dict[str, Any]) -> Any:
+    """FileSink (Arrow writer, WebHDFS) into a folder of the run's own on HDFS on the ``hdfs`` host
+    (reached directly); leftovers: staged files."""
+    from tests.test_ownership_processes import HdfsFilesTarget
+
+    return HdfsFilesTarget(None, None, info=info["hdfs_host"])
+
+
 def _kafka_target(info: dict[str, Any]) -> Any:
     """KafkaSink into a topic of the run's own (two partitions) on the broker on the ``kafka``
     host; ids read back read_committed; leftovers: open transactions of the run's transactional
@@ -156,13 +200,13 @@ def _kafka_target(info: dict[str, Any]) -> Any:
 
 
 TARGETS = {"postgres": _postgres_target, "postgres-upsert": _postgres_upsert_target, "files-s3": _files_s3_target,
-           "kafka": _kafka_target}
+           "files-hdfs": _files_hdfs_target, "kafka": _kafka_target}
 #: The servers on hosts each sink's run needs besides the log's MinIO.
 SERVERS = {"postgres": ("postgres_host",), "postgres-upsert": ("postgres_host",), "files-s3": (),
-           "kafka": ("kafka_host",)}
+           "files-hdfs": ("hdfs_host",), "kafka": ("kafka_host",)}
 #: What "nothing left behind" looked for, per sink.
 NOTHING_LEFT = {"postgres": "no prepared transaction", "postgres-upsert": "no prepared transaction",
-                "files-s3": "no open upload, no staged object",
+                "files-s3": "no open upload, no staged object", "files-hdfs": "no staged file",
                 "kafka": "no open transaction"}
 
 
@@ -241,7 +285,8 @@ class Driver:
 # ------------------------------------------------------------------------------------ the run
 class Nemesis:
     def __init__(self, sink: str, seed: int, minutes: float, out: Path, *, lease: float = 6.0,
-                 interval: float = 0.5, faults: tuple[str, ...] = FAULTS, package: Path | None = None):
+                 interval: float = 0.5, faults: tuple[str, ...] = FAULTS, package: Path | None = None,
+                 cluster: bool = False, quiet: tuple[int, int] = (2, 6)):
         self.rng = random.Random(seed)
         self.minutes, self.out, self.lease, self.interval = minutes, out, lease, interval
         self.fault_kinds = faults
@@ -255,13 +300,27 @@ class Nemesis:
         self.sink = sink
         #: The fault kinds to play, in order, instead of drawing them for ``minutes`` (a CI schedule).
         self.schedule: list[str] | None = None
+        #: Drivers run their batches on the standalone cluster across the worker hosts
+        #: (tests/services/spark_hosts.py), with a shuffle and slow write tasks, instead of local[2].
+        self.cluster = cluster
+        #: Batches committed between two faults: drawn from this range (inclusive).
+        self.quiet = quiet
+        self.marks = out / "marks"
+        #: While this file exists, the drivers' write tasks are slow (an executor fault is coming).
+        self.slow_file = out / "slow"
+        bad = [k for k in faults if k in EXECUTOR_FAULTS] if not cluster else []
+        if bad:
+            raise ValueError(f"executor faults {bad} need the cluster (cluster=True, --cluster)")
 
     # ---------------------------------------------------------------- set-up
     def setup(self) -> None:
         from tests.netproxy import Proxy
         from tests.services import ensure, hosts
 
-        info = ensure("hosts", "minio_host", *SERVERS[self.sink])
+        info = ensure("hosts", "minio_host", *SERVERS[self.sink], *(("spark_hosts",) if self.cluster else ()))
+        if self.cluster:
+            self.marks.mkdir(parents=True, exist_ok=True)
+            self.master_url = info["spark_hosts"]["master_url"]
         self.minio = info["minio_host"]
         self.target = TARGETS[self.sink](info)
         self.log_prefix = f"nemesis-{self.run_id}/log"
@@ -309,6 +368,14 @@ class Nemesis:
                 "--lease-timeout", str(self.lease), "--batches", "100000", "--rows", str(ROWS),
                 "--partitions", str(PARTITIONS), "--interval", str(self.interval), "--shape", self.target.shape,
                 "--wait-for-lease", "600", "--stop-file", str(self.stop_file)]
+        if self.cluster:
+            from tests.services import hosts
+
+            args += ["--master", self.master_url, "--driver-host", hosts.host(host).address, "--shuffle",
+                     "--network-timeout", str(NETWORK_TIMEOUT), "--task-delay", str(TASK_DELAY),
+                     "--mark-dir", str(self.marks), "--slow-file", str(self.slow_file)]
+            for name in self.target.env():  # the sink's secrets: executors on the worker hosts need them
+                args += ["--executor-env", name]
         d = Driver(label, host, self.out, args, self.env, self.package)
         self.drivers.append(d)
         self.history.drivers.append(d.life)
@@ -373,6 +440,90 @@ class Nemesis:
             hosts.isolate(victim.host)
             return f, lambda: hosts.rejoin(victim.host)
         raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
+
+    def _executor(self, driver: Driver, worker: str) -> list[int]:
+        """The pids of ``driver``'s executor on host ``worker``: its JVM, then its Python daemon and
+        workers (empty if it has none)."""
+        from tests.services import hosts
+        from tests.services.spark_cluster import _cmdline, descendants
+
+        pids = subprocess.run(["ip", "netns", "pids", hosts.host(worker).netns], capture_output=True,
+                              text=True).stdout.split()
+        for pid in map(int, pids):
+            cmd = _cmdline(pid)
+            if b"CoarseGrainedExecutorBackend" in cmd and f"@{driver.address}:".encode() in cmd:
+                return [pid, *descendants(pid)]
+        return []
+
+    def _running_task(self, driver: Driver, timeout: float = 60.0) -> tuple[str, str] | None:
+        """Wait for a slow write task of ``driver`` to start on each worker host (a mark made after now);
+        return one drawn (its worker host, its mark), or None after ``timeout``."""
+        since = time.time()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fresh: dict[str, str] = {}
+            for m in self.marks.iterdir():
+                with contextlib.suppress(OSError):
+                    if m.stat().st_mtime >= since:
+                        host = re.search(r"-a\d+-(.+)$", m.name)
+                        if host:
+                            fresh.setdefault(host.group(1), m.name)
+            if len(fresh) >= 2:
+                worker = self.rng.choice(sorted(fresh))
+                return worker, fresh[worker]
+            if not driver.alive():
+                return None
+            time.sleep(0.05)
+        return None
+
+    def inject_executor(self, kind: str, driver: Driver) -> tuple[Fault, Any]:
+        """An executor fault on the worker host of one of ``driver``'s running write tasks, once a
+        task of the batch runs on each worker: ``executor-kill`` SIGKILLs that executor (JVM,
+        Python daemon and workers: its shuffle output is lost, so the write stage fails to fetch
+        it and is retried while the other worker's task of the old attempt runs on);
+        ``executor-pause`` stops it past the network timeout (its driver declares it lost and runs
+        its tasks again) and resumes it: a zombie; ``executor-cut`` cuts its host from the driver
+        only (its heartbeats fail, its task runs on and reaches the target) past the network
+        timeout, then heals."""
+        from tests.services import hosts
+
+        self.slow_file.touch()
+        try:
+            found = self._running_task(driver)
+        finally:
+            self.slow_file.unlink(missing_ok=True)
+        f = Fault(kind, driver.label, time.time())
+        if found is None:
+            f.end, f.note = f.start, "no write task running on both workers in 60 s: not injected"
+            _log(f"FAULT {kind} on {driver.label}: {f.note}")
+            return f, None
+        worker, mark = found
+        pids = self._executor(driver, worker)
+        f.note = f"{worker}, during {mark}"
+        _log(f"FAULT {kind} on {driver.label}'s executor on {worker} (pids {pids[:1]}...; {mark})")
+        if not pids:
+            f.end, f.note = f.start, f"{worker}: no executor of {driver.label} found: not injected"
+            return f, None
+        if kind == "executor-kill":
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            f.end = f.start
+            return f, None
+        if kind == "executor-pause":
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGSTOP)
+
+            def resume() -> None:
+                for p in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p, signal.SIGCONT)
+            return f, resume
+        if kind == "executor-cut":
+            hosts.cut(worker, driver.address)
+            return f, lambda: hosts.uncut(worker, driver.address)
+        raise ValueError(f"unknown executor fault {kind!r}; known: {', '.join(EXECUTOR_FAULTS)}")
 
     def _delay(self, f: Fault, victim: Driver) -> Any:
         """The victim's next decision (its PUT of a batch's PREPARED record) is held on the wire,
@@ -461,13 +612,23 @@ class Nemesis:
         played = 0
         while (time.monotonic() < budget_end) if self.schedule is None else played < len(self.schedule):
             # A quiet spell: some batches commit before the next fault.
-            quiet = self.rng.randint(2, 6)
+            quiet = self.rng.randint(*self.quiet)
             if not self.wait_batches(active, quiet, timeout=120):
                 self._stalled(active, f"{active.label} (on {active.host}) wrote no {quiet} batches in 120 s "
                                       "without a fault")
                 return
             kind = self.rng.choice(self.fault_kinds) if self.schedule is None else self.schedule[played]
             played += 1
+            if kind in EXECUTOR_FAULTS:
+                # The driver stays; its batch is held up until Spark runs the task elsewhere.
+                fault, undo = self.inject_executor(kind, active)
+                self.history.faults.append(fault)
+                if undo is not None:
+                    time.sleep(NETWORK_TIMEOUT + self.rng.uniform(2.0, 6.0))
+                    undo()
+                    fault.end = time.time()
+                    _log(f"HEAL {kind} on {active.label}'s executor")
+                continue
             self.wait_ready(standby)
             fault, undo = self.inject(kind, active)
             self.history.faults.append(fault)
@@ -513,6 +674,12 @@ class Nemesis:
     def _teardown(self) -> None:
         from tests.services import hosts
 
+        if self.cluster and self.marks.is_dir():
+            for m in sorted(self.marks.iterdir()):
+                g = re.fullmatch(r"b(\d+)-p(\d+)-s\d+-t(\d+)-a(\d+)-(.+)", m.name)
+                if g:
+                    self.history.tasks.append({"batch": int(g[1]), "partition": int(g[2]), "task": int(g[3]),
+                                               "attempt": int(g[4]), "host": g[5], "at": m.stat().st_mtime})
         with contextlib.suppress(Exception):
             hosts.heal()
         for d in self.drivers:
@@ -558,7 +725,7 @@ def check(history: History, target: Any, *, progress_bound: float) -> list[Verdi
                        f"{len(history.drivers)} drivers, exits {[d.exit for d in history.drivers]}"))
     # Each takeover: from the fault to the first batch committed by another driver.
     takeovers = []
-    for f in history.faults:
+    for f in (f for f in history.faults if f.kind in FAULTS):
         later = [t for t, who, _, action in history.batches()
                  if t > f.start and who != f.driver and action in ("committed", "recommitted")]
         takeovers.append(later[0] - f.start if later else None)
@@ -568,6 +735,23 @@ def check(history: History, target: Any, *, progress_bound: float) -> list[Verdi
         out.append(Verdict(f"every takeover within {progress_bound:.0f} s", worst is not None and worst <= progress_bound,
                            (f"median {known[len(known) // 2]:.1f} s, max {worst:.1f} s" if worst is not None
                             else f"{len(takeovers) - len(known)} fault(s) never followed by another driver's batch")))
+    # Each executor fault: from its heal (a kill's moment) to the driver's next batch committed.
+    recoveries = []
+    for f in (f for f in history.faults if f.kind in EXECUTOR_FAULTS):
+        later = [t for t, _, _, action in history.batches()
+                 if t > (f.end or f.start) and action in ("committed", "recommitted")]
+        recoveries.append(later[0] - (f.end or f.start) if later else None)
+    if recoveries:
+        known = sorted(x for x in recoveries if x is not None)
+        worst = None if len(known) < len(recoveries) else known[-1]
+        retried = [e for d in history.drivers for e in d.events if e.get("event") == "batch"]
+        out.append(Verdict(f"progress within {progress_bound:.0f} s of each executor fault",
+                           worst is not None and worst <= progress_bound,
+                           (f"max {worst:.1f} s; Spark: {sum(e.get('stage_retries', 0) for e in retried)} stage "
+                            f"retries, {sum(e.get('failed_tasks', 0) for e in retried)} failed tasks, "
+                            f"{len(history.overlaps(TASK_DELAY))} partitions run by two attempts at once"
+                            if worst is not None else
+                            f"{len(recoveries) - len(known)} executor fault(s) never followed by a batch")))
     heals = [f.end for f in history.faults if f.end is not None]
     if heals:
         last_heal = max(heals)
@@ -605,7 +789,8 @@ def timeline(history: History, path: Path) -> None:
     t0 = history.started
     fig, (ax, bars) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, height_ratios=[3, 1.4])
     colours = {"kill": "#d62728", "pause": "#ff7f0e", "delay": "#e377c2", "partition-log": "#9467bd",
-               "isolate": "#8c564b"}
+               "isolate": "#8c564b", "executor-kill": "#17becf", "executor-pause": "#bcbd22",
+               "executor-cut": "#7f7f7f"}
     for f in history.faults:
         end = f.end if f.end is not None and f.end > f.start else f.start + 0.4
         for a in (ax, bars):
@@ -636,7 +821,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sink", choices=sorted(TARGETS), default="postgres")
     ap.add_argument("--minutes", type=float, default=2.0, help="how long faults are injected (default 2)")
     ap.add_argument("--seed", type=int, default=None, help="the schedule's seed (default: random, printed)")
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {', '.join(FAULTS)}")
+    ap.add_argument("--faults", default=None,
+                    help=f"comma list of {', '.join(ALL_FAULTS)} (default: all; the executor faults "
+                         "with --cluster only)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="drivers run their batches on a Spark standalone cluster across two worker hosts "
+                         "(a shuffle, slow write tasks), so that executor faults can be played")
     ap.add_argument("--lease", type=float, default=6.0, help="the drivers' lease timeout, seconds")
     ap.add_argument("--out", default=None, help="folder for history.json, timeline.png, driver logs")
     ap.add_argument("--schedule", default=None,
@@ -652,11 +842,16 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"nemesis: test hosts cannot be made here: {why}", file=sys.stderr)
         return 2
-    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    known = ALL_FAULTS if args.cluster else FAULTS
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else known
     schedule = [f.strip() for f in args.schedule.split(",") if f.strip()] if args.schedule else None
-    unknown = [f for f in (*faults, *(schedule or ())) if f not in FAULTS]
+    unknown = [f for f in (*faults, *(schedule or ())) if f not in ALL_FAULTS]
     if unknown:
-        print(f"nemesis: unknown fault(s) {unknown}; known: {', '.join(FAULTS)}", file=sys.stderr)
+        print(f"nemesis: unknown fault(s) {unknown}; known: {', '.join(ALL_FAULTS)}", file=sys.stderr)
+        return 2
+    if not args.cluster and any(f in EXECUTOR_FAULTS for f in (*faults, *(schedule or ()))):
+        print(f"nemesis: {', '.join(EXECUTOR_FAULTS)} need --cluster (executors on hosts of their own)",
+              file=sys.stderr)
         return 2
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     out = Path(args.out or f"/tmp/twophase-nemesis-{seed}-{uuid.uuid4().hex[:6]}")
@@ -666,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     if package is not None and not (package / "twophase" / "__init__.py").is_file():
         print(f"nemesis: --package {package} holds no twophase/__init__.py", file=sys.stderr)
         return 2
-    n = Nemesis(args.sink, seed, args.minutes, out, lease=args.lease, faults=faults, package=package)
+    n = Nemesis(args.sink, seed, args.minutes, out, lease=args.lease, faults=faults, package=package,
+                cluster=args.cluster)
     n.schedule = schedule
     try:
         history = n.run()

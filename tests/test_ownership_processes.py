@@ -354,6 +354,52 @@ class S3FilesTarget:
             self.s3.delete_object(Bucket=self.bucket, Key=key)
 
 
+class HdfsFilesTarget:
+    """FileSink (arrow writer, WebHDFS) into a folder of the test's own on HDFS; leftovers: any
+    file staged under ``_twophase``."""
+
+    marks = [pytest.mark.hdfs]
+    shape = "rows"
+    late_attempt_leaves = True  # a file staged in the closed ballot's staging folder
+
+    def __init__(self, request, tmp_path: Path | None, info: dict | None = None):
+        from hdfs import InsecureClient
+
+        self.info = info if info is not None else request.getfixturevalue("hdfs_service")
+        self.client = InsecureClient(self.info["webhdfs_url"], user=self.info["user"])
+        self.path = f"/twophase-test/own-{uuid.uuid4().hex[:10]}/out"
+
+    def sink_config(self) -> dict:
+        from twophase.sinks.files import FileSink
+
+        opts = {"webhdfs_url": self.info["webhdfs_url"], "user": self.info["user"]}
+        return FileSink(f"{self.info['namenode']}{self.path}", writer="arrow", storage_options=opts).to_config()
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def _files(self) -> list[str]:
+        if self.client.status(self.path, strict=False) is None:
+            return []
+        return [f"{d}/{f}" for d, _, files in self.client.walk(self.path) for f in files]
+
+    def ids(self) -> Counter:
+        import pyarrow.parquet as pq
+
+        out: Counter = Counter()
+        for f in self._files():
+            if f.rsplit("/", 1)[0] == self.path and f.endswith(".parquet"):
+                with self.client.read(f) as r:
+                    out.update(pq.read_table(io.BytesIO(r.read())).column("id").to_pylist())
+        return out
+
+    def leftovers(self) -> list[str]:
+        return [f for f in self._files() if "/_twophase/" in f]
+
+    def cleanup(self) -> None:
+        self.client.delete(self.path.rsplit("/", 1)[0], recursive=True)
+
+
 class KafkaTarget:
     """KafkaSink into a topic (two partitions) and a transactional id prefix of the test's own;
     ids read back read_committed; leftovers: open transactions, both as the test topic's

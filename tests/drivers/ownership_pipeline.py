@@ -24,6 +24,18 @@ process group of its own and sends SIGHUP to that group once its JVM is gone (py
 a worker stopped at a pause point dies of that when it is resumed.  A test that kills the
 driver and its JVM and resumes a stopped worker as a late task attempt needs this.
 
+``--master spark://...`` runs the batches on a standalone cluster instead of ``local[2]`` (the
+nemesis's cluster across test hosts, tests/services/spark_hosts.py): the driver advertises
+``--driver-host``, holds two executors of ``--executor-cores`` each (one per worker), and an
+executor silent for ``--network-timeout`` seconds is lost and its tasks run again elsewhere.
+``--shuffle`` puts a shuffle before the write (so that an executor lost during the write stage
+takes map output with it: a fetch failure, and a stage retry whose new attempts overlap the old
+attempt's tasks still running), ``--task-delay S`` makes every write task wait S seconds before
+its first row (so that a fault finds it running; with ``--slow-file``, only the tasks of the
+batches that start while that file exists), after creating a mark file
+``<--mark-dir>/b<batch>-p<partition>-s<stage>-t<task id>-a<attempt>-<hostname>``.  Each batch
+event then carries the Spark jobs' stage retries and failed tasks.
+
 Pause points (``TWOPHASE_PAUSE_AT``) and crash points (``TWOPHASE_CRASH_AT``) come from the
 environment (twophase/crash.py).  What happened is printed on stdout as lines
 ``OWNERSHIP {json}``: ``{"event": "refused", ...}`` per refused start, ``{"event": "batch", ...}``
@@ -69,6 +81,56 @@ def _warm_up(spark, sink, partitions: int) -> None:
     spark.range(0, partitions, numPartitions=partitions).mapInArrow(imports, "id long").collect()
 
 
+def _slow(batch: int, delay: float, mark_dir: str | None):
+    """A ``mapInArrow`` function: mark the task, wait ``delay`` seconds, pass the rows on."""
+    def slow(batches):
+        import socket
+
+        from pyspark import TaskContext
+
+        if mark_dir:
+            tc = TaskContext.get()
+            name = (f"b{batch}-p{tc.partitionId()}-s{tc.stageId()}-t{tc.taskAttemptId()}-"
+                    f"a{tc.attemptNumber()}-{socket.gethostname()}")
+            open(os.path.join(mark_dir, name), "w").close()
+        time.sleep(delay)
+        yield from batches
+    return slow
+
+
+def _stage_stats(spark, group: str) -> dict[str, int]:
+    """Stage retries and failed tasks of the jobs of job group ``group`` (Spark's status tracker)."""
+    tracker = spark.sparkContext.statusTracker()
+    retries = failed = 0
+    for job in tracker.getJobIdsForGroup(group):
+        info = tracker.getJobInfo(job)
+        for stage in (info.stageIds if info else ()):
+            st = tracker.getStageInfo(stage)
+            if st is not None:
+                retries += st.currentAttemptId
+                failed += st.numFailedTasks
+    return {"stage_retries": retries, "failed_tasks": failed}
+
+
+def _cluster_conf(args) -> dict[str, str]:
+    """A driver on a test host, its executors on the worker hosts (tests/services/spark_hosts.py)."""
+    timeout = int(args.network_timeout)
+    return {
+        "spark.driver.host": args.driver_host, "spark.driver.bindAddress": args.driver_host,
+        "spark.executor.cores": str(args.executor_cores), "spark.cores.max": str(2 * args.executor_cores),
+        "spark.executor.memory": "512m",
+        "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        # an executor silent this long is lost (heartbeats every second)
+        "spark.network.timeout": f"{timeout}s", "spark.executor.heartbeatInterval": "1s",
+        "spark.storage.blockManagerHeartbeatTimeoutMs": str(timeout * 1000),
+        "spark.network.timeoutInterval": "1s",  # how often the driver looks for silent executors
+        # the write tasks spread over both executors; the shuffle keeps its partitions
+        "spark.locality.wait": "0", "spark.shuffle.reduceLocality.enabled": "false",
+        "spark.sql.adaptive.coalescePartitions.enabled": "false",
+        "spark.task.maxFailures": "8",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sink-config", required=True, help="the sink as JSON (sink_from_config)")
@@ -87,7 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.0, help="seconds between batches")
     ap.add_argument("--stop-file", default=None,
                     help="end (done) after the batch during which this file appeared, before --batches")
+    ap.add_argument("--master", default="local[2]", help="local[2] (default) or a standalone master's URL")
+    ap.add_argument("--driver-host", default=None, help="the address the driver advertises (with --master spark://)")
+    ap.add_argument("--executor-cores", type=int, default=2)
+    ap.add_argument("--network-timeout", type=float, default=10.0)
+    ap.add_argument("--executor-env", action="append", default=[], metavar="NAME",
+                    help="give the executors this variable of the driver's environment (a sink's secret: "
+                         "executors on other hosts do not inherit it)")
+    ap.add_argument("--shuffle", action="store_true", help="a shuffle before the write")
+    ap.add_argument("--task-delay", type=float, default=0.0, help="seconds each write task waits")
+    ap.add_argument("--slow-file", default=None, help="--task-delay only for batches started while this file exists")
+    ap.add_argument("--mark-dir", default=None, help="where write tasks leave a mark file as they start")
     args = ap.parse_args(argv)
+    if args.master.startswith("spark://") and not args.driver_host:
+        ap.error("--master spark://... needs --driver-host (the address executors reach the driver at)")
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -102,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     conf = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
     if args.no_python_daemon:
         conf["spark.python.use.daemon"] = "false"
-    spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf=conf)
+    if args.master.startswith("spark://"):
+        conf.update(_cluster_conf(args))
+    for name in args.executor_env:
+        conf[f"spark.executorEnv.{name}"] = os.environ[name]
+    spark = local_session(args.master, app_name=f"twophase-{args.name}", conf=conf)
     options = json.loads(args.log_options) if args.log_options else None
     if args.ready_file:
         open(args.ready_file, "w").close()
@@ -122,7 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in range(args.batches):
             df = spark.range(n * args.rows, (n + 1) * args.rows, numPartitions=args.partitions)
+            if args.shuffle:
+                df = df.repartition(args.partitions)
+            if args.task_delay and (args.slow_file is None or os.path.exists(args.slow_file)):
+                df = df.mapInArrow(_slow(n, args.task_delay, args.mark_dir), df.schema)
             df = df.selectExpr(*SHAPES[args.shape])
+            group = f"twophase-batch-{n}"
+            spark.sparkContext.setJobGroup(group, f"batch {n}")
             deadline = time.monotonic() + args.wait_for_lease
             while True:
                 try:
@@ -138,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     c = coordinator()
                     time.sleep(0.5)
             _say("batch", batch=n, action=progress["action"], rows=progress["rows"],
-                 epoch=c.log.epoch if c.log is not None else None)
+                 epoch=c.log.epoch if c.log is not None else None, **_stage_stats(spark, group))
             if progress["action"] == "skipped":
                 continue  # a batch an earlier driver committed: catch up at once
             if args.stop_file and os.path.exists(args.stop_file):

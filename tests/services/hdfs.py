@@ -73,6 +73,12 @@ def _get_json(url: str, timeout: float = 2.0) -> Any:
 class HdfsService(Service):
     name = "hdfs"
     start_timeout = 120.0
+    #: The address clients reach the NameNode and the DataNode at (WebHDFS's redirects name it).
+    address = "127.0.0.1"
+
+    @property
+    def webhdfs(self) -> str:
+        return f"http://{self.address}:{NN_HTTP_PORT}"
 
     def __init__(self) -> None:
         self._jars: list | None = None
@@ -122,10 +128,10 @@ class HdfsService(Service):
     def ready(self) -> bool:
         """WebHDFS answers, the NameNode is out of safe mode and one DataNode is live."""
         try:
-            st = _get_json(f"{WEBHDFS}/webhdfs/v1/?op=GETFILESTATUS&user.name={USER}")
+            st = _get_json(f"{self.webhdfs}/webhdfs/v1/?op=GETFILESTATUS&user.name={USER}")
             if st.get("FileStatus", {}).get("type") != "DIRECTORY":
                 return False
-            beans = _get_json(f"{WEBHDFS}/jmx?qry=Hadoop:service=NameNode,name=NameNodeInfo")["beans"]
+            beans = _get_json(f"{self.webhdfs}/jmx?qry=Hadoop:service=NameNode,name=NameNodeInfo")["beans"]
             if not beans:
                 return False
             info = beans[0]
@@ -137,10 +143,10 @@ class HdfsService(Service):
     def after_ready(self) -> None:
         """Prove the DataNode write path from outside the JVM (CREATE -> 307 -> DataNode)."""
         path = "/tmp/.twophase-probe"
-        base = f"{WEBHDFS}/webhdfs/v1{path}"
+        base = f"{self.webhdfs}/webhdfs/v1{path}"
         try:
             req = urllib.request.Request(
-                f"{WEBHDFS}/webhdfs/v1/tmp?op=MKDIRS&permission=777&user.name={USER}", method="PUT")
+                f"{self.webhdfs}/webhdfs/v1/tmp?op=MKDIRS&permission=777&user.name={USER}", method="PUT")
             urllib.request.urlopen(req, timeout=10).close()
             req = urllib.request.Request(f"{base}?op=CREATE&overwrite=true&user.name={USER}", method="PUT")
             try:
@@ -150,8 +156,8 @@ class HdfsService(Service):
                 if e.code != 307:
                     raise
                 location = e.headers["Location"]
-            if not location.startswith("http://127.0.0.1:"):
-                raise ServiceError(f"DataNode advertises a non-loopback address: {location}")
+            if not location.startswith(f"http://{self.address}:"):
+                raise ServiceError(f"DataNode advertises {location}, not {self.address}")
             req = urllib.request.Request(location, data=b"ok", method="PUT",
                                          headers={"Content-Type": "application/octet-stream"})
             urllib.request.urlopen(req, timeout=10).close()
@@ -162,8 +168,8 @@ class HdfsService(Service):
 
     def info(self) -> dict[str, Any]:
         return {
-            "namenode": f"hdfs://127.0.0.1:{NN_PORT}",
-            "webhdfs_url": WEBHDFS,
+            "namenode": f"hdfs://{self.address}:{NN_PORT}",
+            "webhdfs_url": self.webhdfs,
             "user": USER,
             "version": HADOOP_VERSION,
             "conf": str(self.dir / "hdfs-conf.xml"),

@@ -74,6 +74,7 @@ HOSTS: dict[str, Host] = {h.name: h for h in (
     Host("s3", f"{SUBNET}.30"),
     Host("pg", f"{SUBNET}.31"),
     Host("kafka", f"{SUBNET}.32"),
+    Host("hdfs", f"{SUBNET}.33"),
 )}
 
 

@@ -123,18 +123,18 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).resolve().parent
 
 
-def master_status(timeout: float = 2.0) -> dict[str, Any] | None:
+def master_status(timeout: float = 2.0, url: str = MASTER_JSON) -> dict[str, Any] | None:
     """The master's JSON status (workers, applications), or None if it does not answer."""
     try:
-        with urllib.request.urlopen(MASTER_JSON, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return json.loads(r.read().decode())
     except (OSError, ValueError, urllib.error.URLError):
         return None
 
 
-def alive_workers(status: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def alive_workers(status: dict[str, Any] | None = None, url: str = MASTER_JSON) -> list[dict[str, Any]]:
     """The workers the master counts as ALIVE (a killed one is DEAD or gone)."""
-    st = master_status() if status is None else status
+    st = master_status(url=url) if status is None else status
     if not st:
         return []
     return [w for w in st.get("workers", []) if w.get("state") == "ALIVE"]
@@ -179,6 +179,11 @@ class SparkClusterService(Service):
 
     name = "spark_cluster"
     start_timeout = 90.0
+    master = MASTER
+    workers = WORKERS
+    worker_cores = WORKER_CORES
+    master_url = MASTER_URL
+    master_json = MASTER_JSON
 
     def __init__(self) -> None:
         self._procs: dict[str, subprocess.Popen] = {}
@@ -186,11 +191,11 @@ class SparkClusterService(Service):
     # -- layout ---------------------------------------------------------------
     @property
     def pid_path(self) -> Path:
-        return self.daemon_pid_path(MASTER)
+        return self.daemon_pid_path(self.master)
 
     @property
     def log_path(self) -> Path:
-        return self.daemon_log_path(MASTER)
+        return self.daemon_log_path(self.master)
 
     @property
     def conf_dir(self) -> Path:
@@ -219,7 +224,15 @@ class SparkClusterService(Service):
             return None
         return pid
 
-    def _env(self) -> dict[str, str]:
+    def host_of(self, d: Daemon) -> str:
+        """The address daemon ``d`` binds and advertises."""
+        return HOST
+
+    def wrap(self, d: Daemon, argv: list[str]) -> list[str]:
+        """``argv`` as daemon ``d`` is started (as is here; on its test host in a subclass)."""
+        return argv
+
+    def _env(self, d: Daemon) -> dict[str, str]:
         venv_bin = str(Path(sys.executable).parent)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SPARK_", "PYSPARK_"))
@@ -227,7 +240,7 @@ class SparkClusterService(Service):
         env.update(
             SPARK_HOME=str(spark_home()),
             SPARK_CONF_DIR=str(self.conf_dir),
-            SPARK_LOCAL_IP=HOST,
+            SPARK_LOCAL_IP=self.host_of(d),
             SPARK_DAEMON_MEMORY=DAEMON_MEMORY,
             SPARK_DAEMON_JAVA_OPTS=DAEMON_JAVA_OPTS,
             PYSPARK_PYTHON=sys.executable,
@@ -237,12 +250,12 @@ class SparkClusterService(Service):
 
     def _command(self, d: Daemon) -> list[str]:
         cmd = [str(spark_home() / "bin" / "spark-class"), d.main_class,
-               "--host", HOST, "--port", str(d.port), "--webui-port", str(d.ui_port)]
+               "--host", self.host_of(d), "--port", str(d.port), "--webui-port", str(d.ui_port)]
         if d.main_class == MASTER_CLASS:
             return cmd + ["--properties-file", str(self.conf_dir / "master.conf")]
-        return cmd + ["--cores", str(WORKER_CORES), "--memory", WORKER_MEMORY,
+        return cmd + ["--cores", str(self.worker_cores), "--memory", WORKER_MEMORY,
                       "--work-dir", str(self.work_dir(d)),
-                      "--properties-file", str(self.conf_dir / "worker.conf"), MASTER_URL]
+                      "--properties-file", str(self.conf_dir / "worker.conf"), self.master_url]
 
     def start_daemon(self, d: Daemon, timeout: float = 60.0) -> int:
         """Start daemon ``d`` unless it runs; return its pid.  Does not wait for it to register.
@@ -254,10 +267,12 @@ class SparkClusterService(Service):
         if pid is not None:
             return pid
         if d.main_class == WORKER_CLASS:
-            wait_until(lambda: all(w.get("port") != d.port for w in alive_workers()), timeout,
+            me = (self.host_of(d), d.port)
+            wait_until(lambda: all((w.get("host"), w.get("port")) != me
+                                   for w in alive_workers(url=self.master_json)), timeout,
                        f"the master to drop the dead {d.name}", self.log_path, interval=0.1)
         for port in (d.port, d.ui_port):
-            if port_open(port, HOST):
+            if port_open(port, self.host_of(d)):
                 raise ServiceError(
                     f"port {port} ({d.name}) is taken by a process this module did not start "
                     f"(no live {d.name} pid in {self.daemon_pid_path(d)}); stop it first")
@@ -266,7 +281,7 @@ class SparkClusterService(Service):
         with open(self.daemon_log_path(d), "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {d.name}\n".encode())
             log.flush()
-            proc = popen(self._command(d), log, env=self._env(), cwd=self.dir)
+            proc = popen(self.wrap(d, self._command(d)), log, env=self._env(d), cwd=self.dir)
         self._procs[d.name] = proc
         self.daemon_pid_path(d).write_text(str(proc.pid))
         return proc.pid
@@ -318,14 +333,15 @@ class SparkClusterService(Service):
                 raise ServiceError(f"spark_cluster {name} exited with code {proc.returncode}; "
                                    f"log: {log}\n" + "\n".join(lines))
 
-    def wait_workers(self, n: int = len(WORKERS), timeout: float = 60.0) -> list[dict[str, Any]]:
-        """Wait until the master counts at least ``n`` ALIVE workers; return them."""
+    def wait_workers(self, n: int | None = None, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Wait until the master counts at least ``n`` (default: all) ALIVE workers; return them."""
+        n = len(self.workers) if n is None else n
         def enough() -> bool:
             self._check_exited()
-            return len(alive_workers()) >= n
-        wait_until(enough, timeout, f"{n} ALIVE Spark workers at {MASTER_JSON}", self.log_path,
+            return len(alive_workers(url=self.master_json)) >= n
+        wait_until(enough, timeout, f"{n} ALIVE Spark workers at {self.master_json}", self.log_path,
                    interval=0.2)
-        return alive_workers()
+        return alive_workers(url=self.master_json)
 
     # -- Service API ----------------------------------------------------------
     def install(self) -> None:
@@ -343,16 +359,16 @@ class SparkClusterService(Service):
 
     def launch(self, log) -> None:
         # The master first: a worker that finds no master retries only after 5-15 s.
-        if self.daemon_pid(MASTER) is None:
-            self.start_daemon(MASTER)
+        if self.daemon_pid(self.master) is None:
+            self.start_daemon(self.master)
 
         def master_alive() -> bool:
             self._check_exited()
-            st = master_status()
+            st = master_status(url=self.master_json)
             return bool(st) and st.get("status") == "ALIVE"
-        wait_until(master_alive, self.start_timeout, f"the Spark master at {MASTER_JSON}",
+        wait_until(master_alive, self.start_timeout, f"the Spark master at {self.master_json}",
                    self.log_path, 0.2)
-        for w in WORKERS:
+        for w in self.workers:
             self.start_daemon(w)
 
     def _ready_or_exited(self) -> bool:
@@ -361,15 +377,15 @@ class SparkClusterService(Service):
 
     def ready(self) -> bool:
         """The three daemons this module started are alive, and the master is ALIVE and counts
-        both workers (by port) as ALIVE: the master alone still counts a worker killed a moment
+        both workers (by address and port) as ALIVE: the master alone still counts a worker killed a moment
         ago."""
-        if any(self.daemon_pid(d) is None for d in (MASTER, *WORKERS)):
+        if any(self.daemon_pid(d) is None for d in (self.master, *self.workers)):
             return False
-        st = master_status()
+        st = master_status(url=self.master_json)
         if not st or st.get("status") != "ALIVE":
             return False
-        ports = {w.get("port") for w in alive_workers(st)}
-        return all(w.port in ports for w in WORKERS)
+        found = {(w.get("host"), w.get("port")) for w in alive_workers(st)}
+        return all((self.host_of(w), w.port) in found for w in self.workers)
 
     def after_ready(self) -> None:
         """Refuse a cluster that another environment started with a Spark this one cannot drive.
@@ -393,10 +409,10 @@ class SparkClusterService(Service):
 
     def info(self) -> dict[str, Any]:
         return {
-            "master_url": MASTER_URL,
-            "master_json": MASTER_JSON,
-            "workers": [f"{HOST}:{w.port}" for w in WORKERS],
-            "worker_cores": WORKER_CORES,
+            "master_url": self.master_url,
+            "master_json": self.master_json,
+            "workers": [f"{self.host_of(w)}:{w.port}" for w in self.workers],
+            "worker_cores": self.worker_cores,
             "worker_memory": WORKER_MEMORY,
             "spark_home": self.running_env("SPARK_HOME"),
             "pyspark_python": self.running_env("PYSPARK_PYTHON"),
@@ -405,7 +421,7 @@ class SparkClusterService(Service):
     def running_env(self, name: str) -> str | None:
         """Environment variable ``name`` of the running workers (None if unknown): what the
         cluster really runs with, whichever environment started it."""
-        for d in WORKERS:
+        for d in self.workers:
             pid = self.daemon_pid(d)
             if pid is None:
                 continue
@@ -424,13 +440,13 @@ class SparkClusterService(Service):
 
     def terminate(self) -> None:
         # Workers first (with their executors), so the master does not relaunch anything.
-        for d in (*WORKERS, MASTER):
+        for d in (*self.workers, self.master):
             self.kill_daemon(d, signal.SIGTERM)
         self._procs.clear()
 
     def status(self) -> dict[str, Any]:
         st = super().status()
-        st["pids"] = {d.name: self.daemon_pid(d) for d in (MASTER, *WORKERS)}
+        st["pids"] = {d.name: self.daemon_pid(d) for d in (self.master, *self.workers)}
         return st
 
 
