@@ -165,6 +165,11 @@ def test_s3_exactly_once_under_crash_points(tmp_path):
 @pytest.mark.cluster
 @pytest.mark.hdfs
 @pytest.mark.spark
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="CI time: FileSink's Arrow writer on HDFS with executors killed, paused and cut "
+                           "from the driver on hosts apart (a pre-committed file whose handle never arrives "
+                           "among them) is the nemesis's (tests/test_nemesis.py), the driver's crash points on "
+                           "HDFS the crash-point test's; TWOPHASE_FULL_CHAOS=1 runs it")
 def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_service, spark_cluster_service, spark):
     """Issue 17: the same pipeline on the standalone cluster (two workers, one executor each).
 
@@ -229,9 +234,10 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
 def test_files_exactly_once_on_a_cluster_whose_executors_die(tmp_path, where, spark_cluster_service):
     """Issue 17, the other FileSink backends on the standalone cluster: a local path both
     workers mount (``shared_storage=True``) and S3, whose keys reach the executors only as
-    ``spark.executorEnv.*``.  Fewer faults than the HDFS twin (which covers the driver's
-    crash points on the cluster): ``after_pre_commit`` firing in executors, one SIGKILL of the
-    driver while batches flow, one executor JVM SIGKILLed with its Python workers."""
+    ``spark.executorEnv.*``.  Faults, few and placed: ``after_pre_commit`` firing in
+    executors, the driver dying ``mid_commit``, one executor JVM SIGKILLed with its Python workers.
+    (SIGKILLs of the driver while batches flow, executors paused or cut from their driver, on
+    hosts apart: the nemesis's, tests/test_nemesis.py, for FileSink on S3 and HDFS.)"""
     import glob
 
     import pyarrow.parquet as pq
@@ -290,14 +296,14 @@ def test_files_exactly_once_on_a_cluster_whose_executors_die(tmp_path, where, sp
     log_path = str(tmp_path / "driver.log")
     try:
         with cluster.Saboteur(log_records, ["executor"], seed=20261126) as saboteur:
-            runs = chaos.run_with_faults(cmd, crash_points=["after_pre_commit:1"], random_kills=1,
-                                         kill_window=(0.5, 2.0), seed=23, log_path=log_path, timeout=400,
+            runs = chaos.run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:3"], random_kills=0,
+                                         seed=23, log_path=log_path, timeout=400,
                                          env=env, progress_probe=log_records)
     except BaseException:
         with open(log_path, errors="replace") as f:
             sys.stderr.write("".join(f.readlines()[-80:]))
         raise
-    assert runs[0].fault == "crash:after_pre_commit:1", runs
+    assert [r.fault for r in runs[:2]] == ["crash:after_pre_commit:1", "crash:mid_commit:3"], runs
     cluster.check_fault_runs(runs, saboteur)
     verdict = chaos.verify(expected, committed_ids())
     assert verdict.exactly_once, verdict.to_dict()

@@ -63,9 +63,10 @@ def test_exactly_once_on_a_cluster_whose_executors_and_workers_die(kafka_service
     each; the Kafka source and its jars shipped by Spark).
 
     Faults: ``after_pre_commit`` fires in executors' Python workers (transactions left open under
-    pooled ids that the next attempt fences), the driver dies ``mid_commit``, one SIGKILL of the
-    driver while batches flow; meanwhile an executor JVM is SIGKILLed with its Python workers, and
-    a worker with its executors (then started again).  A read_committed consumer then finds every
+    pooled ids that the next attempt fences), the driver dies ``mid_commit``; meanwhile a worker is
+    SIGKILLed with its executors (then started again).  (A SIGKILL of the driver and of an
+    executor while batches flow, an executor paused or cut from its driver, on hosts apart: the
+    nemesis's, tests/test_nemesis.py; CI time.)  A read_committed consumer then finds every
     id exactly once, and no transaction of the pipeline's ids is left open.
     """
     from confluent_kafka import Producer
@@ -91,8 +92,8 @@ def test_exactly_once_on_a_cluster_whose_executors_and_workers_die(kafka_service
 
     log_path = tmp_path / "driver.log"
     try:
-        with cluster.Saboteur(log_records, ["executor", "worker"], seed=20261125, gap=10) as saboteur:
-            runs = run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:2"], random_kills=1,
+        with cluster.Saboteur(log_records, ["worker"], seed=20261125, gap=10) as saboteur:
+            runs = run_with_faults(cmd, crash_points=["after_pre_commit:1", "mid_commit:2"], random_kills=0,
                                    kill_window=(0.5, 2.0), seed=5, progress_probe=log_records,
                                    env={"PYTHONPATH": str(REPO), "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"},
                                    log_path=str(log_path), timeout=400)
