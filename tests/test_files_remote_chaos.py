@@ -79,8 +79,9 @@ def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
 @pytest.mark.spark
 @pytest.mark.parametrize("writer", [pytest.param("arrow", marks=pytest.mark.skipif(
     not os.environ.get("TWOPHASE_FULL_CHAOS"),
-    reason="CI time: the per-task Arrow path on HDFS under faults is the cluster kill test's "
-           "(after_pre_commit inside executors, mid_commit); TWOPHASE_FULL_CHAOS=1 runs it")), "spark"])
+    reason="CI time: the per-task Arrow path on HDFS under faults is the nemesis's files-hdfs (executors "
+           "killed, paused and cut from the driver: a pre-committed file whose handle never arrives), its "
+           "crash points in executors the local files' kill test's; TWOPHASE_FULL_CHAOS=1 runs it")), "spark"])
 def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_service, spark, writer):
     from hdfs import InsecureClient
 
@@ -91,8 +92,7 @@ def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_servic
     expected = _write_input(tmp_path / "in")
     sink = FileSink(f"{url}/out", storage_options=opts, partition_by=["k"], writer=writer)
     # The default writer on HDFS (Spark's) gets the sink's crash points and a random kill; the
-    # per-task Arrow path, which the cluster kill test below also drives, the points around its
-    # executors' pre-commit (CI time).
+    # per-task Arrow path (with TWOPHASE_FULL_CHAOS=1) the points around its executors' pre-commit.
     full = writer == "spark"
     points = chaos.SINK_POINTS if full else ("after_pre_commit", "after_prepared_logged", "mid_commit")
     try:
@@ -227,10 +227,13 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
 
 @pytest.mark.cluster
 @pytest.mark.spark
-@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=[pytest.mark.s3, pytest.mark.skipif(
-    not os.environ.get("TWOPHASE_FULL_CHAOS"),
-    reason="CI time: FileSink on S3 under driver faults is the nemesis's (tests/test_nemesis.py), secrets "
-           "through spark.executorEnv on the cluster the PostgreSQL cluster test's; TWOPHASE_FULL_CHAOS=1 runs it")])])
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="CI time: FileSink on a cluster under executor and driver faults is the nemesis's "
+                           "(tests/test_nemesis.py: on S3 and HDFS, executors on hosts apart killed, paused and "
+                           "cut from the driver), a shared path on the cluster tests/test_services_cluster.py's, "
+                           "secrets through spark.executorEnv the PostgreSQL cluster test's; "
+                           "TWOPHASE_FULL_CHAOS=1 runs it")
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_files_exactly_once_on_a_cluster_whose_executors_die(tmp_path, where, spark_cluster_service):
     """Issue 17, the other FileSink backends on the standalone cluster: a local path both
     workers mount (``shared_storage=True``) and S3, whose keys reach the executors only as
