@@ -92,6 +92,8 @@ ALL_FAULTS = FAULTS + EXECUTOR_FAULTS
 #: With ``--cluster``: seconds an executor may be silent before its driver declares it lost, and
 #: seconds every write task waits after its mark (so that an executor fault finds one running).
 NETWORK_TIMEOUT, TASK_DELAY = 10.0, 4.0
+#: A slow write task's mark file (tests/drivers/ownership_pipeline.py ``--mark-dir``).
+MARK = re.compile(r"b(?P<batch>\d+)-p(?P<partition>\d+)-s\d+-t(?P<task>\d+)-a(?P<attempt>\d+)-(?P<host>.+)")
 DRIVER_HOSTS = ("driver-a", "driver-b")
 #: Rows per batch and writer tasks (one transaction each) per batch.
 ROWS, PARTITIONS = 20, 2
@@ -447,9 +449,7 @@ class Nemesis:
         from tests.services import hosts
         from tests.services.spark_cluster import _cmdline, descendants
 
-        pids = subprocess.run(["ip", "netns", "pids", hosts.host(worker).netns], capture_output=True,
-                              text=True).stdout.split()
-        for pid in map(int, pids):
+        for pid in hosts.pids(worker):
             cmd = _cmdline(pid)
             if b"CoarseGrainedExecutorBackend" in cmd and f"@{driver.address}:".encode() in cmd:
                 return [pid, *descendants(pid)]
@@ -465,9 +465,9 @@ class Nemesis:
             for m in self.marks.iterdir():
                 with contextlib.suppress(OSError):
                     if m.stat().st_mtime >= since:
-                        host = re.search(r"-a\d+-(.+)$", m.name)
-                        if host:
-                            fresh.setdefault(host.group(1), m.name)
+                        mark = MARK.fullmatch(m.name)
+                        if mark:
+                            fresh.setdefault(mark["host"], m.name)
             if len(fresh) >= 2:
                 worker = self.rng.choice(sorted(fresh))
                 return worker, fresh[worker]
@@ -676,10 +676,10 @@ class Nemesis:
 
         if self.cluster and self.marks.is_dir():
             for m in sorted(self.marks.iterdir()):
-                g = re.fullmatch(r"b(\d+)-p(\d+)-s\d+-t(\d+)-a(\d+)-(.+)", m.name)
+                g = MARK.fullmatch(m.name)
                 if g:
-                    self.history.tasks.append({"batch": int(g[1]), "partition": int(g[2]), "task": int(g[3]),
-                                               "attempt": int(g[4]), "host": g[5], "at": m.stat().st_mtime})
+                    self.history.tasks.append({**{k: int(g[k]) for k in ("batch", "partition", "task", "attempt")},
+                                               "host": g["host"], "at": m.stat().st_mtime})
         with contextlib.suppress(Exception):
             hosts.heal()
         for d in self.drivers:

@@ -67,13 +67,9 @@ class HdfsOnHostService(hosts.OnHost, HdfsService):
         if not java:
             raise ServiceError("`java` not found; install a JDK 17 (Debian: openjdk-17-jre-headless)")
         assert self._jars is not None
-        names = self.dir / "hosts"
-        # Hadoop resolves its own hostname (the host's name, which no DNS here knows): the JVM
-        # reads names from a hosts file of the host's own instead of /etc/hosts.
-        names.write_text(f"127.0.0.1 localhost\n{self.address} {self.on_host.name}\n")
         cmd = [java, f"-Xmx{heap}", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC",
                *(f"--add-opens={m}=ALL-UNNAMED" for m in JAVA17_OPENS),
-               "-Djava.net.preferIPv4Stack=true", f"-Djdk.net.hosts.file={names}",
+               "-Djava.net.preferIPv4Stack=true", f"-Djdk.net.hosts.file={self.dir / 'hosts'}",
                f"-Dhadoop.log.dir={self.dir}", f"-Djava.io.tmpdir={self.dir / 'tmp'}",
                "-cp", ":".join(str(p) for p in self._jars), main]
         for k, v in self.conf().items():
@@ -86,6 +82,9 @@ class HdfsOnHostService(hosts.OnHost, HdfsService):
         for d in ("data", "tmp"):
             shutil.rmtree(self.dir / d, ignore_errors=True)
             (self.dir / d).mkdir(parents=True)
+        # Hadoop resolves its own hostname (the host's name, which no DNS here knows): the JVMs
+        # read names from a hosts file of the host's own instead of /etc/hosts.
+        (self.dir / "hosts").write_text(f"127.0.0.1 localhost\n{self.address} {self.on_host.name}\n")
         fmt = subprocess.run(self.command(self._java(NAMENODE, "256m", "-format", "-nonInteractive", "-force")),
                              stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, timeout=120)
         if fmt.returncode != 0:

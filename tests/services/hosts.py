@@ -128,6 +128,12 @@ def popen(name: str, argv: list[str], **kw: Any) -> subprocess.Popen:
     return subprocess.Popen(command(name, argv), **kw)
 
 
+def pids(name: str) -> list[int]:
+    """The processes running on host ``name`` (in its network namespace)."""
+    out = subprocess.run(["ip", "netns", "pids", host(name).netns], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 # ------------------------------------------------------------------------------------ faults
 def isolate(name: str) -> None:
     """Cut host ``name`` off from every other host: its veth leaves the bridge (silent drops)."""
@@ -244,11 +250,10 @@ class HostsService(Service):
         for h in HOSTS.values():
             if _exists("netns", h.netns):
                 # Whatever still runs on the host goes with it (a test that did not stop its process).
-                pids = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True).stdout.split()
-                for pid in pids:
+                for pid in pids(h.name):
                     try:
-                        os.kill(int(pid), 9)
-                    except (ProcessLookupError, ValueError):
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
                         pass
                 _ip("netns", "del", h.netns, check=False)
             if _exists("link", h.veth):
