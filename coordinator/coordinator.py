@@ -20,7 +20,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from twophase import crash
-from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.errors import ConfigurationError, LogOwnershipError, TwoPhaseError
 from twophase.log import LogStore, TransactionLog, open_store
 from twophase.protocol import BatchProgress, TwoPhaseProtocol
 from twophase.recovery import Committer
@@ -241,6 +241,7 @@ class Coordinator:
         self.takeover = takeover
         self.shared_storage = shared_storage
         self._probed = False           # executors checked (cluster masters, first batch)
+        self._job: tuple[Any, str] | None = None  # (SparkContext, job group) of the batch's job while it runs
         self._connect_said = False     # what Spark Connect cannot offer was logged
         self._parallelism_seen: int | None = None  # Spark Connect: the default parallelism, measured
         self._log_args: dict[str, Any] = dict(storage_options=storage_options,
@@ -323,8 +324,22 @@ class Coordinator:
         # A new protocol instance starts dirty: recovery runs before its first batch.
         self._protocol = TwoPhaseProtocol(self.sink, tlog, name=self.name, query_name=self._scoped_name,
                                           committer=self._committer)
+        tlog.on_fenced(self._stop_job)
         tlog.start_heartbeat()
         return tlog
+
+    def _stop_job(self) -> None:
+        """Fenced (a newer coordinator took the log over): cancel the batch's Spark job this one
+        waits on.  A deposed driver then fails its batch at once, as its ballot's slot would refuse
+        its decision anyway, instead of lingering in a job whose executors a partition took away
+        (the master may have dropped its application: the job would wait for resources for ever)."""
+        job = self._job
+        if job is None:
+            return
+        sc, group = job
+        log.warning("%s: fenced by a newer coordinator of %s: cancelling this batch's Spark job (group %s)",
+                    self.name, self.log_location, group)
+        sc.cancelJobGroup(group)
 
     def close(self) -> None:
         """Release the transaction log (stop the lease heartbeat, mark the lease released).
@@ -651,14 +666,23 @@ class Coordinator:
         if not group:
             own_group = group = f"twophase-{self.name}-{batch_id}-{uuid.uuid4().hex[:8]}"
             sc.setLocalProperty("spark.jobGroup.id", group)
+        self._job = (sc, group)  # before the look at the fence: a fence found later cancels the job
         try:
+            if self.log is not None and self.log.fenced:
+                self.log.check_fence()  # raises: fenced before the job started
             rows = df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
-        except BaseException:
+        except BaseException as e:
             # collect() fails as soon as one task fails, while sibling tasks may still be finishing
             # and could pre-commit after the caller aborted leftovers. Let them end first.
             self._wait_for_tasks(sc, group)
+            if self.log is not None and self.log.fenced and not isinstance(e, LogOwnershipError):
+                raise LogOwnershipError(
+                    f"{self.name}: batch {batch_id}: this coordinator (epoch {self.log.epoch}) was fenced by a "
+                    f"newer one while its Spark job ran; the job was cancelled and the newer coordinator "
+                    "finishes the batch") from e
             raise
         finally:
+            self._job = None
             if own_group is not None:
                 sc.setLocalProperty("spark.jobGroup.id", None)
         return self._results(batch_id, rows)

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -116,6 +118,34 @@ def test_dead_owner_is_taken_over_and_old_owner_is_fenced(tmp_path):
         old.heartbeat()    # and a deposed coordinator never overwrites its successor's lease
     assert new.lease().epoch == new.epoch
     new.decide(0, 0, {"handles": []})  # the newer owner may decide
+
+
+def test_fence_listeners_are_told_once_by_the_heartbeat_or_the_fence_check(tmp_path):
+    """A deposed coordinator's listeners (the coordinator cancels its batch's Spark job) are
+    called once, by whichever finds the fence first: the heartbeat thread, or check_fence; a
+    listener registered after that is called at once; a failing listener hides nothing."""
+    url = str(tmp_path / "log")
+    old = TransactionLog(url, lease_timeout=0.4)  # heartbeat every 0.1 s
+    old.acquire("q-1", "a")
+    told: list[str] = []
+    fired = threading.Event()
+    old.on_fenced(lambda: 1 / 0)
+    old.on_fenced(lambda: (told.append("first"), fired.set()))
+    old.start_heartbeat()
+    assert not old.fenced
+    time.sleep(0.5)
+    assert told == [] and not old.fenced  # its own beats are not a fence
+    new = TransactionLog(url)
+    new.acquire("q-1", "b", takeover=True)
+    assert fired.wait(10), "the heartbeat did not find the newer epoch"
+    assert old.fenced
+    with pytest.raises(LogOwnershipError, match="fenced"):
+        old.check_fence()
+    assert told == ["first"]  # once
+    old.on_fenced(lambda: told.append("late"))
+    assert told == ["first", "late"]
+    old.close()
+    new.close()
 
 
 def test_a_ballot_is_decided_once_and_a_late_decision_loses_to_the_close(tmp_path):

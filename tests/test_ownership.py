@@ -309,3 +309,51 @@ def test_deposed_coordinators_late_cleanup_never_deletes_the_new_owners_staged_f
     assert not [p for p in (out / "_twophase").rglob("*") if p.is_file()]  # nothing left staged
     a.close()
     b.close()
+
+
+@pytest.mark.spark
+def test_a_deposed_driver_stuck_in_its_batch_job_stops_when_its_fence_is_found(spark, tmp_path):
+    """The nemesis's isolate schedule (issue 27): a driver cut off mid-batch loses its executors
+    (and its master may drop its application), so its batch's job waits for resources for ever;
+    its successor takes the log over.  Before: the deposed driver's heartbeat found the newer
+    epoch and stopped, and the driver lingered in that job until it was killed (78 s in the
+    nemesis).  Now the fence cancels the job: its write fails with LogOwnershipError, the batch
+    is the successor's, once."""
+    import pyarrow.parquet as pq
+
+    out, log_url = tmp_path / "out", str(tmp_path / "log")
+    name = f"stuck{uuid.uuid4().hex[:6]}"
+    started, release = tmp_path / "started", tmp_path / "release"
+
+    class StuckA(FileSink):
+        def begin_transaction(self, ctx):
+            started.touch()
+            deadline = time.monotonic() + 300
+            while not release.exists() and time.monotonic() < deadline:  # a job that gets nowhere
+                time.sleep(0.1)
+            return super().begin_transaction(ctx)
+
+    df = spark.range(0, 30, numPartitions=1)
+    a = Coordinator(StuckA(str(out), writer="arrow"), log_location=log_url, name=name, parallelism=1,
+                    lease_timeout=2.0)
+    a_thread, a_errors = _in_thread(lambda: a.write(df, batch_id=0))
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert time.monotonic() < deadline and a_thread.is_alive(), a_errors
+            time.sleep(0.1)
+        # The successor takes over (A's lease is live: an operator's takeover) and writes batch 0.
+        b = Coordinator(FileSink(str(out), writer="arrow"), log_location=log_url, name=name, parallelism=1,
+                        takeover=True)
+        b.write(df, batch_id=0)
+        a_thread.join(60)  # A's heartbeat (every 0.5 s) finds the new epoch; its job is cancelled
+        assert not a_thread.is_alive(), "the deposed coordinator still waits on its stuck job"
+        assert len(a_errors) == 1 and isinstance(a_errors[0], LogOwnershipError), a_errors
+        assert "fenced" in str(a_errors[0])
+    finally:
+        release.touch()
+        a_thread.join(60)
+    ids = [i for p in sorted(out.glob("*.parquet")) for i in pq.read_table(p).column("id").to_pylist()]
+    assert Counter(ids) == Counter(range(30))
+    a.close()
+    b.close()

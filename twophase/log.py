@@ -44,6 +44,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,6 +279,9 @@ class TransactionLog:
         self._heartbeat_written = 0.0
         self._heartbeat_lock = threading.Lock()
         self._heartbeat_stop: threading.Event | None = None
+        #: Called once, from whichever thread first finds this coordinator fenced (see on_fenced).
+        self._fence_listeners: list[Callable[[], None]] = []
+        self._fenced = threading.Event()
         self._low_water: dict[int, int] = {}
         self._ensure_format()
 
@@ -455,10 +459,12 @@ class TransactionLog:
                     if latest and latest[-1] != self.epoch:
                         log.info("transaction log %s: epoch %s was fenced by epoch %s; heartbeat stops",
                                  self.url, self.epoch, latest[-1])
+                        self._was_fenced()
                         return
                     self.heartbeat(force=True)
                 except LogOwnershipError as e:
                     log.info("transaction log %s: %s; heartbeat stops", self.url, e)
+                    self._was_fenced()
                     return
                 except Exception as e:  # noqa: BLE001 - a missed beat is retried; the lease is a hint
                     log.warning("transaction log %s: lease heartbeat failed: %s", self.url, e)
@@ -485,11 +491,36 @@ class TransactionLog:
         if self.epoch is None:
             raise LogOwnershipError("the transaction log was not acquired: call acquire() first")
 
+    def on_fenced(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` once when this coordinator is found fenced (by its heartbeat or
+        :meth:`check_fence`), from the thread that found it: the coordinator stops the Spark job
+        it is waiting on, so that a deposed driver ends rather than lingers (a job whose executors
+        were lost with a partition can wait for resources for ever).  Never a fence itself: the
+        ballot's slot is."""
+        self._fence_listeners.append(listener)
+        if self._fenced.is_set():
+            self._was_fenced()
+
+    def _was_fenced(self) -> None:
+        self._fenced.set()
+        listeners, self._fence_listeners = self._fence_listeners, []
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a listener's failure must not hide the fence
+                log.warning("transaction log %s: a fence listener failed", self.url, exc_info=True)
+
+    @property
+    def fenced(self) -> bool:
+        """Whether this coordinator was found fenced (a newer epoch exists); False until then."""
+        return self._fenced.is_set()
+
     def check_fence(self) -> None:
         """Raise LogOwnershipError if a newer coordinator has taken this log over."""
         self._require_owner()
         latest = self.epochs()
         if latest and latest[-1] != self.epoch:
+            self._was_fenced()
             raise LogOwnershipError(
                 f"this coordinator (epoch {self.epoch}) was fenced: coordinator epoch {latest[-1]} took "
                 f"over the transaction log {self.url}. It stops without committing; the newer one "
