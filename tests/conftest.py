@@ -17,6 +17,14 @@ from tests import services
 _started: list[str] = []
 
 
+def pytest_sessionstart(session):
+    # The drivers the tests start (every kill test's, and the session's own Spark) start in
+    # about half the time: tests/fastjvm.py (TWOPHASE_FAST_JVM=0 turns it off).
+    from tests import fastjvm
+
+    fastjvm.apply()
+
+
 def _service(name: str) -> dict:
     svc = services.get(name)
     was_up = svc.ready()
