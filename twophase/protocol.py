@@ -80,6 +80,18 @@ class BatchWork(Protocol):
         """The source offsets to record in the decision (``None``: none known)."""
 
 
+@dataclass
+class OpenedBallot:
+    """A ballot this coordinator opened for a batch (its INTENT logged): what its tasks need
+    (``query_name``, ``intent``, ``run``) and what its decision names."""
+
+    batch_id: int
+    number: int
+    intent: dict[str, Any]
+    run: str
+    query_name: str
+
+
 #: Late INTENTs of deposed coordinators one batch closes before it stops (each is another
 #: coordinator's write landing in the slot this one was about to take).
 _MAX_LATE_INTENTS = 3
@@ -255,6 +267,36 @@ class TwoPhaseProtocol:
         return True
 
     def _run_batch(self, batch_id: int, work: BatchWork, prog: BatchProgress) -> None:
+        opened = self.open_ballot(batch_id, work.partitions, prog)
+        if opened is None:
+            return  # committed before (skipped), or recommitted now from an earlier decision
+        t0 = time.perf_counter()                                                    # step 4
+        fence = _InBackground(self.tlog.check_fence)  # an early exit only: off the critical path
+        sweep = self._start_replaced_sweep(batch_id)
+        try:
+            started_at = time.time()
+            results = work.prepare(opened.query_name, batch_id, opened.intent, opened.run)
+            self.check_prepared(opened, results, started_at=started_at)
+            source = work.source_offsets(batch_id)
+            fence.result()  # an early exit for a deposed coordinator; the slot below is the fence
+        except BaseException as e:
+            # Nothing is decided: close our ballot, then abort what its partitions left open now,
+            # rather than at the replay (prepared transactions hold locks, open Kafka
+            # transactions hold back read_committed consumers).
+            self.give_up(opened, e)
+            raise
+        prog.prepare_ms = _ms(t0)
+        self.decide_and_commit(opened, results, prog, source=source)
+        if sweep is not None:
+            sweep.result()  # done by now, as a rule; it logs its own failures
+        self.committed(batch_id)
+
+    def open_ballot(self, batch_id: int, partitions: Callable[[int | None], int],
+                    prog: BatchProgress) -> OpenedBallot | None:
+        """Steps 1-3 of batch ``batch_id``: recovery when dirty, then either nothing to run (None:
+        the batch was committed before, or is recommitted now from an earlier decision;
+        ``prog.action`` says which) or a ballot of ours opened (its INTENT logged) for the tasks
+        to write under.  ``partitions(planned)`` is :meth:`BatchWork.partitions`."""
         tlog = self.tlog
         t0 = time.perf_counter()
         tlog.heartbeat(force=False)
@@ -289,7 +331,7 @@ class TwoPhaseProtocol:
             if prog.action == "recommitted" and decision is not None:
                 prog.handles = len(decision.handles)
                 prog.rows = int(decision.body.get("rows", 0))
-            return
+            return None
 
         t0 = time.perf_counter()                                                    # step 3
         qname = self.query_name
@@ -297,7 +339,7 @@ class TwoPhaseProtocol:
             number = self._close_earlier_ballots(batch_id, view, prog, after_recovery=recovered is not None)
             planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
                             if b.intent is not None), None)
-            num_partitions = work.partitions(int(planned) if planned else None)
+            num_partitions = partitions(int(planned) if planned else None)
             intent = self.sink.plan_batch(qname, batch_id, num_partitions)
             opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
                                                    "num_partitions": num_partitions}, ballot=number)
@@ -322,30 +364,25 @@ class TwoPhaseProtocol:
             recovered = recovered or set()  # earlier ballots were handled: abort only what is closed now
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
-
-        t0 = time.perf_counter()                                                    # step 4
         run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
-        payload: dict[str, Any] = {}
-        fence = _InBackground(tlog.check_fence)  # an early exit only: off the critical path
-        sweep = self._start_replaced_sweep(batch_id)
-        try:
-            started_at = time.time()
-            results = work.prepare(qname, batch_id, intent, run)
-            # Before the decision: a pre-committed transaction the target may already have
-            # aborted on its own (Kafka's timeout) fails the batch now, while it is undecided.
-            self.sink.verify_prepared(batch_id, [self.sink.decode_handle(r["handle"]) for r in results],
-                                      prepare_started_at=started_at)
-            source = work.source_offsets(batch_id)
-            if source is not None:
-                payload["source"] = source
-            fence.result()  # an early exit for a deposed coordinator; the slot below is the fence
-        except BaseException as e:
-            # Nothing is decided: close our ballot, then abort what its partitions left open now,
-            # rather than at the replay (prepared transactions hold locks, open Kafka
-            # transactions hold back read_committed consumers).
-            self._give_up(batch_id, number, intent, e)
-            raise
-        prog.prepare_ms = _ms(t0)
+        return OpenedBallot(batch_id, number, intent, run, qname)
+
+    def check_prepared(self, opened: OpenedBallot, results: list[dict[str, Any]], *, started_at: float) -> None:
+        """Before the decision: a pre-committed transaction the target may already have aborted on
+        its own (Kafka's timeout) fails the batch now, while it is undecided."""
+        self.sink.verify_prepared(opened.batch_id, [self.sink.decode_handle(r["handle"]) for r in results],
+                                  prepare_started_at=started_at)
+
+    def give_up(self, opened: OpenedBallot, error: BaseException) -> None:
+        """Our ballot failed before its decision: see :meth:`_give_up`."""
+        self._give_up(opened.batch_id, opened.number, opened.intent, error)
+
+    def decide_and_commit(self, opened: OpenedBallot, results: list[dict[str, Any]], prog: BatchProgress, *,
+                          source: dict[str, Any] | None = None) -> None:
+        """Steps 4 (the decision) to 6 of our ballot, given its tasks' results (every partition's
+        handle, checked with :meth:`check_prepared`)."""
+        tlog, batch_id, number = self.tlog, opened.batch_id, opened.number
+        payload: dict[str, Any] = {} if source is None else {"source": source}
         handles = [r["handle"] for r in results]
         prog.rows = sum(r["rows"] for r in results)
         prog.handles = len(handles)
@@ -373,7 +410,7 @@ class TwoPhaseProtocol:
             e.generation, e.ballot = tlog.generation, number
             raise
         # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
-        aborted = self.sink.abort_lingering(qname, batch_id, intent, decoded)
+        aborted = self.sink.abort_lingering(opened.query_name, batch_id, opened.intent, decoded)
         if aborted:
             log.info("%s: batch %d: aborted %d transactions of failed task attempts", self.name, batch_id,
                      aborted)
@@ -383,9 +420,12 @@ class TwoPhaseProtocol:
         tlog.write(batch_id, COMMITTED, {"rows": prog.rows, "handles_committed": len(handles)})
         prog.log_ms += _ms(t0)
         crash.crash_point("after_committed_logged", batch_id)
-        if sweep is not None:
-            sweep.result()  # done by now, as a rule; it logs its own failures
+
+    def committed(self, batch_id: int) -> None:
+        """After batch ``batch_id`` was committed by this object: the next batch may skip reading
+        its view (see :meth:`open_ballot`), and old records are pruned now and then."""
         self._last_committed = batch_id
+        tlog = self.tlog
         if batch_id % max(1, tlog.retain_batches // 10) == 0:  # a listing: not on every batch
             tlog.prune(batch_id)
 
