@@ -411,6 +411,13 @@ class TransactionLog:
         for old in current[:-2]:
             self.store.delete(f"epochs/{old:010d}.json")
 
+    def resume(self, *, owner: str, epoch: int | None, generation: int | None, query_id: str) -> None:
+        """Act as the owner that acquired ``epoch`` in another process: the data source's commit
+        step (twophase/datasource.py) decides the ballot its plan opened, in a process of its
+        own.  Its records carry that owner, so :meth:`mine` tells them apart as the plan's would.
+        The fence stays the ballots' slots; nothing is written here."""
+        self.owner, self.epoch, self.generation, self.query_id = owner, epoch, generation, query_id
+
     def heartbeat(self, force: bool = True) -> None:
         """Refresh the lease.  ``force=False`` (once per batch) writes only when the last refresh
         by this process is older than a quarter of ``lease_timeout``: the lease is a liveness

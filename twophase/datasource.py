@@ -1,0 +1,343 @@
+"""Exactly-once sinks by name: ``writeStream.format("twophase-files")`` (issue 28; design and the
+facts it rests on: docs/datasource.md).
+
+Spark's Python Data Source API runs a sink's Python in three places, none of them the user's
+driver process: a *planner* worker of the driver JVM plans each micro-batch
+(``DataSource(options).streamWriter(...)``), each task runs ``write()`` on its copy of that
+writer, and another planner worker runs ``commit(messages, batch_id)`` on a writer made afresh.
+The coordinator's protocol (:class:`twophase.protocol.TwoPhaseProtocol`) is split the same way:
+
+- plan: recovery of earlier batches, then a ballot of batch *N* opened (its INTENT logged);
+  *N* is read from the checkpoint's ``offsets/`` (Spark writes ``offsets/N`` before it plans
+  batch *N*) and checked by every task against Spark's own ``streaming.sql.batchId``;
+- tasks: one transaction per partition, pre-committed; the handle goes back in the message;
+- commit: the decision (the ballot's slot), the commits, COMMITTED.
+
+No process lives across batches, so there is no lease holder: every plan takes a new epoch of
+the log, and a deposed run's late writes lose on the ballots' slots as a deposed coordinator's do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
+
+from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.log import TransactionLog, open_store
+from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
+from twophase.recovery import Committer
+from twophase.sink import TwoPhaseCommitSink
+
+log = logging.getLogger("twophase.datasource")
+
+#: Options every twophase data source reads (lower case: Spark hands options over lower-cased).
+_COMMON = {"checkpointlocation", "path", "twophase.name", "twophase.loglocation", "twophase.maxpartitions",
+           "twophase.committimeoutretries"}
+
+
+@dataclass
+class Plan:
+    """What the plan of one micro-batch decided, carried to every task (in the pickled writer) and
+    back to the commit step (in every task's message)."""
+
+    batch_id: int
+    action: str  # "write": a ballot of ours is open; "skipped" / "recommitted": decided before
+    query_id: str
+    log_location: str
+    name: str
+    query_name: str = ""
+    number: int = 0
+    intent: dict[str, Any] = field(default_factory=dict)
+    run: str = ""
+    epoch: int | None = None
+    owner: str = ""
+    generation: int | None = None
+    partitions: int = 0
+    planned_at: float = 0.0
+
+    def opened(self) -> OpenedBallot:
+        return OpenedBallot(self.batch_id, self.number, self.intent, self.run, self.query_name)
+
+
+@dataclass
+class TaskMessage(WriterCommitMessage):
+    """One task's result: its transaction's handle (the sink's envelope, JSON), or None when it
+    wrote nothing (an empty partition, or a batch decided before)."""
+
+    plan: dict[str, Any]
+    partition: int
+    attempt: int
+    rows: int
+    handle: str | None
+
+
+class _Settings:
+    """The options every twophase data source shares, checked once."""
+
+    def __init__(self, options: Any, kind: str):
+        self.checkpoint = options.get("checkpointlocation")
+        if not self.checkpoint:
+            raise ConfigurationError(
+                f"twophase-{kind} needs .option('checkpointLocation', ...): its transaction log lives "
+                "there (<checkpointLocation>/twophase) and it reads each micro-batch's id from Spark's "
+                "offsets log there")
+        self.checkpoint = _local(self.checkpoint)
+        self.log_location = _local(options.get("twophase.loglocation") or self.checkpoint.rstrip("/") + "/twophase")
+        self.name = options.get("twophase.name") or "twophase"
+        raw = options.get("twophase.maxpartitions") or "200"
+        try:
+            self.max_partitions = int(raw)
+        except ValueError:
+            raise ConfigurationError(f"twophase.maxPartitions must be a positive integer, got {raw!r}") from None
+        if self.max_partitions < 1:
+            raise ConfigurationError(f"twophase.maxPartitions must be a positive integer, got {raw!r}")
+
+
+def _local(location: str) -> str:
+    """Hadoop's qualified ``file:/x`` as a plain local path; other URLs unchanged."""
+    if location.startswith("file:"):
+        path = location[len("file:"):]
+        return "/" + path.lstrip("/") if path.startswith("/") else path
+    return location
+
+
+def _committer(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Committer:
+    return Committer(sink, parallelism=8, retries=5, backoff=0.2, max_backoff=10.0, ignore_lost=False,
+                     where=settings.log_location, name=settings.name)
+
+
+def _current_batch(checkpoint: str) -> tuple[int, str]:
+    """(the micro-batch Spark is planning, the query's id), from its checkpoint: Spark writes
+    ``metadata`` when the query first starts and ``offsets/N`` before it plans batch N."""
+    store = open_store(checkpoint, None, exclusive=False)
+    raw = store.read("metadata")
+    try:
+        query_id = json.loads(raw.decode("utf-8"))["id"] if raw is not None else None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        query_id = None
+    batches = [int(n) for n in (store.list("offsets") or []) if n.isdigit()]
+    if not query_id or not batches:
+        raise TwoPhaseError(
+            f"{store.location('offsets')}: no offsets log of a streaming query there while Spark plans a "
+            "micro-batch: is checkpointLocation the query's own? Nothing was written.")
+    return max(batches), str(query_id)
+
+
+def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
+    """The planner's part of micro-batch N: recovery, then a ballot of ours for N (or nothing to
+    write: N was decided before, and is committed now if it was not)."""
+    t0 = time.perf_counter()
+    batch_id, query_id = _current_batch(settings.checkpoint)
+    sink.open()
+    tlog = TransactionLog(settings.log_location)
+    # No process outlives a batch: each plan is a new epoch; the ballots' slots are the fence.
+    tlog.acquire(query_id, settings.name, takeover=True)
+    protocol = TwoPhaseProtocol(sink, tlog, name=settings.name, query_name=f"{settings.name}.{tlog.scope()}",
+                                committer=lambda: _committer(sink, settings))
+    prog = BatchProgress(settings.name, batch_id, query_id, "committed")
+    sized: list[int] = []
+
+    def partitions(planned: int | None) -> int:  # the task count is unknown while Spark plans
+        sized.append(planned or settings.max_partitions)
+        return sized[-1]
+
+    opened = protocol.open_ballot(batch_id, partitions, prog)
+    plan = Plan(batch_id, "write", query_id, settings.log_location,
+                settings.name, epoch=tlog.epoch, owner=tlog.owner, generation=tlog.generation,
+                planned_at=time.time())
+    if opened is None:
+        plan.action = prog.action
+    else:
+        plan.query_name, plan.number, plan.intent, plan.run = (opened.query_name, opened.number, opened.intent,
+                                                               opened.run)
+        plan.partitions = sized[-1]
+    log.info("%s: batch %d planned (%s) in %.0f ms", settings.name, batch_id, plan.action,
+             (time.perf_counter() - t0) * 1000)
+    return plan
+
+
+class _StreamWriter(DataSourceStreamArrowWriter):
+    def __init__(self, sink: TwoPhaseCommitSink[Any, Any], settings: _Settings, plan: Plan | None):
+        self.sink, self.settings, self.plan = sink, settings, plan
+
+    # ----------------------------------------------------------------- executors
+    def write(self, iterator):
+        import pyarrow as pa  # noqa: F401 - the batches are pyarrow's
+        from pyspark import TaskContext
+
+        from twophase.context import TransactionContext
+
+        plan = self.plan
+        if plan is None:  # cannot be: Spark pickles the writer of the plan for its tasks
+            raise TwoPhaseError("twophase: a task got a writer without a plan")
+        tc = TaskContext.get()
+        spark_batch = tc.getLocalProperty("streaming.sql.batchId")
+        if spark_batch is not None and int(spark_batch) != plan.batch_id:
+            raise TwoPhaseError(
+                f"twophase: this task writes Spark's micro-batch {spark_batch}, but the plan read batch "
+                f"{plan.batch_id} from {self.settings.checkpoint}/offsets: is checkpointLocation the query's "
+                "own? Nothing was written.")
+        message = TaskMessage(asdict(plan), tc.partitionId(), tc.attemptNumber(), 0, None)
+        if plan.action != "write":
+            return message  # decided before: its rows are in the target already
+        if tc.partitionId() >= plan.partitions:
+            raise ConfigurationError(
+                f"twophase: partition {tc.partitionId()} of batch {plan.batch_id} is beyond "
+                f"twophase.maxPartitions={self.settings.max_partitions}: raise the option, or repartition "
+                "the stream to fewer partitions. Nothing of this partition was written.")
+        sink = self.sink
+        ctx = TransactionContext(plan.query_name, plan.batch_id, tc.partitionId(), tc.attemptNumber(), plan.intent,
+                                 plan.run, task_attempt_id=tc.taskAttemptId())
+        txn, rows = None, 0
+        try:
+            for rb in iterator:
+                if rb.num_rows == 0:
+                    continue
+                if txn is None:
+                    txn = sink.begin_transaction(ctx)
+                sink.write(txn, rb)
+                rows += rb.num_rows
+            if txn is None:
+                return message
+            handle = sink.pre_commit(txn)
+        except BaseException:
+            if txn is not None:
+                try:
+                    sink.abort(txn)
+                except Exception:  # the original error matters more
+                    logging.getLogger("twophase.executor").exception("abort failed: %s", ctx.label)
+            raise
+        message.rows, message.handle = rows, json.dumps(sink.encode_handle(handle))
+        return message
+
+    # ----------------------------------------------------------------- commit
+    def _protocol(self, plan: Plan) -> TwoPhaseProtocol:
+        tlog = TransactionLog(plan.log_location)
+        tlog.resume(owner=plan.owner, epoch=plan.epoch, generation=plan.generation, query_id=plan.query_id)
+        protocol = TwoPhaseProtocol(self.sink, tlog, name=plan.name, query_name=plan.query_name,
+                                    committer=lambda: _committer(self.sink, self.settings))
+        protocol.dirty = False
+        return protocol
+
+    @staticmethod
+    def _plan_of(messages: list[TaskMessage | None], batch_id: int) -> Plan | None:
+        plans = {json.dumps(m.plan, sort_keys=True) for m in messages if m is not None}
+        if not plans:
+            return None
+        if len(plans) > 1:
+            raise TwoPhaseError(f"twophase: the tasks of batch {batch_id} wrote under {len(plans)} different "
+                                "plans; nothing is committed")
+        plan = Plan(**json.loads(plans.pop()))
+        if plan.batch_id != batch_id:
+            raise TwoPhaseError(f"twophase: Spark commits batch {batch_id} but its tasks wrote batch "
+                                f"{plan.batch_id}; nothing is committed")
+        return plan
+
+    def commit(self, messages, batchId):  # noqa: N803 - Spark's name
+        plan = self._plan_of(messages, batchId)
+        if plan is None or plan.action != "write":
+            return  # decided before: the plan committed it (recommitted) or found it committed
+        t0 = time.perf_counter()
+        self.sink.open()
+        protocol = self._protocol(plan)
+        opened = plan.opened()
+        results = [{"partition": m.partition, "attempt": m.attempt, "rows": m.rows, "handle": json.loads(m.handle)}
+                   for m in messages if m is not None and m.handle is not None]
+        results.sort(key=lambda r: r["partition"])
+        try:
+            protocol.check_prepared(opened, results, started_at=plan.planned_at)
+        except BaseException as e:
+            protocol.give_up(opened, e)
+            raise
+        prog = BatchProgress(plan.name, batchId, plan.query_id, "committed")
+        protocol.decide_and_commit(opened, results, prog)
+        log.info("%s: batch %d committed: %d rows, %d handles, commit %.0f ms, log %.0f ms (%.0f ms)", plan.name,
+                 batchId, prog.rows, prog.handles, prog.commit_ms, prog.log_ms, (time.perf_counter() - t0) * 1000)
+
+    def abort(self, messages, batchId):  # noqa: N803 - Spark's name
+        plan = self._plan_of(messages, batchId)
+        if plan is None or plan.action != "write":
+            return  # no task said which ballot: the next plan closes it
+        self.sink.open()
+        self._protocol(plan).give_up(plan.opened(), TwoPhaseError(f"Spark aborted batch {batchId}"))
+
+
+class TwoPhaseDataSource(DataSource):
+    """A twophase sink as a streaming data source (subclasses name it and build its sink)."""
+
+    kind: ClassVar[str] = ""
+    #: Options this source reads beyond the common ones (lower case).
+    known_options: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, options):
+        super().__init__(options)
+        # Made here: Spark is planning a micro-batch.  Unpickled (see __setstate__): Spark's commit
+        # step, which must never open a ballot.
+        self._planning = True
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._planning = False
+
+    def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
+        raise NotImplementedError
+
+    def _check_options(self) -> None:
+        unknown = sorted(k for k in self.options if k not in _COMMON and k not in self.known_options)
+        if unknown:
+            import difflib
+
+            known = sorted(_COMMON | self.known_options)
+            hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, known, 1)) else k
+                     for k in unknown]
+            raise ConfigurationError(f"twophase-{self.kind}: unknown option(s) {', '.join(hints)}; it reads "
+                                     f"{', '.join(known)}")
+
+    def streamWriter(self, schema, overwrite):  # noqa: N802 - Spark's name
+        self._check_options()
+        if overwrite:
+            raise ConfigurationError(
+                f"twophase-{self.kind} writes in Append output mode only (Complete would replace the "
+                "target's contents each batch); use outputMode('append')")
+        settings = _Settings(self.options, self.kind)
+        sink = self.build_sink()
+        plan = _plan(sink, settings) if self._planning else None
+        return _StreamWriter(sink, settings, plan)
+
+
+class FilesDataSource(TwoPhaseDataSource):
+    """``format("twophase-files")``: files in ``path`` (local, ``hdfs://``, ``s3://``), by
+    temp-file-rename or multipart upload; ``format`` parquet (default), json or csv."""
+
+    kind = "files"
+    known_options = frozenset({"format", "compression", "header", "prefix"})
+
+    @classmethod
+    def name(cls) -> str:
+        return "twophase-files"
+
+    def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
+        from twophase.sinks.files import FileSink
+
+        path = self.options.get("path")
+        if not path:
+            raise ConfigurationError("twophase-files needs a path: .start(path) or .option('path', ...)")
+        fmt = {"json": "jsonl"}.get(self.options.get("format", "parquet").lower(),
+                                    self.options.get("format", "parquet").lower())
+        header = str(self.options.get("header", "false")).lower() == "true"
+        return FileSink(_local(path), format=fmt, compression=self.options.get("compression"), header=header,
+                        prefix=self.options.get("prefix", "part"), writer="arrow")
+
+
+SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource,)
+
+
+def register(spark) -> None:
+    """Register the twophase data sources with ``spark`` (a classic or Spark Connect session)."""
+    for cls in SOURCES:
+        spark.dataSource.register(cls)
