@@ -26,6 +26,11 @@ def _inputs(folder: Path, files: int, rows: int) -> list[str]:
     return expected
 
 
+def _log_records(log_dir: Path) -> int:
+    """Files in the transaction log: grows with every batch (the kills land while batches flow)."""
+    return sum(len(f) for _, _, f in os.walk(log_dir))
+
+
 def _read(out: Path) -> list[str]:
     import pyarrow.parquet as pq
 
@@ -35,17 +40,60 @@ def _read(out: Path) -> list[str]:
 @pytest.mark.chaos
 @pytest.mark.timeout(900)
 def test_files_data_source_every_id_once_across_driver_kills_and_worker_crash_points(tmp_path):
-    expected = _inputs(tmp_path / "in", files=8, rows=100)
+    """The data source form under the kill tests' faults: 12 micro-batches of 100 ids, each crash
+    point on its own batch, then two SIGKILLs of the driver's process group, then a run to the end:
+    every id once, nothing left staged."""
+    expected = _inputs(tmp_path / "in", files=12, rows=100)
     out, ck = tmp_path / "out", tmp_path / "ck"
     cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(out), str(ck)]
-    # after_intent fires in the planner worker, the others in the commit worker: each kills a Python
-    # worker of the driver JVM, which fails the query; the SIGKILLs end the whole driver.
-    points = ["after_intent:1", "after_prepared_logged:3", "mid_commit:5"]
-    runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=2, kill_window=(8.0, 20.0), seed=28,
+    # after_intent fires in the planner worker, after_pre_commit in a task (Spark then calls the
+    # writer's abort), the others in the commit worker: each kills a Python worker, which fails
+    # the query and ends the driver; the SIGKILLs end the whole driver at random moments.
+    points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3", "mid_commit:5"]
+    runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=2, kill_window=(0.5, 3.0), seed=28,
+                                 progress_probe=lambda: _log_records(ck / "twophase"),
                                  env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
                                  log_path=str(tmp_path / "driver.log"), timeout=400)
+    assert [r.outcome for r in runs[:len(points)]] == ["crash point fired"] * len(points), \
+        [r.to_dict() for r in runs]
+    assert any(r.outcome == "killed" for r in runs[len(points):]), [r.to_dict() for r in runs]
     assert runs[-1].completed
     verdict = chaos.verify(expected, _read(out))
     assert verdict.exactly_once, (verdict.to_dict(), [r.to_dict() for r in runs])
     staged = [p for p in (out / "_twophase").rglob("*") if p.is_file()] if (out / "_twophase").exists() else []
     assert staged == []
+
+
+@pytest.mark.parametrize("case", ["misspelt option", "complete mode", "update mode", "continuous trigger",
+                                  "no checkpoint"])
+def test_a_new_users_mistake_gets_one_clear_line_and_writes_nothing(spark, tmp_path, case):
+    """Issue 28, "trying it as a new user would": each mistake fails the query (or its start) with
+    a line that names it; nothing reaches the output folder."""
+    import twophase.datasource
+
+    twophase.datasource.register(spark)
+    src = spark.readStream.format("rate").option("rowsPerSecond", 5).load().selectExpr("value AS id")
+    out, ck = tmp_path / "out", str(tmp_path / "ck")
+    w = src.writeStream.format("twophase-files")
+    expected = {
+        "misspelt option": "unknown option(s) fromat (did you mean format?)",
+        "complete mode": "writes in Append output mode only",
+        "update mode": "twophase-files does not support Update mode",
+        "continuous trigger": "a continuous trigger is not supported",
+        "no checkpoint": "checkpointLocation must be specified",
+    }[case]
+    if case == "misspelt option":
+        w = w.option("fromat", "json").option("checkpointLocation", ck)
+    elif case in ("complete mode", "update mode"):
+        counts = src.groupBy("id").count().writeStream.format("twophase-files")
+        w = counts.outputMode("complete" if case == "complete mode" else "update").option("checkpointLocation", ck)
+    elif case == "continuous trigger":
+        w = w.trigger(continuous="1 second").option("checkpointLocation", ck)
+    with pytest.raises(Exception) as info:
+        q = w.start(str(out))
+        try:
+            q.awaitTermination(60)
+        finally:
+            q.stop()
+    assert expected in str(info.value), str(info.value)[:3000]
+    assert not out.exists() or not [p for p in out.rglob("*") if p.is_file() and "_twophase" not in p.parts]

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
+from twophase import crash
 from twophase.errors import ConfigurationError, TwoPhaseError
 from twophase.log import TransactionLog, open_store
 from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
@@ -122,9 +123,10 @@ def _current_batch(checkpoint: str) -> tuple[int, str]:
         query_id = None
     batches = [int(n) for n in (store.list("offsets") or []) if n.isdigit()]
     if not query_id or not batches:
-        raise TwoPhaseError(
-            f"{store.location('offsets')}: no offsets log of a streaming query there while Spark plans a "
-            "micro-batch: is checkpointLocation the query's own? Nothing was written.")
+        raise ConfigurationError(
+            f"{store.location('offsets')}: no micro-batch there while Spark plans one. twophase data sources "
+            "write micro-batches only (a continuous trigger is not supported: use processingTime or "
+            "availableNow), and checkpointLocation must be the query's own. Nothing was written.")
     return max(batches), str(query_id)
 
 
@@ -164,14 +166,19 @@ def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
 class _StreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, sink: TwoPhaseCommitSink[Any, Any], settings: _Settings, plan: Plan | None):
         self.sink, self.settings, self.plan = sink, settings, plan
+        # Fault-injection runs: executors on a cluster arm the plan's crash points too.
+        self.crash_env = crash.carried_env() if plan is not None else {}
 
     # ----------------------------------------------------------------- executors
     def write(self, iterator):
         import pyarrow as pa  # noqa: F401 - the batches are pyarrow's
         from pyspark import TaskContext
 
+        from twophase import crash as _crash
         from twophase.context import TransactionContext
 
+        if self.crash_env:
+            _crash.adopt(self.crash_env)
         plan = self.plan
         if plan is None:  # cannot be: Spark pickles the writer of the plan for its tasks
             raise TwoPhaseError("twophase: a task got a writer without a plan")
@@ -199,6 +206,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
                 if rb.num_rows == 0:
                     continue
                 if txn is None:
+                    _crash.crash_point("before_begin", plan.batch_id)
                     txn = sink.begin_transaction(ctx)
                 sink.write(txn, rb)
                 rows += rb.num_rows
@@ -213,6 +221,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
                     logging.getLogger("twophase.executor").exception("abort failed: %s", ctx.label)
             raise
         message.rows, message.handle = rows, json.dumps(sink.encode_handle(handle))
+        _crash.crash_point("after_pre_commit", plan.batch_id)
         return message
 
     # ----------------------------------------------------------------- commit
