@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,8 @@ def test_files_data_source_every_id_once_across_driver_kills_and_worker_crash_po
     every id once, nothing left staged."""
     expected = _inputs(tmp_path / "in", files=12, rows=100)
     out, ck = tmp_path / "out", tmp_path / "ck"
-    cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(out), str(ck)]
+    cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(ck), "twophase-files",
+           "--path", str(out)]
     # after_intent fires in the planner worker, after_pre_commit in a task (Spark then calls the
     # writer's abort), the others in the commit worker: each kills a Python worker, which fails
     # the query and ends the driver; the SIGKILLs end the whole driver at random moments.
@@ -97,3 +99,53 @@ def test_a_new_users_mistake_gets_one_clear_line_and_writes_nothing(spark, tmp_p
             q.stop()
     assert expected in str(info.value), str(info.value)[:3000]
     assert not out.exists() or not [p for p in out.rglob("*") if p.is_file() and "_twophase" not in p.parts]
+
+
+@pytest.mark.chaos
+@pytest.mark.postgres
+@pytest.mark.timeout(900)
+def test_jdbc_data_source_every_id_once_across_driver_kills_and_worker_crash_points(tmp_path, postgres_service):
+    """``format("twophase-jdbc")`` with Spark's JDBC options (url, dbtable, user, password) under
+    the same faults: every id in the table once, nothing of the query left prepared, and the
+    password in no driver log."""
+    from tests.test_postgres_chaos import _conn, _superuser, _write_input
+
+    info = postgres_service
+    # A role of its own with a password found nowhere else, so that the log check below can fail.
+    role, secret, table = f"tp_ds_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex, "events"
+    as_role = dict(info, user=role, password=secret,
+                   dsn=f"host={info['host']} port={info['port']} dbname={info['dbname']} user={role} "
+                       f"password={secret}")
+    with _superuser() as cur:
+        cur.execute(f'CREATE ROLE "{role}" LOGIN PASSWORD %s', (secret,))
+    with _conn(info) as c, c.cursor() as cur:
+        cur.execute(f'GRANT CREATE ON DATABASE "{info["dbname"]}" TO "{role}"')
+    with _conn(as_role) as c, c.cursor() as cur:
+        cur.execute(f'CREATE SCHEMA "{role}"')  # its marker table goes there too ("$user" on the search path)
+        cur.execute(f'CREATE TABLE "{role}"."{table}" (id bigint NOT NULL, k bigint, v bigint)')
+    expected, _ = _write_input(tmp_path / "in", files=10, rows=100, keys=50)
+    ck = tmp_path / "ck"
+    prefix = f"ds{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(ck), "twophase-jdbc",
+           "--schema", "id BIGINT, k BIGINT, v BIGINT",
+           "--option", f"url=jdbc:postgresql://{info['host']}:{info['port']}/{info['dbname']}",
+           "--option", f"dbtable={role}.{table}", "--option", f"user={role}",
+           "--option", f"twophase.gidPrefix={prefix}"]
+    points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3", "mid_commit:5"]
+    log_path = tmp_path / "driver.log"
+    runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=2, kill_window=(0.5, 3.0), seed=29,
+                                 progress_probe=lambda: _log_records(ck / "twophase"),
+                                 env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+                                      "PGPASSWORD": secret},
+                                 log_path=str(log_path), timeout=400)
+    assert [r.outcome for r in runs[:len(points)]] == ["crash point fired"] * len(points), \
+        [r.to_dict() for r in runs]
+    assert runs[-1].completed
+    with _conn(as_role) as c, c.cursor() as cur:
+        cur.execute(f'SELECT id FROM "{role}"."{table}"')
+        verdict = chaos.verify(expected, [r[0] for r in cur.fetchall()])
+        cur.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s", (prefix, prefix))
+        left = cur.fetchall()
+    assert verdict.exactly_once, (verdict.to_dict(), [r.to_dict() for r in runs])
+    assert left == []
+    assert secret not in log_path.read_text(errors="replace")

@@ -144,8 +144,10 @@ def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
     prog = BatchProgress(settings.name, batch_id, query_id, "committed")
     sized: list[int] = []
 
+    cap = sink.max_parallelism()  # e.g. PostgreSQL's max_prepared_transactions // 2
+
     def partitions(planned: int | None) -> int:  # the task count is unknown while Spark plans
-        sized.append(planned or settings.max_partitions)
+        sized.append(planned or (settings.max_partitions if cap is None else min(cap, settings.max_partitions)))
         return sized[-1]
 
     opened = protocol.open_ballot(batch_id, partitions, prog)
@@ -194,9 +196,10 @@ class _StreamWriter(DataSourceStreamArrowWriter):
             return message  # decided before: its rows are in the target already
         if tc.partitionId() >= plan.partitions:
             raise ConfigurationError(
-                f"twophase: partition {tc.partitionId()} of batch {plan.batch_id} is beyond "
-                f"twophase.maxPartitions={self.settings.max_partitions}: raise the option, or repartition "
-                "the stream to fewer partitions. Nothing of this partition was written.")
+                f"twophase: partition {tc.partitionId()} of batch {plan.batch_id} is beyond the {plan.partitions} "
+                f"transactions its plan allows (twophase.maxPartitions={self.settings.max_partitions}, capped by "
+                "what the target allows): repartition the stream to fewer partitions, or raise the option. "
+                "Nothing of this partition was written.")
         sink = self.sink
         ctx = TransactionContext(plan.query_name, plan.batch_id, tc.partitionId(), tc.attemptNumber(), plan.intent,
                                  plan.run, task_attempt_id=tc.taskAttemptId())
@@ -343,7 +346,69 @@ class FilesDataSource(TwoPhaseDataSource):
                         prefix=self.options.get("prefix", "part"), writer="arrow")
 
 
-SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource,)
+def jdbc_to_dsn(url: str) -> str:
+    """``jdbc:postgresql://host:port/db?sslmode=require`` as a libpq DSN (no password in it)."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    if not url.lower().startswith("jdbc:postgresql:"):
+        raise ConfigurationError(
+            "twophase-jdbc writes to PostgreSQL (prepared transactions): url must start with "
+            f"jdbc:postgresql://, got {':'.join(url.split(':')[:2])}:...")
+    rest = url[len("jdbc:postgresql:"):]
+    if not rest.startswith("//"):
+        rest = "///" + rest  # jdbc:postgresql:database
+    u = urlsplit("postgresql:" + rest)
+    parts = []
+    if u.hostname:
+        parts.append(f"host={u.hostname}")
+    if u.port:
+        parts.append(f"port={u.port}")
+    if u.path.strip("/"):
+        parts.append(f"dbname={unquote(u.path.strip('/'))}")
+    for k, v in parse_qsl(u.query):
+        if k.lower() == "password":
+            raise ConfigurationError("twophase-jdbc: give the password as .option('password', ...), not in the url")
+        if k.lower() == "user":
+            k = "user"
+        parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+class JdbcDataSource(TwoPhaseDataSource):
+    """``format("twophase-jdbc")``: rows into a PostgreSQL table by prepared transactions, with the
+    options of Spark's JDBC sink: ``url`` (``jdbc:postgresql://...``), ``dbtable``, ``user``,
+    ``password``; ``twophase.mode`` insert (default) or upsert with ``twophase.keyColumns``."""
+
+    kind = "jdbc"
+    known_options = frozenset({"url", "dbtable", "user", "password", "driver", "twophase.mode",
+                               "twophase.keycolumns", "twophase.gidprefix"})
+
+    @classmethod
+    def name(cls) -> str:
+        return "twophase-jdbc"
+
+    def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
+        from twophase.sinks.postgres import PostgresSink
+
+        url, table = self.options.get("url"), self.options.get("dbtable")
+        if not url or not table:
+            raise ConfigurationError("twophase-jdbc needs .option('url', 'jdbc:postgresql://host:port/db') and "
+                                     ".option('dbtable', 'schema.table')")
+        driver = self.options.get("driver")
+        if driver and driver != "org.postgresql.Driver":
+            raise ConfigurationError(f"twophase-jdbc writes to PostgreSQL only; driver {driver!r} is not its")
+        dsn = jdbc_to_dsn(url)
+        if self.options.get("user"):
+            dsn += f" user={self.options['user']}"
+        schema, _, name = table.rpartition(".")
+        keys = [k.strip() for k in (self.options.get("twophase.keycolumns") or "").split(",") if k.strip()]
+        return PostgresSink(dsn, name.strip('"'), schema=schema.strip('"') or None,
+                            mode=self.options.get("twophase.mode", "insert"), key_columns=keys or None,
+                            password=self.options.get("password"),
+                            gid_prefix=self.options.get("twophase.gidprefix", "tp"))
+
+
+SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource)
 
 
 def register(spark) -> None:

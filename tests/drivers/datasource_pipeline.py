@@ -1,20 +1,30 @@
-"""JSON files -> Spark -> ``format("twophase-files")``: the driver the data source kill tests start and kill.
+"""JSON files -> Spark -> ``format("twophase-...")``: the driver the data source kill tests start and kill.
 
-Usage: python -m tests.drivers.datasource_pipeline INPUT_DIR OUTPUT_DIR CHECKPOINT_DIR [FILES_PER_TRIGGER].
-A streaming query with ``trigger(availableNow=True)`` over every file in INPUT_DIR (one JSON
-object per line, an ``id``); exits 0 once all of it is committed to OUTPUT_DIR.
+Usage: python -m tests.drivers.datasource_pipeline INPUT_DIR CHECKPOINT_DIR FORMAT [--schema DDL]
+[--option KEY=VALUE ...] [--path OUT] [--files-per-trigger N].  A streaming query with
+``trigger(availableNow=True)`` over every file in INPUT_DIR (one JSON object per line); exits 0
+once all of it is committed.  The environment's ``PGPASSWORD``, if set, becomes the writer's
+``password`` option (never a command-line argument).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 
 
 def main(argv: list[str]) -> int:
-    inp, out, checkpoint = argv[:3]
-    per_trigger = argv[3] if len(argv) > 3 else "1"
+    p = argparse.ArgumentParser(prog="python -m tests.drivers.datasource_pipeline")
+    p.add_argument("input")
+    p.add_argument("checkpoint")
+    p.add_argument("format", help="twophase-files or twophase-jdbc")
+    p.add_argument("--schema", default="id STRING, n LONG")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--path")
+    p.add_argument("--files-per-trigger", default="1")
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("twophase").setLevel(logging.INFO)
     import twophase.datasource
@@ -22,10 +32,15 @@ def main(argv: list[str]) -> int:
 
     spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "datasource-pipeline")
     twophase.datasource.register(spark)
-    q = (spark.readStream.schema("id STRING, n LONG").option("maxFilesPerTrigger", per_trigger).json(inp)
+    w = (spark.readStream.schema(args.schema).option("maxFilesPerTrigger", args.files_per_trigger).json(args.input)
          .repartition(2)
-         .writeStream.format("twophase-files").option("checkpointLocation", checkpoint)
-         .trigger(availableNow=True).start(out))
+         .writeStream.format(args.format).option("checkpointLocation", args.checkpoint))
+    for kv in args.option:
+        k, _, v = kv.partition("=")
+        w = w.option(k, v)
+    if os.environ.get("PGPASSWORD"):
+        w = w.option("password", os.environ["PGPASSWORD"])
+    q = w.trigger(availableNow=True).start(args.path) if args.path else w.trigger(availableNow=True).start()
     q.awaitTermination()
     spark.stop()
     return 0
