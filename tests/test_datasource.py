@@ -149,3 +149,40 @@ def test_jdbc_data_source_every_id_once_across_driver_kills_and_worker_crash_poi
     assert verdict.exactly_once, (verdict.to_dict(), [r.to_dict() for r in runs])
     assert left == []
     assert secret not in log_path.read_text(errors="replace")
+
+
+@pytest.mark.chaos
+@pytest.mark.kafka
+@pytest.mark.timeout(900)
+def test_kafka_data_source_every_id_once_across_driver_kills_and_worker_crash_points(tmp_path, kafka_service):
+    """``format("twophase-kafka")`` with Spark's Kafka options under the same faults: a
+    read_committed consumer finds every id once, and no transaction of the pool is left open."""
+    from tests.test_kafka_sink import _topic, read_committed
+    from twophase.sinks.kafka import KafkaSink
+
+    bs = kafka_service["bootstrap_servers"]
+    dst = _topic(bs, 2)
+    expected = _inputs(tmp_path / "in", files=10, rows=100)
+    ck = tmp_path / "ck"
+    prefix = f"ds-{uuid.uuid4().hex[:8]}"
+    cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(ck), "twophase-kafka",
+           "--select", "id AS key", "--select", "id AS value",
+           "--option", f"kafka.bootstrap.servers={bs}", "--option", f"topic={dst}",
+           "--option", "kafka.linger.ms=5", "--option", f"twophase.transactionalIdPrefix={prefix}"]
+    points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3", "mid_commit:5"]
+    runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=2, kill_window=(0.5, 3.0), seed=30,
+                                 progress_probe=lambda: _log_records(ck / "twophase"),
+                                 env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
+                                 log_path=str(tmp_path / "driver.log"), timeout=400)
+    assert [r.outcome for r in runs[:len(points)]] == ["crash point fired"] * len(points), \
+        [r.to_dict() for r in runs]
+    assert runs[-1].completed
+    verdict = chaos.verify(expected, [v.decode() for v in read_committed(bs, dst, timeout=60, idle=3)])
+    assert verdict.exactly_once, (verdict.to_dict(), [r.to_dict() for r in runs])
+    sink = KafkaSink(bs, dst, prefix)
+    try:
+        states = sink._txn_client().describe_transactions(sink.pool_ids(2))
+    finally:
+        sink.close()
+    assert any(d.state == "CompleteCommit" for d in states.values()), states
+    assert [t for t, d in states.items() if d.state in ("Ongoing", "PrepareAbort", "PrepareCommit")] == []

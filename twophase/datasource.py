@@ -80,7 +80,7 @@ class TaskMessage(WriterCommitMessage):
 class _Settings:
     """The options every twophase data source shares, checked once."""
 
-    def __init__(self, options: Any, kind: str):
+    def __init__(self, options: Any, kind: str, default_max_partitions: int = 200):
         self.checkpoint = options.get("checkpointlocation")
         if not self.checkpoint:
             raise ConfigurationError(
@@ -90,7 +90,7 @@ class _Settings:
         self.checkpoint = _local(self.checkpoint)
         self.log_location = _local(options.get("twophase.loglocation") or self.checkpoint.rstrip("/") + "/twophase")
         self.name = options.get("twophase.name") or "twophase"
-        raw = options.get("twophase.maxpartitions") or "200"
+        raw = options.get("twophase.maxpartitions") or str(default_max_partitions)
         try:
             self.max_partitions = int(raw)
         except ValueError:
@@ -285,6 +285,10 @@ class TwoPhaseDataSource(DataSource):
     kind: ClassVar[str] = ""
     #: Options this source reads beyond the common ones (lower case).
     known_options: ClassVar[frozenset[str]] = frozenset()
+    #: Prefixes of options passed through to the target's client (lower case), e.g. "kafka.".
+    passed_prefixes: ClassVar[tuple[str, ...]] = ()
+    #: Transactions a batch's plan allows, unless twophase.maxPartitions says otherwise.
+    default_max_partitions: ClassVar[int] = 200
 
     def __init__(self, options):
         super().__init__(options)
@@ -300,7 +304,8 @@ class TwoPhaseDataSource(DataSource):
         raise NotImplementedError
 
     def _check_options(self) -> None:
-        unknown = sorted(k for k in self.options if k not in _COMMON and k not in self.known_options)
+        unknown = sorted(k for k in self.options if k not in _COMMON and k not in self.known_options
+                         and not k.startswith(self.passed_prefixes))
         if unknown:
             import difflib
 
@@ -316,7 +321,7 @@ class TwoPhaseDataSource(DataSource):
             raise ConfigurationError(
                 f"twophase-{self.kind} writes in Append output mode only (Complete would replace the "
                 "target's contents each batch); use outputMode('append')")
-        settings = _Settings(self.options, self.kind)
+        settings = _Settings(self.options, self.kind, self.default_max_partitions)
         sink = self.build_sink()
         plan = _plan(sink, settings) if self._planning else None
         return _StreamWriter(sink, settings, plan)
@@ -408,7 +413,48 @@ class JdbcDataSource(TwoPhaseDataSource):
                             gid_prefix=self.options.get("twophase.gidprefix", "tp"))
 
 
-SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource)
+class KafkaDataSource(TwoPhaseDataSource):
+    """``format("twophase-kafka")``: Kafka transactions, with the options of Spark's Kafka sink:
+    ``kafka.bootstrap.servers``, ``topic`` (else a ``topic`` column), every other ``kafka.*``
+    option to the producer (security settings included); the rows' ``value`` (and ``key``)
+    columns, binary or string, as Spark's Kafka sink.  Transactional ids come from a pool named
+    ``twophase.transactionalIdPrefix`` (default: derived from checkpointLocation, so stable
+    across restarts and unique per query)."""
+
+    kind = "kafka"
+    known_options = frozenset({"topic", "twophase.transactionalidprefix", "twophase.transactiontimeoutms"})
+    passed_prefixes = ("kafka.",)
+    #: Each planned partition is a few pooled transactional ids described at every plan.
+    default_max_partitions = 64
+
+    @classmethod
+    def name(cls) -> str:
+        return "twophase-kafka"
+
+    def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
+        import hashlib
+
+        from twophase.sinks.kafka import KafkaSink
+
+        servers = self.options.get("kafka.bootstrap.servers")
+        if not servers:
+            raise ConfigurationError("twophase-kafka needs .option('kafka.bootstrap.servers', 'host:port')")
+        producer = {k[len("kafka."):]: v for k, v in self.options.items()
+                    if k.startswith("kafka.") and k != "kafka.bootstrap.servers"}
+        spark_only = sorted(k for k in producer if k in ("key.serializer", "value.serializer"))
+        if spark_only:
+            raise ConfigurationError(f"twophase-kafka: kafka.{spark_only[0]} is not supported (as in Spark's "
+                                     "Kafka sink, key and value are written as bytes)")
+        prefix = self.options.get("twophase.transactionalidprefix")
+        if not prefix:
+            where = _local(self.options.get("checkpointlocation") or "")
+            prefix = f"twophase-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
+        timeout = self.options.get("twophase.transactiontimeoutms")
+        extra: dict[str, Any] = {} if not timeout else {"transaction_timeout_ms": int(timeout)}
+        return KafkaSink(servers, self.options.get("topic"), prefix, producer_config=producer or None, **extra)
+
+
+SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource, KafkaDataSource)
 
 
 def register(spark) -> None:

@@ -22,6 +22,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("format", help="twophase-files or twophase-jdbc")
     p.add_argument("--schema", default="id STRING, n LONG")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--select", action="append", default=[], metavar="EXPR", help="selectExpr before the write")
     p.add_argument("--path")
     p.add_argument("--files-per-trigger", default="1")
     args = p.parse_args(argv)
@@ -32,9 +33,11 @@ def main(argv: list[str]) -> int:
 
     spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "datasource-pipeline")
     twophase.datasource.register(spark)
-    w = (spark.readStream.schema(args.schema).option("maxFilesPerTrigger", args.files_per_trigger).json(args.input)
-         .repartition(2)
-         .writeStream.format(args.format).option("checkpointLocation", args.checkpoint))
+    df = (spark.readStream.schema(args.schema).option("maxFilesPerTrigger", args.files_per_trigger).json(args.input)
+          .repartition(2))
+    if args.select:
+        df = df.selectExpr(*args.select)
+    w = df.writeStream.format(args.format).option("checkpointLocation", args.checkpoint)
     for kv in args.option:
         k, _, v = kv.partition("=")
         w = w.option(k, v)
