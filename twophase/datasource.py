@@ -25,7 +25,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 
 from twophase import crash
 from twophase.errors import ConfigurationError, TwoPhaseError
@@ -38,7 +43,7 @@ log = logging.getLogger("twophase.datasource")
 
 #: Options every twophase data source reads (lower case: Spark hands options over lower-cased).
 _COMMON = {"checkpointlocation", "path", "twophase.name", "twophase.loglocation", "twophase.maxpartitions",
-           "twophase.committimeoutretries"}
+           "twophase.batchid"}
 
 
 @dataclass
@@ -78,17 +83,36 @@ class TaskMessage(WriterCommitMessage):
 
 
 class _Settings:
-    """The options every twophase data source shares, checked once."""
+    """The options every twophase data source shares, checked once.  A streaming write keeps its
+    log in ``<checkpointLocation>/twophase`` and learns each batch's id from Spark; a batch write
+    (``df.write``) names both: ``twophase.logLocation`` and ``twophase.batchId``."""
 
-    def __init__(self, options: Any, kind: str, default_max_partitions: int = 200):
-        self.checkpoint = options.get("checkpointlocation")
-        if not self.checkpoint:
-            raise ConfigurationError(
-                f"twophase-{kind} needs .option('checkpointLocation', ...): its transaction log lives "
-                "there (<checkpointLocation>/twophase) and it reads each micro-batch's id from Spark's "
-                "offsets log there")
-        self.checkpoint = _local(self.checkpoint)
-        self.log_location = _local(options.get("twophase.loglocation") or self.checkpoint.rstrip("/") + "/twophase")
+    def __init__(self, options: Any, kind: str, default_max_partitions: int = 200, *, streaming: bool = True):
+        self.streaming = streaming
+        self.checkpoint = _local(options["checkpointlocation"]) if options.get("checkpointlocation") else None
+        log_location = options.get("twophase.loglocation")
+        self.batch_id: int | None = None
+        if streaming:
+            if not self.checkpoint:
+                raise ConfigurationError(
+                    f"twophase-{kind} needs .option('checkpointLocation', ...): its transaction log lives "
+                    "there (<checkpointLocation>/twophase) and it reads each micro-batch's id from Spark's "
+                    "offsets log there")
+            log_location = log_location or self.checkpoint.rstrip("/") + "/twophase"
+        else:
+            raw_id = options.get("twophase.batchid")
+            if not log_location or raw_id is None:
+                raise ConfigurationError(
+                    f"a batch write to twophase-{kind} needs .option('twophase.logLocation', ...) (its "
+                    "transaction log) and .option('twophase.batchId', N): a write repeated with the same "
+                    "batch id is written once")
+            try:
+                self.batch_id = int(raw_id)
+            except ValueError:
+                raise ConfigurationError(f"twophase.batchId must be an integer >= 0, got {raw_id!r}") from None
+            if self.batch_id < 0:
+                raise ConfigurationError(f"twophase.batchId must be an integer >= 0, got {raw_id!r}")
+        self.log_location = _local(str(log_location))
         self.name = options.get("twophase.name") or "twophase"
         raw = options.get("twophase.maxpartitions") or str(default_max_partitions)
         try:
@@ -134,7 +158,12 @@ def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
     """The planner's part of micro-batch N: recovery, then a ballot of ours for N (or nothing to
     write: N was decided before, and is committed now if it was not)."""
     t0 = time.perf_counter()
-    batch_id, query_id = _current_batch(settings.checkpoint)
+    if settings.streaming:
+        assert settings.checkpoint is not None
+        batch_id, query_id = _current_batch(settings.checkpoint)
+    else:
+        assert settings.batch_id is not None
+        batch_id, query_id = settings.batch_id, f"batch:{settings.name}"
     sink.open()
     tlog = TransactionLog(settings.log_location)
     # No process outlives a batch: each plan is a new epoch; the ballots' slots are the fence.
@@ -165,7 +194,13 @@ def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
     return plan
 
 
-class _StreamWriter(DataSourceStreamArrowWriter):
+class _Steps:
+    """A writer's three steps (tasks, commit, abort), for the streaming and the batch writer."""
+
+    sink: TwoPhaseCommitSink[Any, Any]
+    settings: _Settings
+    plan: Plan | None
+
     def __init__(self, sink: TwoPhaseCommitSink[Any, Any], settings: _Settings, plan: Plan | None):
         self.sink, self.settings, self.plan = sink, settings, plan
         # Fault-injection runs: executors on a cluster arm the plan's crash points too.
@@ -250,7 +285,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
                                 f"{plan.batch_id}; nothing is committed")
         return plan
 
-    def commit(self, messages, batchId):  # noqa: N803 - Spark's name
+    def _commit(self, messages, batchId):  # noqa: N803 - Spark's name
         plan = self._plan_of(messages, batchId)
         if plan is None or plan.action != "write":
             return  # decided before: the plan committed it (recommitted) or found it committed
@@ -271,12 +306,34 @@ class _StreamWriter(DataSourceStreamArrowWriter):
         log.info("%s: batch %d committed: %d rows, %d handles, commit %.0f ms, log %.0f ms (%.0f ms)", plan.name,
                  batchId, prog.rows, prog.handles, prog.commit_ms, prog.log_ms, (time.perf_counter() - t0) * 1000)
 
-    def abort(self, messages, batchId):  # noqa: N803 - Spark's name
+    def _abort(self, messages, batchId):  # noqa: N803 - Spark's name
         plan = self._plan_of(messages, batchId)
         if plan is None or plan.action != "write":
             return  # no task said which ballot: the next plan closes it
         self.sink.open()
         self._protocol(plan).give_up(plan.opened(), TwoPhaseError(f"Spark aborted batch {batchId}"))
+
+
+class _StreamWriter(_Steps, DataSourceStreamArrowWriter):
+    """``writeStream``: a plan per micro-batch; ``commit``/``abort`` on a writer made afresh."""
+
+    def commit(self, messages, batchId):  # noqa: N803 - Spark's name
+        self._commit(messages, batchId)
+
+    def abort(self, messages, batchId):  # noqa: N803 - Spark's name
+        self._abort(messages, batchId)
+
+
+class _BatchWriter(_Steps, DataSourceArrowWriter):
+    """``df.write``: one plan; ``commit``/``abort`` on this writer, pickled from the plan."""
+
+    def commit(self, messages):
+        assert self.plan is not None
+        self._commit(messages, self.plan.batch_id)
+
+    def abort(self, messages):
+        if self.plan is not None:
+            self._abort(messages, self.plan.batch_id)
 
 
 class TwoPhaseDataSource(DataSource):
@@ -325,6 +382,16 @@ class TwoPhaseDataSource(DataSource):
         sink = self.build_sink()
         plan = _plan(sink, settings) if self._planning else None
         return _StreamWriter(sink, settings, plan)
+
+    def writer(self, schema, overwrite):
+        self._check_options()
+        if overwrite:
+            raise ConfigurationError(
+                f"twophase-{self.kind} appends (mode('overwrite') would replace the target's contents); use "
+                "mode('append')")
+        settings = _Settings(self.options, self.kind, self.default_max_partitions, streaming=False)
+        sink = self.build_sink()
+        return _BatchWriter(sink, settings, _plan(sink, settings))
 
 
 class FilesDataSource(TwoPhaseDataSource):
