@@ -738,19 +738,9 @@ class Coordinator:
                 log.warning("%s: Spark's offsets will not be recorded in commit decisions: %s", self.name, e)
                 self._checkpoint_store = False
                 return None
-        data = self._checkpoint_store.read(f"offsets/{batch_id}")
-        if data is None:
-            return None
-        url = self._checkpoint_store.location(f"offsets/{batch_id}")
-        lines = data.decode("utf-8").splitlines()
-        # Line 0 is the version ("v1"), line 1 the batch metadata, then one line per source.
-        parsed = []
-        for line in lines[2:]:
-            try:
-                parsed.append(json.loads(line) if line != "-" else None)
-            except ValueError:
-                parsed.append(line)
-        return {"offsets_file": url, "sources": parsed}
+        from twophase.spark import source_offsets
+
+        return source_offsets(self._checkpoint_store, batch_id)
 
     def _finish(self, prog: BatchProgress, t_start: float) -> None:
         prog.total_ms = _ms(t_start)

@@ -302,7 +302,17 @@ class _Steps:
             protocol.give_up(opened, e)
             raise
         prog = BatchProgress(plan.name, batchId, plan.query_id, "committed")
-        protocol.decide_and_commit(opened, results, prog)
+        source = None
+        if self.settings.checkpoint is not None:  # Spark's offsets of this batch, for `twophase offsets`
+            from twophase.spark import source_offsets
+
+            try:
+                source = source_offsets(open_store(self.settings.checkpoint, None, exclusive=False), batchId)
+            except Exception as e:  # noqa: BLE001 - a record for operators, not part of the decision's safety
+                log.warning("%s: batch %d: Spark's offsets are not recorded in its decision: %s", plan.name,
+                            batchId, e)
+        protocol.decide_and_commit(opened, results, prog, source=source)
+        protocol.committed(batchId)  # old records pruned now and then
         log.info("%s: batch %d committed: %d rows, %d handles, commit %.0f ms, log %.0f ms (%.0f ms)", plan.name,
                  batchId, prog.rows, prog.handles, prog.commit_ms, prog.log_ms, (time.perf_counter() - t0) * 1000)
 

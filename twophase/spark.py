@@ -148,3 +148,24 @@ def clear_interrupted_start(checkpoint_location: str, storage_options: dict[str,
                         "them out of that directory and start the query again.",
                         store.location(sub), ", ".join(sorted(others)), checkpoint_location)
     return removed
+
+
+def source_offsets(store: Any, batch_id: int) -> dict[str, Any] | None:
+    """Spark's ``offsets/N`` of a streaming checkpoint (a log store on it), parsed for a commit
+    decision (``twophase offsets`` reads it back): the file's location and one entry per source;
+    None if the file is not there."""
+    import json
+
+    data = store.read(f"offsets/{batch_id}")
+    if data is None:
+        return None
+    url = store.location(f"offsets/{batch_id}")
+    lines = data.decode("utf-8").splitlines()
+    # Line 0 is the version ("v1"), line 1 the batch metadata, then one line per source.
+    parsed: list[Any] = []
+    for line in lines[2:]:
+        try:
+            parsed.append(json.loads(line) if line != "-" else None)
+        except ValueError:
+            parsed.append(line)
+    return {"offsets_file": url, "sources": parsed}
