@@ -111,9 +111,11 @@ def spark():
     """One local[2] Spark session for the whole test session."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from tests import fastjvm
     from twophase.spark import local_session
 
-    session = local_session("local[2]", app_name="twophase-tests")
+    with fastjvm.long_lived():
+        session = local_session("local[2]", app_name="twophase-tests")
     yield session
     session.stop()
 

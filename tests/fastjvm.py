@@ -81,6 +81,20 @@ def archive() -> Path | None:
     return path
 
 
+@contextlib.contextmanager
+def long_lived():
+    """For a JVM that runs the whole test session (the shared ``spark`` fixture's): the archive
+    only, not C1 alone, whose code is slower once a JVM has run long enough for C2 to pay."""
+    before = os.environ.get("SPARK_SUBMIT_OPTS")
+    if before is not None:
+        os.environ["SPARK_SUBMIT_OPTS"] = " ".join(o for o in before.split() if o != "-XX:TieredStopAtLevel=1")
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.environ["SPARK_SUBMIT_OPTS"] = before
+
+
 def apply() -> None:
     """Add the options to ``SPARK_SUBMIT_OPTS`` of this process (its drivers and subprocesses)."""
     if os.environ.get("TWOPHASE_FAST_JVM", "1") == "0" or "TieredStopAtLevel" in os.environ.get("SPARK_SUBMIT_OPTS", ""):
