@@ -289,6 +289,10 @@ def _killed_apart(tmp_path, server, cmd: list[str], log_dir: Path, batches: int)
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="CI time: FileSink's orphaned Connect runs are harmless (staged files under names of "
+                           "their own); the scenario where they are not is PostgreSQL's twin below; "
+                           "TWOPHASE_FULL_CHAOS=1 runs it")
 def test_files_exactly_once_when_the_connect_client_and_the_connect_server_are_killed_apart(tmp_path,
                                                                                              own_connect_server):
     """A Connect server that outlives its clients (see :func:`_killed_apart`), FileSink: every id is

@@ -57,6 +57,11 @@ def test_driver_killed_at_the_sinks_crash_points(kafka_service, tmp_path):
 @pytest.mark.chaos
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="CI time: KafkaSink on a cluster under executor and driver faults is the nemesis's "
+                           "(tests/test_nemesis.py, hosts apart), its crash points in executors the crash-point "
+                           "tests' (coordinator and data source), a worker's SIGKILL the PostgreSQL cluster "
+                           "test's; TWOPHASE_FULL_CHAOS=1 runs it")
 def test_exactly_once_on_a_cluster_whose_executors_and_workers_die(kafka_service, spark_cluster_service,
                                                                     tmp_path):
     """Issue 17, Kafka: the same pipeline on the standalone cluster (two workers, one executor
