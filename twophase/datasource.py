@@ -25,19 +25,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from pyspark.sql.datasource import (
-    DataSource,
-    DataSourceArrowWriter,
-    DataSourceStreamArrowWriter,
-    WriterCommitMessage,
-)
-
 from twophase import crash
+from twophase._deps import require
 from twophase.errors import ConfigurationError, TwoPhaseError
 from twophase.log import TransactionLog, open_store
 from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
 from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
+
+require("pyspark.sql.datasource", "the twophase data sources (format('twophase-...'))", "spark")
+from pyspark.sql.datasource import (  # noqa: E402 - after the line that names the extra to install
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 
 log = logging.getLogger("twophase.datasource")
 
