@@ -855,6 +855,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     out = Path(args.out or f"/tmp/twophase-nemesis-{seed}-{uuid.uuid4().hex[:6]}")
+    if out.is_dir() and any(out.iterdir()):
+        # An earlier run's files would mislead this one: its stop file ends the new drivers after
+        # their first batch, its driver logs and marks mix with the new ones.
+        print(f"nemesis: --out {out} is not empty (an earlier run's?); give a new or empty folder",
+              file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     _log(f"seed {seed}; output in {out}")
     package = Path(args.package).resolve() if args.package else None
