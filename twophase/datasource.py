@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 from twophase import crash
 from twophase._deps import require
+from twophase.config import sink_class  # sinks by kind: the core never imports a sink module
 from twophase.errors import ConfigurationError, TwoPhaseError
 from twophase.log import TransactionLog, open_store
 from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
@@ -123,6 +124,12 @@ class _Settings:
             raise ConfigurationError(f"twophase.maxPartitions must be a positive integer, got {raw!r}") from None
         if self.max_partitions < 1:
             raise ConfigurationError(f"twophase.maxPartitions must be a positive integer, got {raw!r}")
+
+
+def _sink(kind: str, *args: Any, **kwargs: Any) -> TwoPhaseCommitSink[Any, Any]:
+    """A built-in sink by kind (twophase.config's registry: the core never imports a sink module)."""
+    cls: Any = sink_class(kind)
+    return cls(*args, **kwargs)
 
 
 def _local(location: str) -> str:
@@ -418,15 +425,13 @@ class FilesDataSource(TwoPhaseDataSource):
         return "twophase-files"
 
     def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
-        from twophase.sinks.files import FileSink
-
         path = self.options.get("path")
         if not path:
             raise ConfigurationError("twophase-files needs a path: .start(path) or .option('path', ...)")
         fmt = {"json": "jsonl"}.get(self.options.get("format", "parquet").lower(),
                                     self.options.get("format", "parquet").lower())
         header = str(self.options.get("header", "false")).lower() == "true"
-        return FileSink(_local(path), format=fmt, compression=self.options.get("compression"), header=header,
+        return _sink("files", _local(path), format=fmt, compression=self.options.get("compression"), header=header,
                         prefix=self.options.get("prefix", "part"), writer="arrow")
 
 
@@ -472,8 +477,6 @@ class JdbcDataSource(TwoPhaseDataSource):
         return "twophase-jdbc"
 
     def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
-        from twophase.sinks.postgres import PostgresSink
-
         url, table = self.options.get("url"), self.options.get("dbtable")
         if not url or not table:
             raise ConfigurationError("twophase-jdbc needs .option('url', 'jdbc:postgresql://host:port/db') and "
@@ -486,7 +489,7 @@ class JdbcDataSource(TwoPhaseDataSource):
             dsn += f" user={self.options['user']}"
         schema, _, name = table.rpartition(".")
         keys = [k.strip() for k in (self.options.get("twophase.keycolumns") or "").split(",") if k.strip()]
-        return PostgresSink(dsn, name.strip('"'), schema=schema.strip('"') or None,
+        return _sink("postgres", dsn, name.strip('"'), schema=schema.strip('"') or None,
                             mode=self.options.get("twophase.mode", "insert"), key_columns=keys or None,
                             password=self.options.get("password"),
                             gid_prefix=self.options.get("twophase.gidprefix", "tp"))
@@ -513,8 +516,6 @@ class KafkaDataSource(TwoPhaseDataSource):
     def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
         import hashlib
 
-        from twophase.sinks.kafka import KafkaSink
-
         servers = self.options.get("kafka.bootstrap.servers")
         if not servers:
             raise ConfigurationError("twophase-kafka needs .option('kafka.bootstrap.servers', 'host:port')")
@@ -530,7 +531,7 @@ class KafkaDataSource(TwoPhaseDataSource):
             prefix = f"twophase-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
         timeout = self.options.get("twophase.transactiontimeoutms")
         extra: dict[str, Any] = {} if not timeout else {"transaction_timeout_ms": int(timeout)}
-        return KafkaSink(servers, self.options.get("topic"), prefix, producer_config=producer or None, **extra)
+        return _sink("kafka", servers, self.options.get("topic"), prefix, producer_config=producer or None, **extra)
 
 
 SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource, KafkaDataSource)
