@@ -526,11 +526,16 @@ class KafkaDataSource(TwoPhaseDataSource):
             raise ConfigurationError(f"twophase-kafka: kafka.{spark_only[0]} is not supported (as in Spark's "
                                      "Kafka sink, key and value are written as bytes)")
         prefix = self.options.get("twophase.transactionalidprefix")
-        if not prefix:
-            where = _local(self.options.get("checkpointlocation") or "")
+        if not prefix:  # stable across restarts, one per query (or per log, for batch writes)
+            where = _local(self.options.get("checkpointlocation") or self.options.get("twophase.loglocation") or "")
             prefix = f"twophase-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
         timeout = self.options.get("twophase.transactiontimeoutms")
-        extra: dict[str, Any] = {} if not timeout else {"transaction_timeout_ms": int(timeout)}
+        extra: dict[str, Any] = {}
+        if timeout:
+            try:
+                extra["transaction_timeout_ms"] = int(timeout)
+            except ValueError:
+                raise ConfigurationError(f"twophase.transactionTimeoutMs must be milliseconds, got {timeout!r}") from None
         return _sink("kafka", servers, self.options.get("topic"), prefix, producer_config=producer or None, **extra)
 
 
