@@ -617,7 +617,7 @@ class Coordinator:
             from pyspark import TaskContext
 
             from twophase import crash as _crash
-            from twophase.context import TransactionContext
+            from twophase.context import TransactionContext, run_transaction
 
             if crash_env:
                 _crash.adopt(crash_env)
@@ -625,29 +625,9 @@ class Coordinator:
             tc = TaskContext.get()
             ctx = TransactionContext(name, batch_id, tc.partitionId(), tc.attemptNumber(), intent, run,
                                      task_attempt_id=tc.taskAttemptId())
-            txn, rows = None, 0
-            try:
-                for rb in batches:
-                    if rb.num_rows == 0:
-                        continue
-                    if txn is None:
-                        # A worker paused here and resumed late is a late task attempt on demand.
-                        _crash.crash_point("before_begin", batch_id)
-                        txn = sink.begin_transaction(ctx)
-                    sink.write(txn, rb)
-                    rows += rb.num_rows
-                if txn is None:
-                    return
-                handle = sink.pre_commit(txn)
-            except BaseException:
-                if txn is not None:
-                    try:
-                        sink.abort(txn)
-                    except Exception:  # the original error matters more
-                        logging.getLogger("twophase.executor").exception("abort failed: %s", ctx.label)
-                raise
-            envelope = json.dumps(sink.encode_handle(handle))
-            _crash.crash_point("after_pre_commit", batch_id)
+            rows, envelope = run_transaction(sink, ctx, batches)
+            if envelope is None:
+                return
             yield pa.RecordBatch.from_pydict(
                 {"partition": [ctx.partition_id], "attempt": [ctx.attempt], "rows": [rows],
                  "handle": [envelope]}, schema=out_schema)

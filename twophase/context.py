@@ -62,3 +62,39 @@ class BatchContext:
     @property
     def label(self) -> str:
         return f"{self.query_name} batch {self.batch_id}"
+
+
+def run_transaction(sink: Any, ctx: TransactionContext, batches: Any) -> tuple[int, str | None]:
+    """One task's transaction (executor side), for the coordinator's tasks and the data sources':
+    begin at the first non-empty Arrow batch, write every batch, pre-commit; abort what was begun
+    if anything fails.  Returns (rows, the handle's envelope as JSON), or (0, None) when the
+    partition was empty.  Crash points ``before_begin`` and ``after_pre_commit`` of the batch."""
+    import json
+    import logging
+
+    from twophase import crash
+
+    txn, rows = None, 0
+    try:
+        for rb in batches:
+            if rb.num_rows == 0:
+                continue
+            if txn is None:
+                # A worker paused here and resumed late is a late task attempt on demand.
+                crash.crash_point("before_begin", ctx.batch_id)
+                txn = sink.begin_transaction(ctx)
+            sink.write(txn, rb)
+            rows += rb.num_rows
+        if txn is None:
+            return 0, None
+        handle = sink.pre_commit(txn)
+    except BaseException:
+        if txn is not None:
+            try:
+                sink.abort(txn)
+            except Exception:  # the original error matters more
+                logging.getLogger("twophase.executor").exception("abort failed: %s", ctx.label)
+        raise
+    envelope = json.dumps(sink.encode_handle(handle))
+    crash.crash_point("after_pre_commit", ctx.batch_id)
+    return rows, envelope

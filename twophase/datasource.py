@@ -217,11 +217,10 @@ class _Steps:
 
     # ----------------------------------------------------------------- executors
     def write(self, iterator):
-        import pyarrow as pa  # noqa: F401 - the batches are pyarrow's
         from pyspark import TaskContext
 
         from twophase import crash as _crash
-        from twophase.context import TransactionContext
+        from twophase.context import TransactionContext, run_transaction
 
         if self.crash_env:
             _crash.adopt(self.crash_env)
@@ -247,28 +246,7 @@ class _Steps:
         sink = self.sink
         ctx = TransactionContext(plan.query_name, plan.batch_id, tc.partitionId(), tc.attemptNumber(), plan.intent,
                                  plan.run, task_attempt_id=tc.taskAttemptId())
-        txn, rows = None, 0
-        try:
-            for rb in iterator:
-                if rb.num_rows == 0:
-                    continue
-                if txn is None:
-                    _crash.crash_point("before_begin", plan.batch_id)
-                    txn = sink.begin_transaction(ctx)
-                sink.write(txn, rb)
-                rows += rb.num_rows
-            if txn is None:
-                return message
-            handle = sink.pre_commit(txn)
-        except BaseException:
-            if txn is not None:
-                try:
-                    sink.abort(txn)
-                except Exception:  # the original error matters more
-                    logging.getLogger("twophase.executor").exception("abort failed: %s", ctx.label)
-            raise
-        message.rows, message.handle = rows, json.dumps(sink.encode_handle(handle))
-        _crash.crash_point("after_pre_commit", plan.batch_id)
+        message.rows, message.handle = run_transaction(sink, ctx, iterator)
         return message
 
     # ----------------------------------------------------------------- commit
