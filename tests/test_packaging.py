@@ -41,6 +41,12 @@ WITH_EXTRA = {
         progress = Coordinator(FileSink(d + "/out", format="jsonl"), log_location=d + "/log",
                                name="packaging").write(spark.range(3), batch_id=0)
         assert progress["rows"] == 3, progress
+        # The data sources by name, never registered: Spark found the wheel's pyspark_* modules.
+        (spark.range(5).selectExpr("CAST(id AS STRING) AS id").write.format("twophase-files")
+         .mode("append").option("twophase.logLocation", d + "/dslog").option("twophase.batchId", "0")
+         .save(d + "/ds"))
+        import pyarrow.dataset as pads
+        assert sorted(pads.dataset(d + "/ds", format="parquet").to_table().column("id").to_pylist()) == list("01234")
         spark.stop()
     """),
 }
