@@ -27,6 +27,11 @@ def _inputs(folder: Path, files: int, rows: int) -> list[str]:
     return expected
 
 
+def _path(*dirs: Path) -> str:
+    """PYTHONPATH for a driver: ``dirs``, then this process's."""
+    return os.pathsep.join(filter(None, (*map(str, dirs), os.environ.get("PYTHONPATH"))))
+
+
 def _log_records(log_dir: Path) -> int:
     """Files in the transaction log: grows with every batch (the kills land while batches flow)."""
     return sum(len(f) for _, _, f in os.walk(log_dir))
@@ -54,7 +59,7 @@ def test_files_data_source_every_id_once_across_driver_kills_and_worker_crash_po
     points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3", "mid_commit:5"]
     runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=1, kill_window=(0.5, 3.0), seed=28,
                                  progress_probe=lambda: _log_records(ck / "twophase"),
-                                 env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
+                                 env={"PYTHONPATH": _path(REPO)},
                                  log_path=str(tmp_path / "driver.log"), timeout=400)
     assert [r.outcome for r in runs[:len(points)]] == ["crash point fired"] * len(points), \
         [r.to_dict() for r in runs]
@@ -103,11 +108,15 @@ def test_a_new_users_mistake_gets_one_clear_line_and_writes_nothing(spark, tmp_p
 
 @pytest.mark.chaos
 @pytest.mark.postgres
+@pytest.mark.connect
 @pytest.mark.timeout(900)
-def test_jdbc_data_source_every_id_once_across_driver_kills_and_worker_crash_points(tmp_path, postgres_service):
-    """``format("twophase-jdbc")`` with Spark's JDBC options (url, dbtable, user, password) under
-    the same faults: every id in the table once, nothing of the query left prepared, and the
-    password in no driver log."""
+def test_jdbc_data_source_by_name_over_spark_connect_every_id_once_across_server_kills_and_crash_points(
+        tmp_path, postgres_service):
+    """``format("twophase-jdbc")`` with Spark's JDBC options (url, dbtable, user, password), from a
+    Spark Connect client that registers nothing: the server finds the ``pyspark_twophase_*``
+    modules on its Python path (as where twophase is installed).  Under the same faults, in the
+    server's planner, task and commit workers, then a SIGKILL of client and server: every id in the
+    table once, nothing of the query left prepared, and the password in no log."""
     from tests.test_postgres_chaos import _conn, _superuser, _write_input
 
     info = postgres_service
@@ -130,15 +139,14 @@ def test_jdbc_data_source_every_id_once_across_driver_kills_and_worker_crash_poi
            "--schema", "id BIGINT, k BIGINT, v BIGINT",
            "--option", f"url=jdbc:postgresql://{info['host']}:{info['port']}/{info['dbname']}",
            "--option", f"dbtable={role}.{table}", "--option", f"user={role}",
-           "--option", f"twophase.gidPrefix={prefix}"]
+           "--option", f"twophase.gidPrefix={prefix}", "--connect", "--no-register"]
     # One fault in each process the form runs in (planner, task, commit worker), then a SIGKILL; the
     # rest of the crash points are the files test's.
     points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3"]
     log_path = tmp_path / "driver.log"
     runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=1, kill_window=(0.5, 3.0), seed=29,
                                  progress_probe=lambda: _log_records(ck / "twophase"),
-                                 env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
-                                      "PGPASSWORD": secret},
+                                 env={"PYTHONPATH": _path(REPO, REPO / "discovery"), "PGPASSWORD": secret},
                                  log_path=str(log_path), timeout=400)
     assert [r.outcome for r in runs[:len(points) + 1]] == ["crash point fired"] * len(points) + ["killed"], \
         [r.to_dict() for r in runs]
@@ -155,31 +163,33 @@ def test_jdbc_data_source_every_id_once_across_driver_kills_and_worker_crash_poi
 
 @pytest.mark.chaos
 @pytest.mark.kafka
+@pytest.mark.cluster
 @pytest.mark.timeout(900)
-def test_kafka_data_source_every_id_once_across_driver_kills_and_worker_crash_points(tmp_path, kafka_service):
-    """``format("twophase-kafka")`` with Spark's Kafka options under the same faults: a
-    read_committed consumer finds every id once, and no transaction of the pool is left open."""
+def test_kafka_data_source_on_a_cluster_every_id_once_across_driver_kills_and_executor_crash_points(
+        tmp_path, kafka_service, spark_cluster_service):
+    """``format("twophase-kafka")`` with Spark's Kafka options on the standalone cluster: a task's
+    crash point on an executor (which inherits nothing from the driver: the plan carries the crash
+    plan to it; Spark retries the task until the stage fails) and one in the cluster driver's
+    commit worker. A read_committed consumer finds every id once, and no transaction of the pool
+    is left open. (The planner's fault and the driver's SIGKILL are the files and JDBC tests'.)"""
     from tests.test_kafka_sink import _topic, read_committed
     from twophase.sinks.kafka import KafkaSink
 
     bs = kafka_service["bootstrap_servers"]
     dst = _topic(bs, 2)
-    expected = _inputs(tmp_path / "in", files=10, rows=100)
+    expected = _inputs(tmp_path / "in", files=5, rows=100)
     ck = tmp_path / "ck"
     prefix = f"ds-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(ck), "twophase-kafka",
            "--select", "id AS key", "--select", "id AS value",
            "--option", f"kafka.bootstrap.servers={bs}", "--option", f"topic={dst}",
-           "--option", "kafka.linger.ms=5", "--option", f"twophase.transactionalIdPrefix={prefix}"]
-    # One fault in each process the form runs in (planner, task, commit worker), then a SIGKILL; the
-    # rest of the crash points are the files test's.
-    points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3"]
-    runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=1, kill_window=(0.5, 3.0), seed=30,
+           "--option", "kafka.linger.ms=5", "--option", f"twophase.transactionalIdPrefix={prefix}", "--cluster"]
+    points = ["after_pre_commit:1", "after_prepared_logged:2"]
+    runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=0, seed=30,
                                  progress_probe=lambda: _log_records(ck / "twophase"),
-                                 env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
+                                 env={"PYTHONPATH": _path(REPO)},
                                  log_path=str(tmp_path / "driver.log"), timeout=400)
-    assert [r.outcome for r in runs[:len(points) + 1]] == ["crash point fired"] * len(points) + ["killed"], \
-        [r.to_dict() for r in runs]
+    assert [r.outcome for r in runs[:len(points)]] == ["crash point fired"] * len(points), [r.to_dict() for r in runs]
     assert runs[-1].completed
     verdict = chaos.verify(expected, [v.decode() for v in read_committed(bs, dst, timeout=60, idle=3)])
     assert verdict.exactly_once, (verdict.to_dict(), [r.to_dict() for r in runs])
@@ -214,3 +224,104 @@ def test_a_batch_write_with_a_batch_id_lands_once_and_a_repeat_is_skipped(spark,
     with pytest.raises(Exception, match="twophase.batchId"):
         df.write.format("twophase-files").mode("append").option("twophase.logLocation", log).save(str(out))
     assert sorted(_read(out), key=int) == [str(i) for i in range(400)]
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(600)
+def test_a_commit_step_paused_while_a_second_run_replays_its_batch_loses_and_every_id_lands_once(tmp_path):
+    """No process of the data source form holds a lease: the fence is the ballot. Run A's commit
+    step stops (SIGSTOP) just before it logs batch 1's decision; an operator, taking A for dead,
+    starts run B on the same checkpoint, which replays batch 1 and runs to the end; then A's commit
+    step resumes with its decision in hand. A must lose (its query fails with an ownership error),
+    B's output must stand: every id once, nothing staged."""
+    import signal
+    import subprocess
+
+    from tests.services import wait_until
+
+    expected = _inputs(tmp_path / "in", files=4, rows=100)
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(ck), "twophase-files",
+           "--path", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWOPHASE_CRASH") and not k.startswith("TWOPHASE_PAUSE")}
+    env["PYTHONPATH"] = _path(REPO)
+    pause_log = tmp_path / "pause.log"
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    with open(log_a, "wb") as fa:
+        a = subprocess.Popen(cmd, env=dict(env, TWOPHASE_PAUSE_AT="before_prepared_logged:1",
+                                           TWOPHASE_PAUSE_LOG=str(pause_log)),
+                             stdout=fa, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: pause_log.exists() and pause_log.read_text().strip() or a.poll() is not None, 240,
+                   "run A's commit step to stop before batch 1's decision")
+        assert a.poll() is None, log_a.read_text(errors="replace")[-3000:]
+        point, batch, pid = pause_log.read_text().split()[:3]
+        assert (point, batch) == ("before_prepared_logged", "1")
+        with open(log_b, "wb") as fb:
+            b = subprocess.run(cmd, env=env, stdout=fb, stderr=subprocess.STDOUT, timeout=300)
+        assert b.returncode == 0, log_b.read_text(errors="replace")[-5000:]
+        assert sorted(_read(out)) == sorted(expected)  # B's output, before A wakes up
+        os.kill(int(pid), signal.SIGCONT)
+        a.wait(timeout=180)
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    text = log_a.read_text(errors="replace")
+    assert a.returncode != 0, text[-3000:]
+    assert "resumed" in text and "was closed by another coordinator" in text, text[-5000:]
+    verdict = chaos.verify(expected, _read(out))
+    assert verdict.exactly_once, verdict.to_dict()
+    staged = [p for p in (out / "_twophase").rglob("*") if p.is_file()] if (out / "_twophase").exists() else []
+    assert staged == []
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", ["local", pytest.param("cluster", marks=pytest.mark.cluster),
+                                   pytest.param("connect", marks=pytest.mark.connect)])
+def test_every_format_by_name_writes_every_id_once_on_local_spark_a_cluster_and_spark_connect(
+        where, tmp_path, kafka_service, postgres_service, request):
+    """Issue 28: each of twophase-files, -jdbc and -kafka from one driver, on local Spark (registered
+    by ``register(spark)``), on the standalone cluster and from a Spark Connect client (found by
+    Spark's discovery of the ``pyspark_twophase_*`` modules: nothing registered)."""
+    import subprocess
+
+    import psycopg2
+
+    from tests.test_kafka_sink import _topic, read_committed
+
+    if where == "cluster":
+        request.getfixturevalue("spark_cluster_service")
+    expected = _inputs(tmp_path / "in", files=2, rows=50)
+    bs, pg = kafka_service["bootstrap_servers"], postgres_service
+    topic, table = _topic(bs, 2), f"ds_every_{uuid.uuid4().hex[:8]}"
+    with psycopg2.connect(pg["dsn"]) as c, c.cursor() as cur:
+        cur.execute(f'CREATE TABLE "{table}" (id text NOT NULL, n bigint)')
+    out = tmp_path / "out"
+    spec = {"input": str(tmp_path / "in"), "schema": "id STRING, n LONG", "targets": [
+        {"format": "twophase-files", "checkpoint": str(tmp_path / "ck-files"), "path": str(out)},
+        {"format": "twophase-jdbc", "checkpoint": str(tmp_path / "ck-jdbc"),
+         "options": {"url": f"jdbc:postgresql://{pg['host']}:{pg['port']}/{pg['dbname']}", "dbtable": table,
+                     "user": pg["user"]}},
+        {"format": "twophase-kafka", "checkpoint": str(tmp_path / "ck-kafka"), "select": ["id AS key", "id AS value"],
+         "options": {"kafka.bootstrap.servers": bs, "topic": topic}},
+    ]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TWOPHASE_CRASH", "TWOPHASE_PAUSE"))}
+    env.update(PYTHONPATH=_path(REPO, REPO / "discovery") if where != "local" else _path(REPO),
+               PGPASSWORD=pg["password"])
+    flags = {"local": [], "cluster": ["--cluster", "--no-register"], "connect": ["--connect", "--no-register"]}[where]
+    log = tmp_path / "driver.log"
+    with open(log, "wb") as f:
+        r = subprocess.run([sys.executable, "-m", "tests.drivers.datasource_every_format", str(tmp_path / "spec.json"),
+                            *flags], env=env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=500, cwd=REPO)
+    assert r.returncode == 0, log.read_text(errors="replace")[-5000:]
+    assert r.stdout.split("\n")[:3] == [f"{t['format']} done" for t in spec["targets"]], r.stdout
+    assert sorted(_read(out)) == sorted(expected)
+    with psycopg2.connect(pg["dsn"]) as c, c.cursor() as cur:
+        cur.execute(f'SELECT id FROM "{table}"')
+        assert sorted(i for (i,) in cur.fetchall()) == sorted(expected)
+        cur.execute(f'DROP TABLE "{table}"')
+    assert sorted(v.decode() for v in read_committed(bs, topic, timeout=60, idle=3)) == sorted(expected)

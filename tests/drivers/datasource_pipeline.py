@@ -1,7 +1,11 @@
 """JSON files -> Spark -> ``format("twophase-...")``: the driver the data source kill tests start and kill.
 
 Usage: python -m tests.drivers.datasource_pipeline INPUT_DIR CHECKPOINT_DIR FORMAT [--schema DDL]
-[--option KEY=VALUE ...] [--path OUT] [--files-per-trigger N].  A streaming query with
+[--option KEY=VALUE ...] [--path OUT] [--files-per-trigger N] [--cluster | --connect] [--no-register].
+``--cluster``: on the test Spark cluster (tests/cluster.py); ``--connect``: as a Spark Connect client
+of a local[2] server that pyspark starts in a JVM of this process's own; ``--no-register``: no
+``register(spark)``, the formats must come from Spark's discovery of the ``pyspark_twophase_*``
+modules on its Python path.  A streaming query with
 ``trigger(availableNow=True)`` over every file in INPUT_DIR (one JSON object per line); exits 0
 once all of it is committed.  The environment's ``PGPASSWORD``, if set, becomes the writer's
 ``password`` option (never a command-line argument).
@@ -25,14 +29,27 @@ def main(argv: list[str]) -> int:
     p.add_argument("--select", action="append", default=[], metavar="EXPR", help="selectExpr before the write")
     p.add_argument("--path")
     p.add_argument("--files-per-trigger", default="1")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--cluster", action="store_true")
+    where.add_argument("--connect", action="store_true")
+    p.add_argument("--no-register", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("twophase").setLevel(logging.INFO)
     import twophase.datasource
     from twophase.spark import local_session
 
-    spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "datasource-pipeline")
-    twophase.datasource.register(spark)
+    if args.cluster:
+        from tests.cluster import cluster_session
+
+        spark = cluster_session("datasource-pipeline")
+    else:
+        spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "datasource-pipeline",
+                              connect=args.connect)
+    if args.connect and not type(spark).__module__.startswith("pyspark.sql.connect"):
+        raise SystemExit(f"--connect gave a {type(spark).__module__} session")
+    if not args.no_register:
+        twophase.datasource.register(spark)
     df = (spark.readStream.schema(args.schema).option("maxFilesPerTrigger", args.files_per_trigger).json(args.input)
           .repartition(2))
     if args.select:

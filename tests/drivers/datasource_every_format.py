@@ -1,0 +1,64 @@
+"""One Spark session writes a folder of JSON files through every ``format("twophase-...")``, one
+streaming query (``trigger(availableNow=True)``) after the other: the smoke test of where the data
+sources run (local Spark, the test cluster, a Spark Connect client).
+
+Usage: python -m tests.drivers.datasource_every_format SPEC.json [--cluster | --connect] [--no-register]
+
+SPEC.json: ``{"input": DIR, "schema": DDL, "targets": [{"format": ..., "checkpoint": DIR,
+"path": DIR or null, "select": [EXPR, ...], "options": {KEY: VALUE}}, ...]}``.  The environment's
+``PGPASSWORD``, if set, becomes the ``password`` option of ``twophase-jdbc`` (never an argument).
+Prints one line per target, ``<format> done``, and exits 0 once every query ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.drivers.datasource_every_format")
+    p.add_argument("spec")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--cluster", action="store_true")
+    where.add_argument("--connect", action="store_true")
+    p.add_argument("--no-register", action="store_true", help="rely on Spark's discovery of pyspark_twophase_*")
+    args = p.parse_args(argv)
+    with open(args.spec) as f:
+        spec = json.load(f)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("twophase").setLevel(logging.INFO)
+    import twophase.datasource
+    from twophase.spark import local_session
+
+    if args.cluster:
+        from tests.cluster import cluster_session
+
+        spark = cluster_session("datasource-every-format")
+    else:
+        spark = local_session("local[2]", "datasource-every-format", connect=args.connect)
+    if args.connect and not type(spark).__module__.startswith("pyspark.sql.connect"):
+        raise SystemExit(f"--connect gave a {type(spark).__module__} session")
+    if not args.no_register:
+        twophase.datasource.register(spark)
+    src = spark.readStream.schema(spec["schema"]).json(spec["input"]).repartition(2)
+    for t in spec["targets"]:
+        df = src.selectExpr(*t["select"]) if t.get("select") else src
+        w = df.writeStream.format(t["format"]).option("checkpointLocation", t["checkpoint"])
+        for k, v in t.get("options", {}).items():
+            w = w.option(k, v)
+        if t["format"] == "twophase-jdbc" and os.environ.get("PGPASSWORD"):
+            w = w.option("password", os.environ["PGPASSWORD"])
+        w = w.trigger(availableNow=True)
+        q = w.start(t["path"]) if t.get("path") else w.start()
+        q.awaitTermination()
+        print(f"{t['format']} done", flush=True)
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
