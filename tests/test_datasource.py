@@ -46,17 +46,18 @@ def _read(out: Path) -> list[str]:
 @pytest.mark.chaos
 @pytest.mark.timeout(900)
 def test_files_data_source_every_id_once_across_driver_kills_and_worker_crash_points(tmp_path):
-    """The data source form under the kill tests' faults: 12 micro-batches of 100 ids, each crash
+    """The data source form under the kill tests' faults: 8 micro-batches of 100 ids, each crash
     point on its own batch, then a SIGKILL of the driver's process group, then a run to the end:
     every id once, nothing left staged."""
-    expected = _inputs(tmp_path / "in", files=12, rows=100)
+    expected = _inputs(tmp_path / "in", files=8, rows=100)
     out, ck = tmp_path / "out", tmp_path / "ck"
     cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(ck), "twophase-files",
            "--path", str(out)]
-    # after_intent fires in the planner worker, after_pre_commit in a task (Spark then calls the
-    # writer's abort), the others in the commit worker: each kills a Python worker, which fails
-    # the query and ends the driver; the SIGKILLs end the whole driver at random moments.
-    points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3", "mid_commit:5"]
+    # Both crash points in the commit worker (the decision logged, nothing committed; a commit half
+    # done): each kills a Python worker, which fails the query and ends the driver; the SIGKILL ends
+    # the whole driver at a random moment. The planner's and a task's crash points are the JDBC
+    # (Connect) and Kafka (cluster) tests'.
+    points = ["after_prepared_logged:1", "mid_commit:3"]
     runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=1, kill_window=(0.5, 3.0), seed=28,
                                  progress_probe=lambda: _log_records(ck / "twophase"),
                                  env={"PYTHONPATH": _path(REPO)},
@@ -283,13 +284,15 @@ def test_a_commit_step_paused_while_a_second_run_replays_its_batch_loses_and_eve
                                    pytest.param("connect", marks=pytest.mark.connect)])
 def test_every_format_by_name_writes_every_id_once_on_local_spark_a_cluster_and_spark_connect(
         where, tmp_path, kafka_service, postgres_service, request):
-    """Issue 28: each of twophase-files, -jdbc and -kafka from one driver, on local Spark (registered
-    by ``register(spark)``), on the standalone cluster and from a Spark Connect client (found by
-    Spark's discovery of the ``pyspark_twophase_*`` modules: nothing registered)."""
+    """Issue 28: each of twophase-files, -jdbc and -kafka from one driver, on local Spark (the
+    suite's session, registered by ``register(spark)``), on the standalone cluster and from a Spark
+    Connect client (drivers of their own, found by Spark's discovery of the ``pyspark_twophase_*``
+    modules: nothing registered)."""
     import subprocess
 
     import psycopg2
 
+    from tests.drivers import datasource_every_format
     from tests.test_kafka_sink import _topic, read_committed
 
     if where == "cluster":
@@ -308,17 +311,24 @@ def test_every_format_by_name_writes_every_id_once_on_local_spark_a_cluster_and_
         {"format": "twophase-kafka", "checkpoint": str(tmp_path / "ck-kafka"), "select": ["id AS key", "id AS value"],
          "options": {"kafka.bootstrap.servers": bs, "topic": topic}},
     ]}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TWOPHASE_CRASH", "TWOPHASE_PAUSE"))}
-    env.update(PYTHONPATH=_path(REPO, REPO / "discovery") if where != "local" else _path(REPO),
-               PGPASSWORD=pg["password"])
-    flags = {"local": [], "cluster": ["--cluster", "--no-register"], "connect": ["--connect", "--no-register"]}[where]
-    log = tmp_path / "driver.log"
-    with open(log, "wb") as f:
-        r = subprocess.run([sys.executable, "-m", "tests.drivers.datasource_every_format", str(tmp_path / "spec.json"),
-                            *flags], env=env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=500, cwd=REPO)
-    assert r.returncode == 0, log.read_text(errors="replace")[-5000:]
-    assert r.stdout.split("\n")[:3] == [f"{t['format']} done" for t in spec["targets"]], r.stdout
+    if where == "local":
+        import twophase.datasource
+
+        spark = request.getfixturevalue("spark")
+        twophase.datasource.register(spark)
+        spec["targets"][1]["options"]["password"] = pg["password"]
+        assert list(datasource_every_format.run(spark, spec)) == [t["format"] for t in spec["targets"]]
+    else:
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TWOPHASE_CRASH", "TWOPHASE_PAUSE"))}
+        env.update(PYTHONPATH=_path(REPO, REPO / "discovery"), PGPASSWORD=pg["password"])
+        log = tmp_path / "driver.log"
+        with open(log, "wb") as f:
+            r = subprocess.run([sys.executable, "-m", "tests.drivers.datasource_every_format",
+                                str(tmp_path / "spec.json"), f"--{where}", "--no-register"],
+                               env=env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=500, cwd=REPO)
+        assert r.returncode == 0, log.read_text(errors="replace")[-5000:]
+        assert r.stdout.split("\n")[:3] == [f"{t['format']} done" for t in spec["targets"]], r.stdout
     assert sorted(_read(out)) == sorted(expected)
     with psycopg2.connect(pg["dsn"]) as c, c.cursor() as cur:
         cur.execute(f'SELECT id FROM "{table}"')

@@ -19,6 +19,22 @@ import os
 import sys
 
 
+def run(spark, spec: dict):
+    """Write ``spec["input"]`` through each target in turn; yields each target's format once done."""
+    src = spark.readStream.schema(spec["schema"]).json(spec["input"]).repartition(2)
+    for t in spec["targets"]:
+        df = src.selectExpr(*t["select"]) if t.get("select") else src
+        w = df.writeStream.format(t["format"]).option("checkpointLocation", t["checkpoint"])
+        for k, v in t.get("options", {}).items():
+            w = w.option(k, v)
+        if t["format"] == "twophase-jdbc" and os.environ.get("PGPASSWORD"):
+            w = w.option("password", os.environ["PGPASSWORD"])
+        w = w.trigger(availableNow=True)
+        q = w.start(t["path"]) if t.get("path") else w.start()
+        q.awaitTermination()
+        yield t["format"]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.drivers.datasource_every_format")
     p.add_argument("spec")
@@ -44,18 +60,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"--connect gave a {type(spark).__module__} session")
     if not args.no_register:
         twophase.datasource.register(spark)
-    src = spark.readStream.schema(spec["schema"]).json(spec["input"]).repartition(2)
-    for t in spec["targets"]:
-        df = src.selectExpr(*t["select"]) if t.get("select") else src
-        w = df.writeStream.format(t["format"]).option("checkpointLocation", t["checkpoint"])
-        for k, v in t.get("options", {}).items():
-            w = w.option(k, v)
-        if t["format"] == "twophase-jdbc" and os.environ.get("PGPASSWORD"):
-            w = w.option("password", os.environ["PGPASSWORD"])
-        w = w.trigger(availableNow=True)
-        q = w.start(t["path"]) if t.get("path") else w.start()
-        q.awaitTermination()
-        print(f"{t['format']} done", flush=True)
+    for done in run(spark, spec):
+        print(f"{done} done", flush=True)
     spark.stop()
     return 0
 
