@@ -172,3 +172,57 @@ def test_a_wrong_scram_password_is_a_clear_error_without_the_password(kafka_serv
         assert "127.0.0.1:19094" in str(e.value), str(e.value)
     finally:
         sink.close()
+
+
+# ------------------------------------------------------- Spark's Java settings (format("twophase-kafka"))
+def test_spark_kafka_java_security_options_become_librdkafka_settings_and_the_unreadable_are_refused():
+    from twophase.datasource import java_security_to_librdkafka as translate
+    from twophase.errors import ConfigurationError
+
+    secret = f"s-{uuid.uuid4().hex}"
+    jaas = ('org.apache.kafka.common.security.scram.ScramLoginModule required username="etl" '
+            f'password="{secret}\\"x";')
+    assert translate({"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.jaas.config": jaas,
+                      "ssl.truststore.location": "/etc/ca.pem", "ssl.truststore.type": "PEM",
+                      "ssl.endpoint.identification.algorithm": "", "linger.ms": "5"}) == {
+        "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "etl",
+        "sasl.password": secret + '"x', "ssl.ca.location": "/etc/ca.pem",
+        "ssl.endpoint.identification.algorithm": "none", "linger.ms": "5"}
+    assert translate({"ssl.keystore.type": "PEM", "ssl.keystore.location": "/etc/me.pem"}) == {
+        "ssl.certificate.location": "/etc/me.pem", "ssl.key.location": "/etc/me.pem"}
+    refused = {
+        "a JKS truststore": ({"ssl.truststore.location": "/etc/t.jks", "ssl.truststore.password": secret},
+                             "kafka.ssl.truststore.location is a JKS truststore"),
+        "a JKS keystore": ({"ssl.keystore.location": "/etc/k.jks", "ssl.keystore.type": "JKS",
+                            "ssl.keystore.password": secret}, "kafka.ssl.keystore.location is a JKS keystore"),
+        "an OAuth login module": ({"sasl.jaas.config": "org.apache.kafka.common.security.oauthbearer."
+                                   f'OAuthBearerLoginModule required clientSecret="{secret}";'},
+                                  "kafka.sasl.jaas.config with OAuthBearerLoginModule is not translated"),
+        "no password": ({"sasl.jaas.config": 'org.apache.kafka.common.security.plain.PlainLoginModule required '
+                         'username="etl";'}, "needs username"),
+    }
+    for case, (config, line) in refused.items():
+        with pytest.raises(ConfigurationError) as e:
+            translate(config)
+        assert line in str(e.value) and secret not in str(e.value), (case, str(e.value))
+
+
+@pytest.mark.kafka
+@pytest.mark.spark
+def test_twophase_kafka_with_sparks_own_scram_options_writes_over_the_sasl_listener(kafka_service, spark, tmp_path):
+    """The drop-in as a Spark user writes it: ``kafka.security.protocol``, ``kafka.sasl.mechanism``
+    and ``kafka.sasl.jaas.config`` with the ScramLoginModule, as for ``format("kafka")``."""
+    import twophase.datasource
+
+    info = kafka_service
+    plain, topic = info["bootstrap_servers"], _topic(info["bootstrap_servers"])
+    twophase.datasource.register(spark)
+    jaas = ('org.apache.kafka.common.security.scram.ScramLoginModule required '
+            f'username="{info["scram_user"]}" password="{info["scram_password"]}";')
+    df = spark.range(0, 40, 1, 2).selectExpr("CAST(id AS STRING) AS key", "CAST(id AS STRING) AS value")
+    (df.write.format("twophase-kafka").mode("append")
+     .option("kafka.bootstrap.servers", info["sasl_bootstrap_servers"]).option("topic", topic)
+     .option("kafka.security.protocol", "SASL_PLAINTEXT").option("kafka.sasl.mechanism", "SCRAM-SHA-256")
+     .option("kafka.sasl.jaas.config", jaas)
+     .option("twophase.logLocation", str(tmp_path / "log")).option("twophase.batchId", "0").save())
+    assert sorted(int(v) for v in read_committed(plain, topic, idle=1.0)) == list(range(40))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -503,6 +504,7 @@ class KafkaDataSource(TwoPhaseDataSource):
         if spark_only:
             raise ConfigurationError(f"twophase-kafka: kafka.{spark_only[0]} is not supported (as in Spark's "
                                      "Kafka sink, key and value are written as bytes)")
+        producer = java_security_to_librdkafka(producer)
         prefix = self.options.get("twophase.transactionalidprefix")
         if not prefix:  # stable across restarts, one per query (or per log, for batch writes)
             where = _local(self.options.get("checkpointlocation") or self.options.get("twophase.loglocation") or "")
@@ -515,6 +517,66 @@ class KafkaDataSource(TwoPhaseDataSource):
             except ValueError:
                 raise ConfigurationError(f"twophase.transactionTimeoutMs must be milliseconds, got {timeout!r}") from None
         return _sink("kafka", servers, self.options.get("topic"), prefix, producer_config=producer or None, **extra)
+
+
+_JAAS_VALUE = re.compile(r'(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def java_security_to_librdkafka(config: dict[str, str]) -> dict[str, str]:
+    """Spark's Kafka sink takes the Java client's security settings (``kafka.sasl.jaas.config``, a
+    truststore); KafkaSink's producers are librdkafka's.  Translate those a Spark user sets, and
+    refuse, naming the option (never its value), what librdkafka cannot read:
+
+    - ``sasl.jaas.config`` with ``PlainLoginModule`` or ``ScramLoginModule``: its ``username`` and
+      ``password`` become ``sasl.username`` / ``sasl.password``;
+    - ``ssl.truststore.location`` of type PEM becomes ``ssl.ca.location`` (JKS and PKCS12 refused);
+    - ``ssl.keystore.location`` of type PEM becomes ``ssl.certificate.location`` and
+      ``ssl.key.location`` (a PKCS12 keystore goes on as is: the sink says what it needs);
+    - ``ssl.endpoint.identification.algorithm`` empty (the Java client's "no check") becomes ``none``.
+
+    Every other setting goes on unchanged (``security.protocol``, ``sasl.mechanism``,
+    ``ssl.key.password`` and most producer settings have the same names in both clients).
+    """
+    out = dict(config)
+    jaas = out.pop("sasl.jaas.config", None)
+    if jaas is not None:
+        module = (jaas.split() or [""])[0].rsplit(".", 1)[-1]
+        if module not in ("PlainLoginModule", "ScramLoginModule"):
+            raise ConfigurationError(
+                f"twophase-kafka: kafka.sasl.jaas.config with {module or 'no login module'} is not translated "
+                "(the producers are librdkafka's): give librdkafka's settings instead, e.g. "
+                "kafka.sasl.oauthbearer.method and kafka.sasl.oauthbearer.* for OAUTHBEARER")
+        values = {k: re.sub(r"\\(.)", r"\1", v) for k, v in _JAAS_VALUE.findall(jaas)}  # \" and \\ unescaped
+        if "username" not in values or "password" not in values:
+            raise ConfigurationError(f"twophase-kafka: kafka.sasl.jaas.config ({module}) needs username=\"...\" "
+                                     "and password=\"...\"")
+        out.setdefault("sasl.username", values["username"])
+        out.setdefault("sasl.password", values["password"])
+    store = out.pop("ssl.truststore.location", None)
+    store_type = (out.pop("ssl.truststore.type", None) or "JKS").upper()
+    if store is not None:
+        if store_type != "PEM":
+            raise ConfigurationError(
+                f"twophase-kafka: kafka.ssl.truststore.location is a {store_type} truststore, which librdkafka "
+                "(the producers' client) cannot read: export its CA certificates as PEM (keytool -exportcert -rfc "
+                "-keystore ...) and give kafka.ssl.ca.location instead")
+        out.setdefault("ssl.ca.location", store)
+        out.pop("ssl.truststore.password", None)  # a PEM file has none
+    key_type = (out.get("ssl.keystore.type") or "").upper()
+    if key_type == "PEM" and "ssl.keystore.location" in out:
+        out.pop("ssl.keystore.type")
+        pem = out.pop("ssl.keystore.location")
+        out.setdefault("ssl.certificate.location", pem)
+        out.setdefault("ssl.key.location", pem)
+    elif key_type == "JKS":
+        raise ConfigurationError("twophase-kafka: kafka.ssl.keystore.location is a JKS keystore, which librdkafka "
+                                 "cannot read: convert it to PEM (or PKCS12) and give kafka.ssl.certificate.location "
+                                 "and kafka.ssl.key.location")
+    else:
+        out.pop("ssl.keystore.type", None)
+    if out.get("ssl.endpoint.identification.algorithm") == "":
+        out["ssl.endpoint.identification.algorithm"] = "none"
+    return out
 
 
 SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource, KafkaDataSource)

@@ -7,7 +7,8 @@ Usage: python -m tests.drivers.datasource_every_format SPEC.json [--cluster | --
 SPEC.json: ``{"input": DIR, "schema": DDL, "targets": [{"format": ..., "checkpoint": DIR,
 "path": DIR or null, "select": [EXPR, ...], "options": {KEY: VALUE}}, ...]}``.  The environment's
 ``PGPASSWORD``, if set, becomes the ``password`` option of ``twophase-jdbc`` (never an argument).
-Prints one line per target, ``<format> done``, and exits 0 once every query ended.
+Prints one line per target, ``<format> done <rows in Spark's progress>``, and exits 0 once every
+query ended.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import sys
 
 
 def run(spark, spec: dict):
-    """Write ``spec["input"]`` through each target in turn; yields each target's format once done."""
+    """Write ``spec["input"]`` through each target in turn; yields each target's format once done,
+    with the rows Spark's own progress counted for its sink (``sink.numOutputRows``)."""
     src = spark.readStream.schema(spec["schema"]).json(spec["input"]).repartition(2)
     for t in spec["targets"]:
         df = src.selectExpr(*t["select"]) if t.get("select") else src
@@ -32,7 +34,7 @@ def run(spark, spec: dict):
         w = w.trigger(availableNow=True)
         q = w.start(t["path"]) if t.get("path") else w.start()
         q.awaitTermination()
-        yield t["format"]
+        yield t["format"], sum(max(0, p["sink"]["numOutputRows"]) for p in q.recentProgress)
 
 
 def main(argv: list[str]) -> int:
@@ -60,8 +62,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"--connect gave a {type(spark).__module__} session")
     if not args.no_register:
         twophase.datasource.register(spark)
-    for done in run(spark, spec):
-        print(f"{done} done", flush=True)
+    for fmt, rows in run(spark, spec):
+        print(f"{fmt} done {rows}", flush=True)
     spark.stop()
     return 0
 
