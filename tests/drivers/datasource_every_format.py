@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 
+from tests.drivers.datasource_pipeline import add_where_arguments, session
+
 
 def run(spark, spec: dict):
     """Write ``spec["input"]`` through each target in turn; yields each target's format once done,
@@ -40,28 +42,13 @@ def run(spark, spec: dict):
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.drivers.datasource_every_format")
     p.add_argument("spec")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--cluster", action="store_true")
-    where.add_argument("--connect", action="store_true")
-    p.add_argument("--no-register", action="store_true", help="rely on Spark's discovery of pyspark_twophase_*")
+    add_where_arguments(p)
     args = p.parse_args(argv)
     with open(args.spec) as f:
         spec = json.load(f)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("twophase").setLevel(logging.INFO)
-    import twophase.datasource
-    from twophase.spark import local_session
-
-    if args.cluster:
-        from tests.cluster import cluster_session
-
-        spark = cluster_session("datasource-every-format")
-    else:
-        spark = local_session("local[2]", "datasource-every-format", connect=args.connect)
-    if args.connect and not type(spark).__module__.startswith("pyspark.sql.connect"):
-        raise SystemExit(f"--connect gave a {type(spark).__module__} session")
-    if not args.no_register:
-        twophase.datasource.register(spark)
+    spark = session(args, "datasource-every-format")
     for fmt, rows in run(spark, spec):
         print(f"{fmt} done {rows}", flush=True)
     spark.stop()

@@ -17,39 +17,51 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.drivers.datasource_pipeline")
-    p.add_argument("input")
-    p.add_argument("checkpoint")
-    p.add_argument("format", help="twophase-files or twophase-jdbc")
-    p.add_argument("--schema", default="id STRING, n LONG")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--select", action="append", default=[], metavar="EXPR", help="selectExpr before the write")
-    p.add_argument("--path")
-    p.add_argument("--files-per-trigger", default="1")
+def add_where_arguments(p: argparse.ArgumentParser) -> None:
+    """``--cluster | --connect`` and ``--no-register``, for :func:`session`."""
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--cluster", action="store_true")
-    where.add_argument("--connect", action="store_true")
-    p.add_argument("--no-register", action="store_true")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("twophase").setLevel(logging.INFO)
+    where.add_argument("--cluster", action="store_true", help="on the test Spark cluster")
+    where.add_argument("--connect", action="store_true", help="as a Spark Connect client")
+    p.add_argument("--no-register", action="store_true", help="rely on Spark's discovery of pyspark_twophase_*")
+
+
+def session(args: argparse.Namespace, app: str) -> Any:
+    """The session ``args`` ask for (local[2] by default, ``TWOPHASE_TEST_MASTER`` to change it), the
+    data sources registered unless ``--no-register``."""
     import twophase.datasource
     from twophase.spark import local_session
 
     if args.cluster:
         from tests.cluster import cluster_session
 
-        spark = cluster_session("datasource-pipeline")
+        spark = cluster_session(app)
     else:
-        spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), "datasource-pipeline",
-                              connect=args.connect)
+        spark = local_session(os.environ.get("TWOPHASE_TEST_MASTER", "local[2]"), app, connect=args.connect)
     if args.connect and not type(spark).__module__.startswith("pyspark.sql.connect"):
         raise SystemExit(f"--connect gave a {type(spark).__module__} session")
     if not args.no_register:
         twophase.datasource.register(spark)
+    return spark
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.drivers.datasource_pipeline")
+    p.add_argument("input")
+    p.add_argument("checkpoint")
+    p.add_argument("format", help="twophase-files, twophase-jdbc or twophase-kafka")
+    p.add_argument("--schema", default="id STRING, n LONG")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--select", action="append", default=[], metavar="EXPR", help="selectExpr before the write")
+    p.add_argument("--path")
+    p.add_argument("--files-per-trigger", default="1")
+    add_where_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("twophase").setLevel(logging.INFO)
+    spark = session(args, "datasource-pipeline")
     df = (spark.readStream.schema(args.schema).option("maxFilesPerTrigger", args.files_per_trigger).json(args.input)
           .repartition(2))
     if args.select:
