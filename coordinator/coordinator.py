@@ -317,6 +317,8 @@ class Coordinator:
         tlog = TransactionLog(self.log_location, **self._log_args)
         tlog.acquire(query_id, self.name, new_generation=self.new_generation, takeover=self.takeover)
         self.new_generation = False  # only the first acquire starts a generation
+        if self._protocol is not None:
+            self._protocol.settle()  # the old log's last COMMITTED record, before that log closes
         if self.log is not None:
             self.log.close()
         self.log, self._query_id = tlog, query_id
@@ -324,6 +326,9 @@ class Coordinator:
         # A new protocol instance starts dirty: recovery runs before its first batch.
         self._protocol = TwoPhaseProtocol(self.sink, tlog, name=self.name, query_name=self._scoped_name,
                                           committer=self._committer)
+        # A streaming batch's COMMITTED record is written while Spark logs its commit and plans the
+        # next batch (TwoPhaseProtocol.settle); a batch write's before write() returns.
+        self._protocol.committed_in_background = streaming
         tlog.on_fenced(self._stop_job)
         tlog.start_heartbeat()
         return tlog
@@ -347,6 +352,8 @@ class Coordinator:
         Call it after the query stopped (or use ``with Coordinator(...) as c``).  A coordinator
         that is used again after ``close()`` takes the log again at its next batch.
         """
+        if self._protocol is not None:
+            self._protocol.settle()
         if self.log is not None:
             self.log.close()
             self.log, self._query_id = None, None

@@ -312,10 +312,10 @@ def test_every_format_by_name_writes_every_id_once_on_local_spark_a_cluster_and_
          "options": {"kafka.bootstrap.servers": bs, "topic": topic}},
     ]}
     if where == "local":
-        import twophase.datasource
+        import twophase
 
         spark = request.getfixturevalue("spark")
-        twophase.datasource.register(spark)
+        twophase.register(spark)  # the top-level name the README shows
         spec["targets"][1]["options"]["password"] = pg["password"]
         done = list(datasource_every_format.run(spark, spec))
     else:

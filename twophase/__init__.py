@@ -25,6 +25,15 @@ from twophase.sink import CommitOutcome, CommitResult, PreparedBatch, TwoPhaseCo
 
 __version__ = "0.1.0"
 
+
+def register(spark) -> None:
+    """Register ``format("twophase-files")``, ``-jdbc`` and ``-kafka`` with ``spark`` (a classic or
+    Spark Connect session).  Only needed where Spark does not discover them by itself (an
+    editable install, a ``--py-files`` zip): see :mod:`twophase.datasource`.  Needs pyspark."""
+    from twophase.datasource import register as _register
+
+    _register(spark)
+
 __all__ = [
     "BatchContext",
     "CommitError",
@@ -45,4 +54,5 @@ __all__ = [
     "TwoPhaseCommitSink",
     "TwoPhaseError",
     "__version__",
+    "register",
 ]

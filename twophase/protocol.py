@@ -104,9 +104,9 @@ _MAX_VOIDS = 2
 class _InBackground:
     """Run ``fn`` in a daemon thread now; :meth:`result` waits for it and raises what it raised."""
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], *, name: str = "twophase-fence", daemon: bool = True):
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="twophase-fence", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=daemon)
         self._thread.start()
 
     def _run(self, fn: Callable[[], Any]) -> None:
@@ -147,6 +147,10 @@ class TwoPhaseProtocol:
         self._last_committed: int | None = None
         #: (generation, scoped name, last batch) of each replaced generation: read at recovery.
         self._replaced: list[tuple[int, str, int]] | None = None
+        #: Write each batch's COMMITTED record in the background (the coordinator's streaming
+        #: batches): see :meth:`decide_and_commit` and :meth:`settle`.
+        self.committed_in_background = False
+        self._committing: _InBackground | None = None
 
     #: Every this many batches (by batch id), the leftovers of late actors of replaced generations
     #: are swept again, in the background (see :meth:`_sweep_replaced_generations`): one
@@ -159,6 +163,7 @@ class TwoPhaseProtocol:
         undecided batches' open ballots closed and their leftovers aborted, and the leftovers of
         late actors of replaced generations swept (:meth:`_sweep_replaced_generations`).
         Returns the (generation, batch) pairs it committed."""
+        self.settle()
         tlog = self.tlog
         committed: set[tuple[int, int]] = set()
         pending = pending_batches(tlog)
@@ -299,6 +304,7 @@ class TwoPhaseProtocol:
         to write under.  ``partitions(planned)`` is :meth:`BatchWork.partitions`."""
         tlog = self.tlog
         t0 = time.perf_counter()
+        self.settle()
         tlog.heartbeat(force=False)
         recovered: set[tuple[int, int]] | None = None
         # The steady state: this object committed batch N-1 and nothing failed since.  Batch N's
@@ -416,10 +422,39 @@ class TwoPhaseProtocol:
                      aborted)
         prog.commit_ms = _ms(t0)
         crash.crash_point("after_commit", batch_id)
+        record = {"rows": prog.rows, "handles_committed": len(handles)}
+
+        def mark_committed() -> None:
+            tlog.write(batch_id, COMMITTED, record)
+            crash.crash_point("after_committed_logged", batch_id)
+
+        if self.committed_in_background:
+            # Every handle is committed: the batch is visible and done. The COMMITTED record only
+            # spares a replay its recommit (idempotent), so it need not hold up the batch: it is
+            # written while Spark logs its own commit and plans the next batch, and the next batch
+            # waits for it before it opens (settle). Lost to a crash, it is the state after
+            # `after_commit`: recovery commits the decision again and writes it.
+            # Not a daemon: a driver that ends after its last batch waits for the record (bounded
+            # by the store's timeouts) rather than leaving that batch to be recommitted.
+            self._committing = _InBackground(mark_committed, name="twophase-committed", daemon=False)
+            return
         t0 = time.perf_counter()
-        tlog.write(batch_id, COMMITTED, {"rows": prog.rows, "handles_committed": len(handles)})
+        mark_committed()
         prog.log_ms += _ms(t0)
-        crash.crash_point("after_committed_logged", batch_id)
+
+    def settle(self) -> None:
+        """Wait for the last batch's COMMITTED record written in the background; if it failed,
+        recovery runs before the next batch (it writes the record)."""
+        pending, self._committing = self._committing, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as e:  # noqa: BLE001 - the batch is committed; only its marker is missing
+            log.warning("%s: a committed batch's COMMITTED record was not written (%s); recovery writes it "
+                        "before the next batch", self.name, e)
+            self.dirty = True
+            self._last_committed = None
 
     def committed(self, batch_id: int) -> None:
         """After batch ``batch_id`` was committed by this object: the next batch may skip reading
