@@ -611,8 +611,9 @@ def _one_query(spark, c: _Case, target: str, rows: int, params: Params, want: in
 
 def _assign(reqs: list[dict[str, Any]], progs: list[dict[str, Any]], t_start: float) -> list[dict[str, Any]]:
     """Requests made during each batch of ``progs`` (by the coordinator's own timestamps): those
-    that started and ended while the batch's tasks ran (the prepare phase) are *background*, the
-    others are on the batch's critical path."""
+    that started and ended while the batch's tasks ran (the prepare phase), and those still running
+    when the batch returned (its COMMITTED record, written in the background), are *background*;
+    the others are on the batch's critical path."""
     reqs = [r for r in reqs if r["start"] >= t_start]
     out = []
     for p in progs:
@@ -626,7 +627,7 @@ def _assign(reqs: list[dict[str, Any]], progs: list[dict[str, Any]], t_start: fl
         crit = bg = 0
         for r in mine:
             name = classify(r)
-            background = r["start"] >= prep0 and r["end"] <= prep1
+            background = (r["start"] >= prep0 and r["end"] <= prep1) or r["end"] > t1
             if background:
                 bg += 1
             else:
