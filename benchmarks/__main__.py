@@ -16,18 +16,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import latency
+from benchmarks import datasource, latency
 from benchmarks.common import SECTIONS as _COMMON_SECTIONS
 from benchmarks.common import SHAPES, Params, make_data, progress, session
 
-SECTIONS = (*_COMMON_SECTIONS, "latency")
+SECTIONS = (*_COMMON_SECTIONS, "latency", "datasource")
 
 #: Sections --quick leaves out unless named in --only: connect costs about a minute even at
 #: --quick sizes (first use of a Connect client, then its streaming queries).
 NOT_QUICK = ("connect",)
 NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3", "minio"), "recovery": ("postgres",),
          "coordinator": (), "partitions": ("kafka", "postgres"),
-         "connect": ("kafka", "postgres"), "latency": ()}  # latency: latency.needs(params)
+         "connect": ("kafka", "postgres"), "latency": (),  # latency: latency.needs(params)
+         "datasource": ()}  # datasource.needs(params)
 
 
 def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
@@ -60,6 +61,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     ap.add_argument("--profile", action="store_true",
                     help="also profile each sink's executor+commit path in-process with pyinstrument")
     latency.add_arguments(ap)
+    datasource.add_arguments(ap)
     a = ap.parse_args(argv)
     p = Params()
     if a.quick:
@@ -102,6 +104,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
     if bad:
         ap.error(f"unknown section(s) {bad}; choose from {', '.join(SECTIONS)}")
     latency.configure(p, a, ap.error)
+    datasource.configure(p, a, ap.error)
     if p.rows < 1 or p.row_size < 1 or p.partitions < 1 or p.reps < 1 or p.warmup < 0:
         ap.error("rows, row-size, partitions and reps must be >= 1, warmup >= 0")
     return p, only
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                  if t in params.file_targets}
     if "latency" in only:
         need |= latency.needs(params)
+    if "datasource" in only:
+        need |= datasource.needs(params)
     names = sorted(need | ({"spark_cluster"} if params.cluster else set()))
     progress(f"services: {', '.join(names) or 'none'}")
     services: dict[str, Any] = svc.ensure(*names) if names else {}
@@ -134,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 
         progress("resolving Spark's S3A connector (hadoop-aws and the AWS SDK bundle, ~690 MB once)")
         extra_jars = s3a_jars()
-    if "latency" in only:
-        extra_jars = (extra_jars or []) + latency.jars(params, only)
+    streaming_sinks = (set(params.latency["sinks"]) if "latency" in only else set()) | (  # type: ignore[attr-defined]
+        datasource.targets(params) if "datasource" in only else set())
+    if streaming_sinks:  # Spark's own streaming sinks of the latency and datasource sections
+        extra_jars = (extra_jars or []) + latency.jars(params, only, streaming_sinks)
     spark = session(only, params.cluster, extra_jars)
     progress(f"data: {params.rows} rows x {params.row_size} B in {params.partitions} partitions")
     df = make_data(spark, params.rows, params.row_size, params.partitions, params.data_shape)

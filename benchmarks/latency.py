@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,20 +99,23 @@ def needs(params: Params) -> set[str]:
     return out
 
 
-def jars(params: Params, only: list[str]) -> list[str]:
+def jars(params: Params, only: list[str], sinks: set[str] | None = None) -> list[str]:
     """Jars the chosen sinks' Spark baselines need that :func:`benchmarks.common.session` does not
-    already add for the other sections of this run."""
+    already add for the other sections of this run (``sinks``: these targets, for every streaming
+    section at once, instead of the latency section's)."""
     cfg = getattr(params, "latency", DEFAULTS)
+    if sinks is None:
+        sinks = set(cfg["sinks"])
     out: list[str] = []
-    if "kafka" in cfg["sinks"] and not {"kafka", "partitions", "connect"} & set(only):
+    if "kafka" in sinks and not {"kafka", "partitions", "connect"} & set(only):
         from tests.services.kafka import spark_kafka_jars
 
-        progress("latency: resolving Spark's Kafka writer jars")
+        progress("streaming sections: resolving Spark's Kafka writer jars")
         out += [str(j) for j in spark_kafka_jars()]
-    if "postgres" in cfg["sinks"] and not {"postgres", "partitions", "connect"} & set(only):
+    if "postgres" in sinks and not {"postgres", "partitions", "connect"} & set(only):
         from tests.services.maven import resolve
 
-        progress("latency: resolving the PostgreSQL JDBC driver")
+        progress("streaming sections: resolving the PostgreSQL JDBC driver")
         out += [str(j) for j in resolve(["org.postgresql:postgresql:42.7.8"], "postgresql-jdbc")]
     return out
 
@@ -302,6 +306,9 @@ class _Case:
         self.requests: list[dict[str, Any]] = []  # per steady-state batch
         self.coordinators: list[Any] = []
         self.proxy: Proxy | None = None
+        #: Called after each query with (query, kept progress entries): raises when the output is not
+        #: what the batches wrote (so a broken variant cannot report a fast time).
+        self.verify: Any = None
 
 
 def _duration(p, key: str) -> float | None:
@@ -494,7 +501,11 @@ def _ladder() -> list[_Case]:
             _Case("floor: foreachBatch, rows into Python, one row per task collected", collect), null]
 
 
-def _measure(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], cases: list[_Case]) -> dict[str, Any]:
+def _measure(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], cases: Sequence[_Case],
+             partitions: int = 2, label: str = "latency") -> dict[str, Any]:
+    """Run every case ``cfg["reps"]`` times, interleaved (the order rotated each round, every other
+    cycle reversed, as :func:`benchmarks.common.interleave`), over a ``rate-micro-batch`` source of
+    ``rows`` rows in ``partitions`` partitions per batch; medians against ``cases[0]``."""
     want, warm = cfg["batches"], cfg["warmup"]
     n = len(cases)
     for r in range(cfg["reps"]):
@@ -502,7 +513,7 @@ def _measure(spark, target: str, rows: int, params: Params, cfg: dict[str, Any],
         if (r // n) % 2 == 1:
             order.reverse()
         for c in order:
-            _one_query(spark, c, target, rows, params, want, warm, r)
+            _one_query(spark, c, target, rows, params, want, warm, r, partitions=partitions, label=label)
     base = cases[0]
     out: dict[str, Any] = {"target": target, "rows": rows, "baseline": base.name, "variants": {}}
     b_tr, b_ab = statistics.median(base.trigger_ms), statistics.median(base.add_batch_ms)
@@ -513,6 +524,7 @@ def _measure(spark, target: str, rows: int, params: Params, cfg: dict[str, Any],
             "trigger_ms": [round(x, 1) for x in c.trigger_ms], "add_batch_ms": [round(x, 1) for x in c.add_batch_ms],
             "trigger_ms_median": round(tr, 1), "add_batch_ms_median": round(ab, 1),
             "trigger_ms_p10_p90": [percentile(c.trigger_ms, 10), percentile(c.trigger_ms, 90)],
+            "add_batch_ms_p10_p90": [percentile(c.add_batch_ms, 10), percentile(c.add_batch_ms, 90)],
             "trigger_ms_rep_medians": [round(x, 1) for x in c.rep_medians],
             "other_ms_median": {k: round(statistics.median(x), 1) for k, x in c.other_ms.items() if x},
             "ratio": round(b_tr / tr, 3), "add_batch_ratio": round(b_ab / ab, 3)}
@@ -540,7 +552,7 @@ def _measure(spark, target: str, rows: int, params: Params, cfg: dict[str, Any],
                                       _per_kind_ms(c.requests).items()},
                 "example_batch": c.requests[len(c.requests) // 2]["sequence"]}
         out["variants"][c.name] = v
-        progress(f"latency: {target} {rows} rows: {c.name}: triggerExecution {tr:.0f} ms, addBatch {ab:.0f} ms "
+        progress(f"{label}: {target} {rows} rows: {c.name}: triggerExecution {tr:.0f} ms, addBatch {ab:.0f} ms "
                  f"({b_tr / tr:.2f}x)" + (f", log requests {v['log_requests']['critical_median']:g} critical + "
                                           f"{v['log_requests']['background_median']:g} background"
                                           if "log_requests" in v else ""))
@@ -570,9 +582,10 @@ def _per_kind_ms(batches: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
-def _one_query(spark, c: _Case, target: str, rows: int, params: Params, want: int, warm: int, rep: int) -> None:
-    sdf = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", rows).option("numPartitions", 2)
-           .load().selectExpr("value AS id", _payload(params.row_size)))
+def _one_query(spark, c: _Case, target: str, rows: int, params: Params, want: int, warm: int, rep: int,
+               partitions: int = 2, label: str = "latency") -> None:
+    sdf = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", rows)
+           .option("numPartitions", partitions).load().selectExpr("value AS id", _payload(params.row_size)))
     ck = tmpdir("lat-ckpt")
     t_start = time.time()
     q = c.start(sdf, ck)
@@ -581,15 +594,17 @@ def _one_query(spark, c: _Case, target: str, rows: int, params: Params, want: in
         # Every batch: numInputRows is 0 when a foreachBatch function never reads its batch.
         while len([p for p in q.recentProgress if _duration(p, "addBatch") is not None]) < want:
             if q.exception() is not None:
-                raise RuntimeError(f"latency {c.name}: the query failed: {q.exception()}")
+                raise RuntimeError(f"{label} {c.name}: the query failed: {q.exception()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"latency {c.name}: fewer than {want} batches in time")
+                raise RuntimeError(f"{label} {c.name}: fewer than {want} batches in time")
             time.sleep(0.2)
     finally:
         q.stop()
         for coord in c.coordinators:
             coord.close()
     progs = [p for p in q.recentProgress if _duration(p, "addBatch") is not None][warm:want]
+    if c.verify is not None:
+        c.verify(q, progs)
     tr = [_duration(p, "triggerExecution") or 0.0 for p in progs]
     c.trigger_ms += tr
     c.add_batch_ms += [_duration(p, "addBatch") or 0.0 for p in progs]
@@ -605,7 +620,7 @@ def _one_query(spark, c: _Case, target: str, rows: int, params: Params, want: in
         c.coordinators.clear()
         if c.proxy is not None:
             c.requests += _assign(c.proxy.requests(), mine, t_start)
-    progress(f"latency: {target} {rows} rows: {c.name} round {rep + 1}: triggerExecution median "
+    progress(f"{label}: {target} {rows} rows: {c.name} round {rep + 1}: triggerExecution median "
              f"{statistics.median(tr):.0f} ms over {len(tr)} batches")
 
 

@@ -136,6 +136,8 @@ def markdown(res: dict[str, Any]) -> str:
             lines += ["", st["note"], ""]
     if "latency" in sec:
         lines += latency_markdown(sec["latency"])
+    if "datasource" in sec:
+        lines += datasource_markdown(sec["datasource"])
     if res["goals"]:
         lines += ["## Goals", "", "| goal | measured | target | met |", "|---|---:|---:|---|"]
     for g in res["goals"]:
@@ -187,6 +189,116 @@ def latency_markdown(s: dict[str, Any]) -> list[str]:
                              f"requests: {seq}")
     lines.append("")
     return lines
+
+
+def datasource_markdown(s: dict[str, Any]) -> list[str]:
+    """The datasource section: per (target, input partitions), Spark's own sink, the coordinator and
+    the data source form per batch and per row, and the data source's cost over the coordinator."""
+    c = s["config"]
+    lines = ["## The data source form (`format(\"twophase-...\")`)", "",
+             f"Streaming, `rate-micro-batch` source, {c['rows']:,} rows per micro-batch in P partitions, default "
+             f"trigger; {c['batches']} micro-batches per query, the first {c['warmup']} discarded; {c['reps']} "
+             "interleaved round(s) per variant. Medians over every kept batch (p10-p90 in brackets) of Spark's "
+             "`durationMs`: triggerExecution (the whole batch), addBatch (the sink's part: the tasks, and both of a "
+             "data source's planner calls, its plan and its commit), queryPlanning (Spark's planning of the "
+             "batch). Ratio: Spark's median "
+             "triggerExecution / this variant's (> 1: faster than Spark's own sink). µs/row: triggerExecution "
+             "per row. Every query's output was read back (see results.json, `output_checked`).", "",
+             "| target | P | variant | triggerExecution ms | addBatch ms | queryPlanning ms | µs/row | rows/s "
+             "| ratio |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for g in s["groups"]:
+        for name, v in g["variants"].items():
+            lo, hi = v["trigger_ms_p10_p90"]
+            alo, ahi = v["add_batch_ms_p10_p90"]
+            qp = v.get("query_planning_ms_median")
+            lines.append(f"| {g['target']} | {g['partitions']} | {name} | {v['trigger_ms_median']:.0f} ({lo:.0f}-{hi:.0f}) "
+                         f"| {v['add_batch_ms_median']:.0f} ({alo:.0f}-{ahi:.0f}) | "
+                         f"{'-' if qp is None else f'{qp:.0f}'} | {v['us_per_row']:.1f} | {_fmt(v['rows_per_s'])} "
+                         f"| {v['ratio']:.2f} |")
+    lines += ["", "The data source form against the coordinator (differences of the medians above; "
+              "ratio: coordinator's triggerExecution / the data source's):", "",
+              "| target | P | + ms per batch | + addBatch ms | + queryPlanning ms | + other ms | + µs/row | ratio |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for g in s["groups"]:
+        o = g["datasource_over_coordinator"]
+        lines.append(f"| {g['target']} | {g['partitions']} | {o['trigger_ms']:+.0f} | {o['add_batch_ms']:+.0f} | "
+                     f"{o['query_planning_ms']:+.0f} | {o['rest_ms']:+.0f} | {o['us_per_row']:+.1f} | "
+                     f"{o['ratio']:.2f} |")
+    for g in s["groups"]:
+        for name, v in g["variants"].items():
+            if "coalesce(" in name:
+                lines.append(f"| {g['target']} | {g['partitions']} | ({name}) {v['over_coordinator_ms']:+.0f} | "
+                             f"- | - | - | {v['over_coordinator_ms'] * 1000 / s['config']['rows']:+.1f} | "
+                             f"{g['variants'][g['coordinator']]['trigger_ms_median'] / v['trigger_ms_median']:.2f} |")
+    left = [(g, n, v["recovered_after_stop"]) for g in s["groups"] for n, v in g["variants"].items()
+            if any(r["aborted"] or r["committed_batches"] for r in v.get("recovered_after_stop", []))]
+    if left:
+        lines += ["", "After each query's `stop()` (which interrupts the micro-batch in flight), `twophase recover` "
+                  "ran on its log, as a restart would: transactions it found left and aborted, per query (the "
+                  "others: none):", ""]
+        for g, n, rs in left:
+            lines.append(f"- {g['target']}, P={g['partitions']}, {n}: aborted {[r['aborted'] for r in rs]}"
+                         + (f", committed batches {[r['committed_batches'] for r in rs]}"
+                            if any(r["committed_batches"] for r in rs) else ""))
+    ip = s.get("in_process") or {}
+    if ip:
+        lines += ["", "The data source's own work per micro-batch, in one process without Spark (the plan: "
+                  "`streamWriter()` of a new `DataSource`; the commit step: `commit()` on a writer of an unpickled "
+                  "one, with one message of no rows), medians (p10-p90) over a fake checkpoint; beside it the "
+                  "coordinator's own per-batch figures from the streaming runs at the smallest P of the run "
+                  "(`recent_progress`):", "",
+                  "| target | plan ms | commit step ms | coordinator intent / log / commit ms |", "|---|---:|---:|---|"]
+        for t, x in ip.items():
+            cm = next((g["variants"][g["coordinator"]].get("coordinator_ms_median") for g in s["groups"]
+                       if g["target"] == t and g["partitions"] == min(c["partitions"])), None)
+            coord = " / ".join(f"{cm[k]:.0f}" for k in ("intent_ms", "log_ms", "commit_ms")) if cm else "-"
+            lines.append(f"| {t} | {x['plan_ms_median']:.0f} ({x['plan_ms_p10_p90'][0]:.0f}-{x['plan_ms_p10_p90'][1]:.0f}) "
+                         f"| {x['commit_ms_median']:.0f} ({x['commit_ms_p10_p90'][0]:.0f}-"
+                         f"{x['commit_ms_p10_p90'][1]:.0f}) | {coord} |")
+    floors = [g for g in s["groups"] if "datasource_over_floor" in g]
+    if floors:
+        lines += ["", "The no-op Python data source (`floor`): Spark's Python Data Source API with nothing in "
+                  "plan, `write()` or `commit()` but reading the rows.", ""]
+        for g in floors:
+            f, d = g["floor_over_spark"], g["datasource_over_floor"]
+            lines.append(f"- {g['target']}, P={g['partitions']}: the floor is {f['trigger_ms']:+.0f} ms per batch over "
+                         f"Spark's own sink (queryPlanning {f['query_planning_ms']:+.0f} ms); the data source form "
+                         f"is {d['trigger_ms']:+.0f} ms over the floor (addBatch {d['add_batch_ms']:+.0f} ms, "
+                         f"queryPlanning {d['query_planning_ms']:+.0f} ms)")
+    lines.append("")
+    return lines
+
+
+def plot_datasource(res: dict[str, Any], path: Path) -> None:
+    """Median batch time by input partitions, one panel per target: a bar per variant
+    (triggerExecution, p10-p90), its addBatch part darker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = res["sections"]["datasource"]["groups"]
+    targets = list(dict.fromkeys(g["target"] for g in groups))
+    fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 5), squeeze=False)
+    for ax, t in zip(axes[0], targets):
+        mine = sorted((g for g in groups if g["target"] == t), key=lambda g: g["partitions"])
+        names = list(dict.fromkeys(n for g in mine for n in g["variants"]))
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * width for j, g in enumerate(mine) if n in g["variants"]]
+            vs = [g["variants"][n] for g in mine if n in g["variants"]]
+            err = [[v["trigger_ms_median"] - v["trigger_ms_p10_p90"][0] for v in vs],
+                   [v["trigger_ms_p10_p90"][1] - v["trigger_ms_median"] for v in vs]]
+            bars = ax.bar(xs, [v["trigger_ms_median"] for v in vs], width, yerr=err, capsize=3, label=n, alpha=0.55)
+            ax.bar(xs, [v["add_batch_ms_median"] for v in vs], width * 0.5, color=bars.patches[0].get_facecolor(),
+                   alpha=1.0)
+        ax.set_xticks(range(len(mine)), [f"P={g['partitions']}" for g in mine])
+        ax.set_ylabel("median triggerExecution ms (p10-p90); narrow bar: addBatch")
+        ax.set_title(f"{t}: {mine[0]['rows']:,} rows per micro-batch")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_latency(res: dict[str, Any], path: Path) -> None:
@@ -285,11 +397,13 @@ def write(res: dict[str, Any], out: Path) -> dict[str, Path]:
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
     paths["json"].write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
     paths["md"].write_text(markdown(res))
-    if set(res["sections"]) == {"latency"}:
-        plot_latency(res, paths["png"])  # nothing else to draw
+    streaming = {"latency": plot_latency, "datasource": plot_datasource}  # sections with plots of their own
+    mine = [k for k in streaming if k in res["sections"]]
+    if set(res["sections"]) == set(mine) and len(mine) == 1:
+        streaming[mine[0]](res, paths["png"])  # nothing else to draw
     else:
         plot(res, paths["png"])
-        if "latency" in res["sections"]:
-            paths["latency_png"] = out / "latency.png"
-            plot_latency(res, paths["latency_png"])
+        for k in mine:
+            paths[f"{k}_png"] = out / f"{k}.png"
+            streaming[k](res, paths[f"{k}_png"])
     return paths

@@ -20,7 +20,7 @@ import pytest
 pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.postgres, pytest.mark.hdfs, pytest.mark.s3]
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "partitions", "latency"}
+SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "partitions", "latency", "datasource"}
 
 
 def _check_variants(variants: dict, rows: int) -> None:
@@ -128,6 +128,26 @@ def test_quick_benchmark_writes_every_section(tmp_path):
             assert v["coordinator_ms_median"]["total_ms"] > 0, name
     s3 = [v for v in g["variants"].values() if v["log"] == "s3"]
     assert s3 and s3[0]["log_requests"]["critical_median"] >= 1 and s3[0]["log_requests"]["batches"] >= 1
+
+    # The data source form (files at 2 partitions at --quick): Spark's file sink, the coordinator and
+    # format("twophase-files"), per batch and per row; every query's output read back.
+    ds = sec["datasource"]
+    assert [(g["target"], g["partitions"]) for g in ds["groups"]] == [("files", 2)]
+    g = ds["groups"][0]
+    assert list(g["variants"]) == [g["baseline"], g["coordinator"], g["datasource"]]
+    base = g["variants"][g["baseline"]]
+    kept = (ds["config"]["batches"] - ds["config"]["warmup"]) * ds["config"]["reps"]
+    for name, v in g["variants"].items():
+        assert len(v["trigger_ms"]) == kept and all(x > 0 for x in v["trigger_ms"]), name
+        assert v["ratio"] == pytest.approx(statistics.median(base["trigger_ms"]) / statistics.median(v["trigger_ms"]),
+                                           rel=1e-2), name
+        assert v["us_per_row"] == pytest.approx(v["trigger_ms_median"] * 1000 / ds["config"]["rows"], rel=1e-2), name
+        assert len(v["output_checked"]) == ds["config"]["reps"], name
+        assert all(c["rows"] >= ds["config"]["batches"] * ds["config"]["rows"] for c in v["output_checked"]), name
+    over = g["datasource_over_coordinator"]
+    assert over["trigger_ms"] == pytest.approx(g["variants"][g["datasource"]]["trigger_ms_median"]
+                                               - g["variants"][g["coordinator"]]["trigger_ms_median"], abs=0.2)
+    assert ds["in_process"]["files"]["plan_ms_median"] > 0 and ds["in_process"]["files"]["commit_ms_median"] > 0
 
     # Goals are reported, each against a value measured above.
     names = " ".join(g["goal"] for g in res["goals"])
