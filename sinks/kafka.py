@@ -371,6 +371,11 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         # The driver-side client must work too (commit and fencing go through it).
         self._txn_client()
 
+    def open_for_commit(self) -> None:
+        """Only the driver-side client the commits use: the topic and the transaction timeout were
+        checked by the plan's :meth:`open` (its topic listing alone is ~66 ms a call)."""
+        self._txn_client()
+
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         """INTENT of one ballot: the pool's ids for ``num_partitions`` partitions, the plan fence's
         new epoch, and which ids of the pool had an open transaction at this moment (driver).

@@ -39,6 +39,11 @@ def _fired(runs) -> list[str]:
     return [r.fault for r in runs if r.outcome == "crash point fired"]
 
 
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="CI time: Connect servers killed with the client, and its workers' crash points, "
+                           "are the Kafka and PostgreSQL twins' below and the data source form's "
+                           "(tests/test_datasource.py); the demo's --connect is the Connect example test's "
+                           "neighbour; TWOPHASE_FULL_CHAOS=1 runs it")
 def test_files_exactly_once_over_spark_connect_with_client_server_and_worker_killed(tmp_path):
     workdir = tmp_path / "demo"
     points = ["after_pre_commit", "after_prepared_logged", "mid_commit"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def test_jdbc_data_source_by_name_over_spark_connect_every_id_once_across_server
     """``format("twophase-jdbc")`` with Spark's JDBC options (url, dbtable, user, password), from a
     Spark Connect client that registers nothing: the server finds the ``pyspark_twophase_*``
     modules on its Python path (as where twophase is installed).  Under the same faults, in the
-    server's planner, task and commit workers, then a SIGKILL of client and server: every id in the
+    server's planner and commit workers, then a SIGKILL of client and server: every id in the
     table once, nothing of the query left prepared, and the password in no log."""
     from tests.test_postgres_chaos import _conn, _superuser, _write_input
 
@@ -141,9 +142,9 @@ def test_jdbc_data_source_by_name_over_spark_connect_every_id_once_across_server
            "--option", f"url=jdbc:postgresql://{info['host']}:{info['port']}/{info['dbname']}",
            "--option", f"dbtable={role}.{table}", "--option", f"user={role}",
            "--option", f"twophase.gidPrefix={prefix}", "--connect", "--no-register"]
-    # One fault in each process the form runs in (planner, task, commit worker), then a SIGKILL; the
-    # rest of the crash points are the files test's.
-    points = ["after_intent:1", "after_pre_commit:2", "after_prepared_logged:3"]
+    # The planner's and the commit worker's faults, then a SIGKILL of client and server; a task's
+    # crash point is the cluster Kafka test's, the rest of the commit worker's the files test's.
+    points = ["after_intent:1", "after_prepared_logged:2"]
     log_path = tmp_path / "driver.log"
     runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=1, kill_window=(0.5, 3.0), seed=29,
                                  progress_probe=lambda: _log_records(ck / "twophase"),
@@ -170,9 +171,9 @@ def test_kafka_data_source_on_a_cluster_every_id_once_across_driver_kills_and_ex
         tmp_path, kafka_service, spark_cluster_service):
     """``format("twophase-kafka")`` with Spark's Kafka options on the standalone cluster: a task's
     crash point on an executor (which inherits nothing from the driver: the plan carries the crash
-    plan to it; Spark retries the task until the stage fails) and one in the cluster driver's
-    commit worker. A read_committed consumer finds every id once, and no transaction of the pool
-    is left open. (The planner's fault and the driver's SIGKILL are the files and JDBC tests'.)"""
+    plan to it; Spark retries the task until the stage fails). A read_committed consumer finds every
+    id once, and no transaction of the pool is left open. (The planner's and the commit worker's
+    faults and the driver's SIGKILL are the files and JDBC tests'.)"""
     from tests.test_kafka_sink import _topic, read_committed
     from twophase.sinks.kafka import KafkaSink
 
@@ -185,7 +186,7 @@ def test_kafka_data_source_on_a_cluster_every_id_once_across_driver_kills_and_ex
            "--select", "id AS key", "--select", "id AS value",
            "--option", f"kafka.bootstrap.servers={bs}", "--option", f"topic={dst}",
            "--option", "kafka.linger.ms=5", "--option", f"twophase.transactionalIdPrefix={prefix}", "--cluster"]
-    points = ["after_pre_commit:1", "after_prepared_logged:2"]
+    points = ["after_pre_commit:1"]
     runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=0, seed=30,
                                  progress_probe=lambda: _log_records(ck / "twophase"),
                                  env={"PYTHONPATH": _path(REPO)},
@@ -337,3 +338,54 @@ def test_every_format_by_name_writes_every_id_once_on_local_spark_a_cluster_and_
         assert sorted(i for (i,) in cur.fetchall()) == sorted(expected)
         cur.execute(f'DROP TABLE "{table}"')
     assert sorted(v.decode() for v in read_committed(bs, topic, timeout=60, idle=3)) == sorted(expected)
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_a_query_stopped_mid_batch_leaves_no_transaction_prepared(spark, postgres_service, tmp_path):
+    """``query.stop()`` cancels the micro-batch in flight; Spark's ``abort(messages, N)`` then gets
+    no task message naming the ballot.  The transactions that tasks had already prepared must not
+    wait for the query's next run (in PostgreSQL they hold their locks: a DROP TABLE waited on them):
+    the abort step recovers them at once."""
+    import psycopg2
+
+    import twophase
+
+    pg = postgres_service
+    table, prefix = f"ds_stop_{uuid.uuid4().hex[:8]}", f"st{uuid.uuid4().hex[:6]}"
+    ck = str(tmp_path / "ck")
+    conn = psycopg2.connect(pg["dsn"])
+    conn.autocommit = True
+    cur = conn.cursor()
+    cur.execute(f'CREATE TABLE "{table}" (id bigint NOT NULL)')
+
+    def prepared() -> list[str]:
+        cur.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s", (prefix, prefix))
+        return [g for (g,) in cur.fetchall()]
+
+    twophase.register(spark)
+    q = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", 20000).option("numPartitions", 24).load()
+         .selectExpr("value AS id").writeStream.format("twophase-jdbc")
+         .option("url", f"jdbc:postgresql://{pg['host']}:{pg['port']}/{pg['dbname']}").option("dbtable", table)
+         .option("user", pg["user"]).option("password", pg["password"]).option("twophase.gidPrefix", prefix)
+         .option("checkpointLocation", ck).start())
+    try:
+        deadline = time.time() + 120
+        while not prepared() and time.time() < deadline:  # a batch in flight, some of its tasks prepared
+            time.sleep(0.05)
+        assert prepared(), "no batch had prepared transactions within 120 s"
+    finally:
+        q.stop()
+    try:
+        deadline = time.time() + 30
+        while prepared() and time.time() < deadline:
+            time.sleep(0.2)
+        assert prepared() == []
+        cur.execute(f'SELECT count(*), count(DISTINCT id) FROM "{table}"')
+        rows, distinct = cur.fetchone()
+        assert rows == distinct and rows % 20000 == 0, (rows, distinct)  # whole micro-batches, each once
+    finally:
+        for gid in prepared():  # else the DROP below waits on their locks
+            cur.execute("ROLLBACK PREPARED %s", (gid,))
+        cur.execute(f'DROP TABLE "{table}"')
+        conn.close()

@@ -11,6 +11,7 @@ zip holds what the wheel installs.  ``start`` brings back a worker killed a mome
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,10 @@ def test_an_executor_sigkilled_mid_job_costs_a_retried_task_not_the_job(cluster_
         assert (markers / f"p{p}-a{final[p]['attempt']}").exists()
 
 
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="CI time: a worker SIGKILLed mid-job and brought back is what the PostgreSQL "
+                           "cluster kill test's saboteur does (tests/test_postgres_chaos.py), its next job's rows "
+                           "checked there by id; TWOPHASE_FULL_CHAOS=1 runs it")
 def test_a_worker_sigkilled_mid_job_comes_back_and_runs_the_next_job(cluster_driver, tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()

@@ -19,6 +19,7 @@ the log, and a deposed run's late writes lose on the ballots' slots as a deposed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -93,6 +94,9 @@ class _Settings:
 
     def __init__(self, options: Any, kind: str, default_max_partitions: int = 200, *, streaming: bool = True):
         self.streaming = streaming
+        #: These options' fingerprint (a hash: they may hold secrets), for _open.
+        self.fingerprint = hashlib.sha256(json.dumps([kind, sorted((str(k), str(v)) for k, v in options.items())])
+                                          .encode()).hexdigest()
         self.checkpoint = _local(options["checkpointlocation"]) if options.get("checkpointlocation") else None
         log_location = options.get("twophase.loglocation")
         self.batch_id: int | None = None
@@ -164,6 +168,19 @@ def _current_batch(checkpoint: str) -> tuple[int, str]:
     return max(batches), str(query_id)
 
 
+#: Configurations whose sink passed open() in this (planner) process: Spark reuses planner workers
+#: across micro-batches, so later plans only get the sink ready (open_for_commit).
+_CHECKED: set[str] = set()
+
+
+def _open(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> None:
+    if settings.fingerprint in _CHECKED:
+        sink.open_for_commit()
+        return
+    sink.open()
+    _CHECKED.add(settings.fingerprint)
+
+
 def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
     """The planner's part of micro-batch N: recovery, then a ballot of ours for N (or nothing to
     write: N was decided before, and is committed now if it was not)."""
@@ -174,7 +191,7 @@ def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
     else:
         assert settings.batch_id is not None
         batch_id, query_id = settings.batch_id, f"batch:{settings.name}"
-    sink.open()
+    _open(sink, settings)
     tlog = TransactionLog(settings.log_location)
     # No process outlives a batch: each plan is a new epoch; the ballots' slots are the fence.
     tlog.acquire(query_id, settings.name, takeover=True)
@@ -278,7 +295,7 @@ class _Steps:
         if plan is None or plan.action != "write":
             return  # decided before: the plan committed it (recommitted) or found it committed
         t0 = time.perf_counter()
-        self.sink.open()
+        self.sink.open_for_commit()  # the plan checked this configuration
         protocol = self._protocol(plan)
         opened = plan.opened()
         results = [{"partition": m.partition, "attempt": m.attempt, "rows": m.rows, "handle": json.loads(m.handle)}
@@ -306,10 +323,37 @@ class _Steps:
 
     def _abort(self, messages, batchId):  # noqa: N803 - Spark's name
         plan = self._plan_of(messages, batchId)
-        if plan is None or plan.action != "write":
-            return  # no task said which ballot: the next plan closes it
-        self.sink.open()
+        if plan is None:
+            self._recover_now(batchId)
+            return
+        if plan.action != "write":
+            return  # decided before: nothing of this run's to abort
+        self.sink.open_for_commit()
         self._protocol(plan).give_up(plan.opened(), TwoPhaseError(f"Spark aborted batch {batchId}"))
+
+    def _recover_now(self, batch_id: int) -> None:
+        """Spark aborted batch N and no task's message names its ballot: the job was cancelled (a
+        stopped query) or failed before any task finished.  Tasks that did finish may have left
+        transactions prepared (in PostgreSQL they hold their locks), so recovery runs now, as the
+        next plan would: it closes the batch's open ballot and aborts what it names; then the log's
+        lease is released, so that `twophase recover` needs no takeover.  A task that the
+        cancellation has not stopped yet may still pre-commit after this: the next plan's recovery
+        aborts it."""
+        settings = self.settings
+        try:
+            query_id = _current_batch(settings.checkpoint)[1] if settings.streaming and settings.checkpoint \
+                else f"batch:{settings.name}"
+            self.sink.open_for_commit()
+            tlog = TransactionLog(settings.log_location)
+            tlog.acquire(query_id, settings.name, takeover=True)
+            try:
+                TwoPhaseProtocol(self.sink, tlog, name=settings.name, query_name=f"{settings.name}.{tlog.scope()}",
+                                 committer=lambda: _committer(self.sink, settings)).recover()
+            finally:
+                tlog.close()
+        except Exception as e:  # noqa: BLE001 - best effort: the next plan recovers all the same
+            log.warning("%s: batch %d was aborted by Spark; recovering its transactions now failed (%s): the "
+                        "next run recovers them", settings.name, batch_id, e)
 
 
 class _StreamWriter(_Steps, DataSourceStreamArrowWriter):
@@ -493,8 +537,6 @@ class KafkaDataSource(TwoPhaseDataSource):
         return "twophase-kafka"
 
     def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
-        import hashlib
-
         servers = self.options.get("kafka.bootstrap.servers")
         if not servers:
             raise ConfigurationError("twophase-kafka needs .option('kafka.bootstrap.servers', 'host:port')")

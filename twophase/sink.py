@@ -117,6 +117,13 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         break the guarantee (e.g. ``max_prepared_transactions = 0``).
         """
 
+    def open_for_commit(self) -> None:
+        """Get ready to commit or abort handles, where an equal sink's :meth:`open` already checked the
+        configuration (driver): the data source form's commit step runs in another process than
+        its plan, on a sink built afresh.  Default: :meth:`open`; a sink whose checks cost round
+        trips the commits do not need may skip them."""
+        self.open()
+
     def executor_modules(self) -> list[str]:
         """Python modules the executor-side methods import (driver).
 
