@@ -627,16 +627,19 @@ def _one_query(spark, c: _Case, target: str, rows: int, params: Params, want: in
 def _assign(reqs: list[dict[str, Any]], progs: list[dict[str, Any]], t_start: float) -> list[dict[str, Any]]:
     """Requests made during each batch of ``progs`` (by the coordinator's own timestamps): those
     that started and ended while the batch's tasks ran (the prepare phase), and those still running
-    when the batch returned (its COMMITTED record, written in the background), are *background*;
-    the others are on the batch's critical path."""
+    when the batch returned or started after it, before the next batch (its COMMITTED record,
+    written in the background), are *background*; the others are on the batch's critical path."""
     reqs = [r for r in reqs if r["start"] >= t_start]
     out = []
-    for p in progs:
+    progs = sorted(progs, key=lambda p: p["timestamp"])
+    for i, p in enumerate(progs):
         t0 = p["timestamp"]
         t1 = t0 + p["total_ms"] / 1000.0
         prep0 = t0 + p["intent_ms"] / 1000.0
         prep1 = prep0 + p["prepare_ms"] / 1000.0
-        mine = [r for r in reqs if t0 <= r["start"] <= t1]
+        # Until the next batch starts (at most 2 s): what the batch left running when it returned.
+        after = min(progs[i + 1]["timestamp"], t1 + 2.0) if i + 1 < len(progs) else t1 + 2.0
+        mine = [r for r in reqs if t0 <= r["start"] < after]
         seq: list[list[Any]] = []
         kinds: dict[str, int] = {}
         crit = bg = 0
