@@ -102,7 +102,8 @@ _MAX_VOIDS = 2
 
 
 class _InBackground:
-    """Run ``fn`` in a daemon thread now; :meth:`result` waits for it and raises what it raised."""
+    """Run ``fn`` in a thread now (a daemon unless ``daemon=False``: then the interpreter waits for
+    it at exit); :meth:`result` waits for it and raises what it raised."""
 
     def __init__(self, fn: Callable[[], Any], *, name: str = "twophase-fence", daemon: bool = True):
         self._error: BaseException | None = None
