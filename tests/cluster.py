@@ -468,6 +468,14 @@ def _package_map() -> dict[str, Path]:
     return {pkg: REPO / dirs.get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
 
 
+def _top_level_modules() -> list[Path]:
+    """The top-level modules pyproject installs (``py-modules``, from ``package-dir[""]``): Spark's
+    ``pyspark_twophase_*`` discovery modules."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    root = REPO / tool.get("package-dir", {}).get("", ".")
+    return [root / f"{m}.py" for m in tool.get("py-modules", [])]
+
+
 def build_zip(dest_dir: Path) -> Path:
     """``twophase.zip`` of this checkout laid out as installed (``twophase/sinks/...``), for
     ``SparkContext.addPyFile`` or ``spark.submit.pyFiles``.  Pure Python: zipimport loads it."""
@@ -479,6 +487,8 @@ def build_zip(dest_dir: Path) -> Path:
             for f in sorted(src.iterdir()):
                 if f.is_file() and (f.suffix == ".py" or f.name == "py.typed"):
                     z.write(f, f"{base}/{f.name}")
+        for f in _top_level_modules():
+            z.write(f, f.name)
     return out
 
 

@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 def register(spark) -> None:
     """Register ``format("twophase-files")``, ``-jdbc`` and ``-kafka`` with ``spark`` (a classic or
     Spark Connect session).  Only needed where Spark does not discover them by itself (an
-    editable install, a ``--py-files`` zip): see :mod:`twophase.datasource`.  Needs pyspark."""
+    editable install hides them from its discovery): see :mod:`twophase.datasource`.  Needs pyspark."""
     from twophase.datasource import register as _register
 
     _register(spark)
