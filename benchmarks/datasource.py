@@ -238,6 +238,7 @@ def _cases(spark, target: str, rows: int, partitions: int, params: Params, cfg: 
             cases.append(floor)
     elif target == "kafka":
         from benchmarks.kafka import _create_topic
+        from tests.services.kafka import read_committed
         from twophase.sinks.kafka import KafkaSink
 
         bootstrap = services["kafka"]["bootstrap_servers"]
@@ -267,7 +268,7 @@ def _cases(spark, target: str, rows: int, partitions: int, params: Params, cfg: 
             def verify(q, progs):
                 _check_rows(c, progs, rows)
                 _after_stop(c)
-                keys = _read_committed_keys(bootstrap, c.out)
+                keys = read_committed(bootstrap, c.out, timeout=120.0, part="key")
                 _check_output(c, len(keys), len(set(keys)), rows, want)
 
             return verify
@@ -348,30 +349,6 @@ def _remembering(c: _DsCase, start):
         return start(c.pre(sdf), ck)
 
     return remembered
-
-
-def _read_committed_keys(bootstrap: str, topic: str, timeout: float = 120.0, idle: float = 2.0) -> list[Any]:
-    """Every key a ``read_committed`` consumer sees in ``topic`` (until ``idle`` s without records)."""
-    import time
-
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-ds-{uid()}",
-                  "isolation.level": "read_committed", "enable.auto.commit": False,
-                  "auto.offset.reset": "earliest"})
-    try:
-        md = c.list_topics(topic, timeout=10).topics[topic]
-        c.assign([TopicPartition(topic, p, 0) for p in md.partitions])
-        out: list[Any] = []
-        deadline, last = time.monotonic() + timeout, time.monotonic()
-        while time.monotonic() < deadline and time.monotonic() - last < idle:
-            msgs = c.consume(10_000, 0.2)
-            out += [m.key() for m in msgs if m.error() is None]
-            if msgs:
-                last = time.monotonic()
-        return out
-    finally:
-        c.close()
 
 
 def _delete_topic(bootstrap: str, topic: str) -> None:

@@ -140,24 +140,9 @@ def _topic(bootstrap: str, partitions: int = 2, name: str | None = None) -> str:
 
 def read_committed(bootstrap: str, topic: str, timeout: float = 10.0, idle: float = 2.0) -> list[bytes]:
     """Every value a read_committed consumer sees in ``topic`` (until ``idle`` s without records)."""
-    from confluent_kafka import Consumer, TopicPartition
+    from tests.services.kafka import read_committed as read
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
-                  "isolation.level": "read_committed", "enable.auto.commit": False,
-                  "auto.offset.reset": "earliest"})
-    md = c.list_topics(topic, timeout=10).topics[topic]
-    c.assign([TopicPartition(topic, p, 0) for p in md.partitions])
-    out: list[bytes] = []
-    deadline, last = time.time() + timeout, time.time()
-    while time.time() < deadline and time.time() - last < idle:
-        msgs = c.consume(1000, 0.2)
-        for m in msgs:
-            if m.error() is None:
-                out.append(m.value())
-        if msgs:
-            last = time.time()
-    c.close()
-    return out
+    return read(bootstrap, topic, timeout, idle)
 
 
 def _ctx(sink, batch=0, partition=0, attempt=0, n=1):

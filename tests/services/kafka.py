@@ -273,6 +273,32 @@ class KafkaService(Service):
 SERVICE = KafkaService()
 
 
+def read_committed(bootstrap: str, topic: str, timeout: float = 10.0, idle: float = 2.0,
+                   part: str = "value") -> list[bytes]:
+    """Every record's ``part`` ("value" or "key") a read_committed consumer sees in ``topic``, from
+    the start, until ``idle`` s pass without records (or ``timeout`` s in all)."""
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
+                  "isolation.level": "read_committed", "enable.auto.commit": False,
+                  "auto.offset.reset": "earliest"})
+    try:
+        md = c.list_topics(topic, timeout=10).topics[topic]
+        c.assign([TopicPartition(topic, p, 0) for p in md.partitions])
+        out: list[bytes] = []
+        deadline, last = time.monotonic() + timeout, time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - last < idle:
+            msgs = c.consume(10_000, 0.2)
+            out += [getattr(m, part)() for m in msgs if m.error() is None]
+            if msgs:
+                last = time.monotonic()
+        return out
+    finally:
+        c.close()
+
+
 def make_tls(folder: Path) -> None:
     """A test CA, the broker's PEM keystore (key + certificate for 127.0.0.1/localhost) and a
     client certificate and key, all signed by that CA; made once per service directory."""
