@@ -48,7 +48,10 @@ def test_kafka_sink_conformance(kafka_service):
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          # Connections up front: with sparse connections each offset query can wait
                          # 50-500 ms for librdkafka's connection timer.
-                         "enable.sparse.connections": False})
+                         "enable.sparse.connections": False,
+                         # A fetch with nothing to return answers in 100 ms, not the default 500:
+                         # the idle wait below can then be short.
+                         "fetch.wait.max.ms": 100})
     tps = [TopicPartition(topic, p) for p in consumer.list_topics(topic, timeout=10).topics[topic].partitions]
 
     def make_sink() -> KafkaSink:
@@ -58,14 +61,14 @@ def test_kafka_sink_conformance(kafka_service):
         """Everything up to the last stable offset of each partition, as a read_committed consumer sees it.
 
         librdkafka's position() does not move past a trailing abort marker until a later record is
-        fetched, so a partition also counts as read once 1.5 s passed without a record (a decided
-        row that is still missing then is re-read by the harness: settle_timeout)."""
+        fetched, so a partition also counts as read once 0.6 s (six empty fetches) passed without a
+        record (a decided row that is still missing then is re-read by the harness: settle_timeout)."""
         ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in tps}
         todo = {p for p, hi in ends.items() if hi > 0}
         consumer.assign([TopicPartition(topic, p, 0) for p in todo])
         out: list[bytes] = []
         last = time.time()
-        while todo and time.time() - last < 1.5:
+        while todo and time.time() - last < 0.6:
             msgs = consumer.consume(1000, 0.1)
             for m in msgs:
                 if m.error() is None:
