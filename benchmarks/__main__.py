@@ -52,12 +52,14 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
                     "section (default all but s3a; s3a: FileSink S3 against Spark's own S3A writer on MinIO, "
                     "which needs hadoop-aws and the ~690 MB AWS SDK bundle from Maven Central)")
     ap.add_argument("--file-writers", help="comma list of FileSink writers (arrow, spark) measured on "
-                    "local and HDFS in the files section (default both)")
+                    "local and HDFS in the files section (default both), and on the partitions section's "
+                    "file target (default arrow)")
     ap.add_argument("--cluster", type=int, metavar="N", choices=(1, 2),
                     help="run on the test Spark standalone cluster (python -m tests.services start "
                          "spark_cluster) with N one-core executors, one per worker, instead of local[2]")
     ap.add_argument("--data-shape", choices=SHAPES, help="rows of the partitions section: hex "
-                    "(default), random (incompressible) or events (timestamps, numbers, categories)")
+                    "(default), random (incompressible), events (timestamps, numbers, categories) or repeated "
+                    "(one character repeated: compresses to almost nothing)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile each sink's executor+commit path in-process with pyinstrument")
     latency.add_arguments(ap)
@@ -93,6 +95,7 @@ def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
         p.file_writers = tuple(w.strip() for w in a.file_writers.split(",") if w.strip())
         if not p.file_writers or set(p.file_writers) - {"arrow", "spark"}:
             ap.error("--file-writers takes arrow, spark or both")
+        p.partition_file_writers = p.file_writers
     p.cluster = a.cluster or 0
     if a.data_shape:
         if {x.strip() for x in (a.only or "").split(",") if x.strip()} != {"partitions"} and a.data_shape != "hex":

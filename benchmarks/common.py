@@ -39,6 +39,7 @@ class Params:
     partition_targets: tuple[str, ...] = ("files", "kafka", "postgres")
     file_targets: tuple[str, ...] = ("local", "hdfs", "s3", "s3-moto")  # the files section's targets
     file_writers: tuple[str, ...] = ("arrow", "spark")  # FileSink's executor paths on local and HDFS
+    partition_file_writers: tuple[str, ...] = ("arrow",)  # FileSink's in the partitions section
     kafka_topic_partitions: int = 4
     cluster: int = 0  # > 0: on the test standalone cluster with this many one-core executors
     data_shape: str = "hex"  # see make_data
@@ -243,12 +244,13 @@ def session(sections: list[str], cluster: int = 0, extra_jars: list[str] | None 
 
 
 #: Data shapes for ``--data-shape`` (the partitions section; the others use ``hex``).
-SHAPES = ("hex", "random", "events")
+SHAPES = ("hex", "random", "events", "repeated")
 #: Approximate bytes per row of the ``events`` shape (the figure its MB/s are computed from):
 #: id, ts, user_id, amount (8 each), a ~7-character country and a ~8-character event type.
 EVENT_ROW_BYTES = 47
 #: PostgreSQL columns of each shape (what the sink's and JDBC's tables are created with).
 PG_COLUMNS = {"hex": "id BIGINT, payload TEXT", "random": "id BIGINT, payload TEXT",
+              "repeated": "id BIGINT, payload TEXT",
               "events": "id BIGINT, ts TIMESTAMPTZ, user_id BIGINT, amount DOUBLE PRECISION, "
                         "country TEXT, event_type TEXT"}
 
@@ -264,6 +266,8 @@ def make_data(spark, rows: int, row_size: int, partitions: int, shape: str = "he
     ``user_id`` (10,000 users), ``amount`` (a double), ``country`` (20 values) and
     ``event_type`` (8 values): numbers, timestamps and repeated categorical strings, which
     Parquet dictionary-encodes.
+    ``repeated``: ``id`` and a ``payload`` of ``row_size`` copies of one character (one value:
+    Parquet stores the column as a one-entry dictionary and run lengths, almost nothing).
     """
     if shape not in SHAPES:
         raise ValueError(f"unknown data shape {shape!r}; choose from {', '.join(SHAPES)}")
@@ -272,6 +276,8 @@ def make_data(spark, rows: int, row_size: int, partitions: int, shape: str = "he
         reps = row_size // 64 + 1
         df = base.selectExpr(
             "id", f"substring(repeat(sha2(cast(id as string), 256), {reps}), 1, {row_size}) AS payload")
+    elif shape == "repeated":
+        df = base.selectExpr("id", f"repeat('x', {row_size}) AS payload")
     elif shape == "random":
         digests = row_size * 3 // 4 // 64 + 1  # 64 raw bytes per SHA-512 digest, 4/3 in base64
         raw = ", ".join(f"unhex(sha2(concat(cast(id as string), '/{i}'), 512))" for i in range(digests))

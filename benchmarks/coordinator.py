@@ -71,6 +71,12 @@ def _plain_collect(df) -> int:
     return sum(r["rows"] for r in df.mapInArrow(f, schema).collect())
 
 
+def _rdd_collect(df) -> int:
+    """:func:`_plain_collect` through the RDD API instead of ``mapInArrow``: rows pickled into
+    the Python workers, one (partition, rows) pair per task collected."""
+    return sum(n for _, n in df.rdd.mapPartitionsWithIndex(lambda i, rows: [(i, sum(1 for _ in rows))]).collect())
+
+
 def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
     from twophase.coordinator import Coordinator
 

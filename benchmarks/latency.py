@@ -16,8 +16,11 @@ with the log local (``<checkpoint>/twophase``), on S3 (MinIO behind a pass-throu
 that can add a delay before each HTTP request), or on HDFS (WebHDFS behind the same proxy).
 Spark's own checkpoint is local in every case, so the log's round trips are all the remote
 I/O a case does.  The file target also runs a ladder of floors: an empty ``foreachBatch``, a
-``foreachBatch`` that moves the rows into Python workers and collects one row per task (what
-the coordinator's handle collection costs at least), and ``Coordinator(NullSink)``.
+``foreachBatch`` that moves the rows into Python workers with ``mapInArrow`` and collects one
+row per task (what the coordinator's handle collection costs at least), the same through the
+RDD API (pickled rows, no Arrow), and ``Coordinator(NullSink)``; and
+``FileSink(writer="spark")`` with the log local: one ``df.write`` per batch in Spark's JVM into
+the batch's staging folder, no rows through Python workers.
 
 The proxy (this module run as a program, in its own process) forwards bytes unchanged, so
 SigV4 signatures stay valid, and records each HTTP request (method, target, when it started,
@@ -41,9 +44,9 @@ from benchmarks.common import Params, goal, percentile, progress, tmpdir, uid
 
 #: Defaults of the options (``--latency-*``); --quick uses QUICK.
 DEFAULTS: dict[str, Any] = {"rows": (100, 10_000), "batches": 20, "warmup": 3, "reps": 2, "sinks": ("files", "kafka", "postgres"),
-            "logs": ("local", "s3", "hdfs"), "delays": (0, 25), "ladder": True}
+            "logs": ("local", "s3", "hdfs"), "delays": (0, 25), "ladder": True, "file_writers": ("arrow", "spark")}
 QUICK: dict[str, Any] = {"rows": (100,), "batches": 3, "warmup": 1, "reps": 1, "sinks": ("files",), "logs": ("s3",),
-         "delays": (0,), "ladder": False}
+         "delays": (0,), "ladder": False, "file_writers": ("arrow",)}
 TITLES = {"files": "Spark format('parquet')", "kafka": "Spark format('kafka')",
           "postgres": "Spark foreachBatch + df.write.jdbc"}
 SINK_NAMES = {"files": "FileSink", "kafka": "KafkaSink", "postgres": "PostgresSink"}
@@ -62,6 +65,9 @@ def add_arguments(ap) -> None:
                     "local, s3 (MinIO), hdfs (default all)")
     ap.add_argument("--latency-delays", help="latency section: comma list of ms added before each S3 request "
                     "by the proxy in front of MinIO (default 0,25)")
+    ap.add_argument("--latency-file-writers", help="latency section: FileSink writers measured (arrow, "
+                    "spark; default both). arrow runs with every log location, spark (one df.write "
+                    "per batch into the batch's staging folder) with the log local")
     ap.add_argument("--latency-no-ladder", action="store_true", help="latency section: skip the floors "
                     "(empty foreachBatch, rows-into-Python collect, Coordinator(NullSink))")
 
@@ -87,6 +93,10 @@ def configure(params: Params, a, error) -> None:
         cfg["delays"] = tuple(int(x) for x in a.latency_delays.split(",") if x.strip())
     if a.latency_no_ladder:
         cfg["ladder"] = False
+    if a.latency_file_writers:
+        cfg["file_writers"] = tuple(x.strip() for x in a.latency_file_writers.split(",") if x.strip())
+        if not cfg["file_writers"] or set(cfg["file_writers"]) - {"arrow", "spark"}:
+            error("--latency-file-writers takes arrow, spark or both")
     if cfg["batches"] <= cfg["warmup"] or cfg["reps"] < 1 or not cfg["rows"] or min(cfg["rows"]) < 1:
         error("--latency-batches must exceed --latency-warmup; reps and rows >= 1")
     params.latency = cfg  # type: ignore[attr-defined]
@@ -391,8 +401,9 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
                 so = {"webhdfs_url": px.url, "user": h["user"]}
                 loc = f"{h['namenode']}/bench-latency-{uid()}/log"
             case.proxy = px
+            # On the test cluster every executor runs on this host: local paths are shared.
             coord = Coordinator(make_sink(), checkpoint_location=ck, log_location=loc, storage_options=so,
-                                name=f"bench-lat-{target}-{uid()}")
+                                name=f"bench-lat-{target}-{uid()}", shared_storage=params.cluster > 0)
             case.coordinators.append(coord)
             return sdf.writeStream.foreachBatch(coord).option("checkpointLocation", ck).start()
 
@@ -459,6 +470,13 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
         cases.append(_Case(TITLES["postgres"], lambda sdf, ck: sdf.writeStream.foreachBatch(jdbc).option(
             "checkpointLocation", ck).start()))
     ours = SINK_NAMES[target]
+    if target == "files" and "spark" in cfg["file_writers"]:
+        def spark_writer_sink():
+            return FileSink(tmpdir("lat-ours-sw"), format="parquet", writer="spark")
+
+        cases.append(coordinated("FileSink(writer='spark'), log local", spark_writer_sink, "local"))
+        if "arrow" not in cfg["file_writers"]:
+            return cases
     for log in cfg["logs"]:
         if log == "s3":
             for d in cfg["delays"]:
@@ -480,7 +498,7 @@ def _keyed(start):
 
 def _ladder() -> list[_Case]:
     """Floors of a Python foreachBatch writer, on the file target's source."""
-    from benchmarks.coordinator import NullSink, _plain_collect
+    from benchmarks.coordinator import NullSink, _plain_collect, _rdd_collect
     from twophase.coordinator import Coordinator
 
     def empty(sdf, ck):
@@ -489,16 +507,21 @@ def _ladder() -> list[_Case]:
     def collect(sdf, ck):
         return sdf.writeStream.foreachBatch(lambda d, i: _plain_collect(d)).option("checkpointLocation", ck).start()
 
+    def rdd_collect(sdf, ck):
+        return sdf.writeStream.foreachBatch(lambda d, i: _rdd_collect(d)).option("checkpointLocation", ck).start()
+
     null = _Case("Coordinator(NullSink), log local", None, "local", coord=True)
 
     def null_start(sdf, ck):
-        coord = Coordinator(NullSink(), checkpoint_location=ck, name=f"bench-lat-null-{uid()}")
+        coord = Coordinator(NullSink(), checkpoint_location=ck, name=f"bench-lat-null-{uid()}",
+                            shared_storage=True)
         null.coordinators.append(coord)
         return sdf.writeStream.foreachBatch(coord).option("checkpointLocation", ck).start()
 
     null.start = null_start
     return [_Case("floor: empty foreachBatch", empty),
-            _Case("floor: foreachBatch, rows into Python, one row per task collected", collect), null]
+            _Case("floor: foreachBatch, rows into Python, one row per task collected", collect),
+            _Case("floor: the same through the RDD API (pickled rows, no Arrow)", rdd_collect), null]
 
 
 def _measure(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], cases: Sequence[_Case],

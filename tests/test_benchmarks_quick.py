@@ -157,8 +157,8 @@ def test_quick_benchmark_writes_every_section(tmp_path):
 
 
 def test_data_shapes_are_what_their_names_say(spark):
-    """``--data-shape``: ``random`` payloads compress far worse than ``hex`` ones; ``events`` rows
-    carry timestamps, numbers and a few repeated categories."""
+    """``--data-shape``: ``random`` payloads compress far worse than ``hex`` ones, ``repeated`` ones
+    to almost nothing; ``events`` rows carry timestamps, numbers and a few repeated categories."""
     import zlib
 
     from benchmarks.common import make_data
@@ -170,8 +170,9 @@ def test_data_shapes_are_what_their_names_say(spark):
         assert len(text) == 2000 * 100
         return len(zlib.compress(text, 6)) / len(text)
 
-    hexr, randr = payload_ratio("hex"), payload_ratio("random")
+    hexr, randr, repr_ = payload_ratio("hex"), payload_ratio("random"), payload_ratio("repeated")
     assert randr > 0.7 and hexr < 0.6 and randr > hexr + 0.15, (hexr, randr)
+    assert repr_ < 0.01, repr_
     ev = make_data(spark, 3000, 100, 2, "events")
     assert [f.name for f in ev.schema] == ["id", "ts", "user_id", "amount", "country", "event_type"]
     assert dict(ev.dtypes)["ts"] == "timestamp"
