@@ -69,7 +69,8 @@ def add_arguments(ap) -> None:
                     "spark; default both). arrow runs with every log location, spark (one df.write "
                     "per batch into the batch's staging folder) with the log local")
     ap.add_argument("--latency-no-ladder", action="store_true", help="latency section: skip the floors "
-                    "(empty foreachBatch, rows-into-Python collect, Coordinator(NullSink))")
+                    "(empty foreachBatch, rows-into-Python collect by mapInArrow and by the RDD API, "
+                    "Coordinator(NullSink))")
 
 
 def configure(params: Params, a, error) -> None:
