@@ -61,8 +61,10 @@ def produce(bootstrap: str, topic: str, records: list[dict[str, Any]], key: str 
         raise RuntimeError(f"could not deliver all records to {topic}")
 
 
-def read_topic(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 120.0) -> list[bytes]:
-    """Every value in ``topic`` (read_committed), until ``idle`` seconds without records."""
+def read_topic(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 120.0,
+               part: str = "value") -> list[bytes]:
+    """Every record's ``part`` ("value" or "key") in ``topic`` (read_committed), until ``idle``
+    seconds without records (or ``timeout`` in all)."""
     import time
     import uuid
 
@@ -78,7 +80,7 @@ def read_topic(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 1
         deadline, last = time.time() + timeout, time.time()
         while time.time() < deadline and time.time() - last < idle:
             msgs = c.consume(1000, 0.2)
-            out += [m.value() for m in msgs if m.error() is None]
+            out += [getattr(m, part)() for m in msgs if m.error() is None]
             if msgs:
                 last = time.time()
         return out

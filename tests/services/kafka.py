@@ -276,27 +276,11 @@ SERVICE = KafkaService()
 def read_committed(bootstrap: str, topic: str, timeout: float = 10.0, idle: float = 2.0,
                    part: str = "value") -> list[bytes]:
     """Every record's ``part`` ("value" or "key") a read_committed consumer sees in ``topic``, from
-    the start, until ``idle`` s pass without records (or ``timeout`` s in all)."""
-    import time
+    the start, until ``idle`` s pass without records (or ``timeout`` s in all): the examples'
+    reader, with the tests' shorter waits."""
+    from examples.wordcount_jdbc import read_topic
 
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
-                  "isolation.level": "read_committed", "enable.auto.commit": False,
-                  "auto.offset.reset": "earliest"})
-    try:
-        md = c.list_topics(topic, timeout=10).topics[topic]
-        c.assign([TopicPartition(topic, p, 0) for p in md.partitions])
-        out: list[bytes] = []
-        deadline, last = time.monotonic() + timeout, time.monotonic()
-        while time.monotonic() < deadline and time.monotonic() - last < idle:
-            msgs = c.consume(10_000, 0.2)
-            out += [getattr(m, part)() for m in msgs if m.error() is None]
-            if msgs:
-                last = time.monotonic()
-        return out
-    finally:
-        c.close()
+    return read_topic(bootstrap, topic, idle=idle, timeout=timeout, part=part)
 
 
 def make_tls(folder: Path) -> None:
