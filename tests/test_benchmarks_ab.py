@@ -1,0 +1,69 @@
+"""``python -m benchmarks.ab``: pooling of the runs, the base commit's worktree, its arguments."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import ab
+
+
+def _results(**variants_by_target) -> dict:
+    """A results.json of two sections: one flat (kafka), one by target (files)."""
+    return {"sections": {
+        "kafka": {"variants": {k: {"seconds": v} for k, v in variants_by_target.pop("kafka").items()}},
+        "files": {"targets": {t: {"variants": {k: {"seconds": v} for k, v in vs.items()}}
+                              for t, vs in variants_by_target.items()}},
+    }}
+
+
+def test_every_repetition_of_every_run_is_pooled_per_commit():
+    runs = {
+        "new": [_results(kafka={"ours": [1.0, 3.0], "spark": [2.0]}, local={"FileSink": [0.5]}),
+                _results(kafka={"ours": [2.0], "spark": [2.0]}, local={"FileSink": [0.7, 0.9]})],
+        "base": [_results(kafka={"ours": [1.0], "spark": [4.0]}, local={"FileSink": [1.0]}),
+                 _results(kafka={"ours": [1.0, 1.0], "spark": [2.0]}, local={"FileSink": [2.0]})],
+    }
+    rows = {(r["target"], r["variant"]): r for r in ab.summarize(runs)}
+    assert set(rows) == {("kafka", "ours"), ("kafka", "spark"), ("local", "FileSink")}
+    assert rows[("kafka", "ours")] == {"target": "kafka", "variant": "ours", "new_median_s": 2.0, "new_n": 3,
+                                       "base_median_s": 1.0, "base_n": 3, "new_over_base": 2.0}
+    assert rows[("kafka", "spark")]["new_over_base"] == pytest.approx(2.0 / 3.0, abs=1e-3)
+    assert rows[("local", "FileSink")]["new_median_s"] == 0.7
+    assert rows[("local", "FileSink")]["base_median_s"] == 1.5
+    md = ab.markdown(ab.summarize(runs), "abc123", ["--only", "kafka"], 2)
+    assert "| kafka | ours | 2.000 (3) | 1.000 (3) | 2.000 |" in md
+
+
+def test_a_variant_measured_on_one_side_only_is_left_out():
+    runs = {"new": [_results(kafka={"ours": [1.0], "only-new": [1.0]})],
+            "base": [_results(kafka={"ours": [1.0]})]}
+    assert [r["variant"] for r in ab.summarize(runs)] == ["ours"]
+
+
+def test_the_base_worktree_imports_the_packages_under_their_installed_names(tmp_path):
+    head = subprocess.run(["git", "-C", str(ab.REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    wt = ab._worktree(head, tmp_path / "base")
+    try:
+        ab._check_imports(wt, str(wt))
+        code = ("import twophase, twophase.sinks.files as f, twophase.coordinator as c; "
+                "print(twophase.__file__); print(f.__file__); print(c.__file__)")
+        out = subprocess.run([sys.executable, "-c", code], cwd=wt, env={"PYTHONPATH": str(wt), "PATH": "/usr/bin"},
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert [p.startswith(str(wt)) for p in out] == [True, True, True], out
+        # Without the worktree on the path, the editable install's modules answer: refused.
+        (wt / "twophase" / "sinks").unlink()
+        with pytest.raises(SystemExit, match="does not import as twophase"):
+            ab._check_imports(wt, str(wt))
+    finally:
+        subprocess.run(["git", "-C", str(ab.REPO), "worktree", "remove", "--force", str(wt)], check=True)
+
+
+def test_out_after_the_separator_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        ab.main(["--base", "HEAD", "--out", str(tmp_path), "--", "--only", "kafka", "--out", "x"])
+    assert e.value.code == 2
+    assert "give --out before '--'" in capsys.readouterr().err
