@@ -11,7 +11,8 @@ the machine itself drifted between the two.
 The base commit is checked out with ``git worktree`` into a temporary folder and imported from
 there (``PYTHONPATH``, also for Spark's Python workers; ``sinks/`` and ``coordinator/`` linked
 under ``twophase/`` as the installed package has them); the venv, the services and the Spark
-install are this checkout's.  Example::
+install are this checkout's.  The runs share the services (``TWOPHASE_KEEP_SERVICES=1`` unless
+set otherwise): they stay up afterwards, ``python -m tests.services stop`` stops them.  Example::
 
     python -m benchmarks.ab --base a406f01 --rounds 3 --out benchmarks/results/ab-200k -- \\
         --only kafka,postgres,files --file-targets local,hdfs --rows 200000 --reps 9 --warmup 2
