@@ -506,6 +506,20 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                      "them if they are leftovers", batch_id, len(left), ", ".join(left[:5]))
         return aborted
 
+    def plan_superseded(self, intent: dict[str, Any]) -> bool:
+        """True if the plan fence has moved past ``intent``'s epoch: a newer plan (a deposed
+        coordinator's, landing late) makes every task of that ballot refuse to claim an id."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        pool = intent.get("pool")
+        if not isinstance(pool, dict) or pool.get("fence_producer") is None or not intent.get("transactional_ids"):
+            return False
+        fence = str(pool["fence"])
+        st = self._describe(self._txn_client(), [fence]).get(fence)
+        if st is None or st.error_code != kp.NONE:
+            return False  # not known to have moved: the failure stands
+        return [st.producer_id, st.producer_epoch] != list(pool["fence_producer"])
+
     def _plan_fence_holds(self, client, pool: dict[str, Any]) -> bool:
         """True if the plan fence still holds the epoch ``pool`` was planned with."""
         from twophase.sinks import _kafka_protocol as kp

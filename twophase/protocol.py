@@ -100,6 +100,20 @@ _MAX_LATE_INTENTS = 3
 #: target aborted a whole decided batch: something is wrong beyond a one-off timeout).
 _MAX_VOIDS = 2
 
+#: Ballots of one batch the owner runs again, in one call, because a later plan (a deposed
+#: coordinator's, landing late) kept their tasks from writing (see
+#: :meth:`~twophase.sink.TwoPhaseCommitSink.plan_superseded`).  A deposed coordinator plans at
+#: most once more before its INTENT is refused, so one re-run is the rule.
+_MAX_REPLANS = 2
+
+
+class _PlanSuperseded(Exception):
+    """Our ballot failed before its decision because a later plan moved the sink's plan fence."""
+
+    def __init__(self, batch_id: int, ballot: int, cause: BaseException):
+        super().__init__(f"batch {batch_id}: ballot {ballot}'s plan was superseded: {cause}")
+        self.batch_id, self.ballot, self.cause = batch_id, ballot, cause
+
 
 class _InBackground:
     """Run ``fn`` in a thread now (a daemon unless ``daemon=False``: then the interpreter waits for
@@ -244,13 +258,22 @@ class TwoPhaseProtocol:
         """Make batch ``batch_id`` visible exactly once; fills ``prog`` (its ``action`` says what
         happened: committed now, recommitted from an earlier decision, or skipped)."""
         try:
-            for voided in range(_MAX_VOIDS + 1):
+            voided = replanned = 0
+            while True:
                 try:
                     self._run_batch(batch_id, work, prog)
                     return
                 except BatchVanishedError as e:
                     if voided == _MAX_VOIDS or not self._void(batch_id, e):
                         raise
+                    voided += 1
+                except _PlanSuperseded as e:
+                    if replanned == _MAX_REPLANS:
+                        raise e.cause from e
+                    replanned += 1
+                    log.warning("%s: batch %d: ballot %d's tasks found a later plan at the target (a deposed "
+                                "coordinator's, landing late): they wrote nothing, and the ballot is closed. "
+                                "Running the batch again in a new ballot.", self.name, batch_id, e.ballot)
         except BaseException:
             self.dirty = True  # before the next batch: finish (or report) whatever this one left
             self._last_committed = None
@@ -290,12 +313,24 @@ class TwoPhaseProtocol:
             # rather than at the replay (prepared transactions hold locks, open Kafka
             # transactions hold back read_committed consumers).
             self.give_up(opened, e)
+            if isinstance(e, Exception) and self._superseded(opened):
+                raise _PlanSuperseded(batch_id, opened.number, e) from e
             raise
         prog.prepare_ms = _ms(t0)
         self.decide_and_commit(opened, results, prog, source=source)
         if sweep is not None:
             sweep.result()  # done by now, as a rule; it logs its own failures
         self.committed(batch_id)
+
+    def _superseded(self, opened: OpenedBallot) -> bool:
+        """After our ballot failed: True if we still own the log and the sink says a later plan
+        (not ours: we plan one ballot at a time) kept its tasks from writing."""
+        try:
+            self.tlog.check_fence()  # a newer owner's plan: we are the deposed one, and stop
+            return self.sink.plan_superseded(opened.intent)
+        except Exception as e:  # noqa: BLE001 - not known to be superseded: the failure stands
+            log.debug("%s: batch %d: not re-run (%s)", self.name, opened.batch_id, e)
+            return False
 
     def open_ballot(self, batch_id: int, partitions: Callable[[int | None], int],
                     prog: BatchProgress) -> OpenedBallot | None:
@@ -347,6 +382,12 @@ class TwoPhaseProtocol:
             planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
                             if b.intent is not None), None)
             num_partitions = partitions(int(planned) if planned else None)
+            if tlog.fenced:
+                # Its heartbeat found a newer owner: no plan of ours (it could move a sink's plan
+                # fence past the owner's ballot).  Only narrows the window: a plan already under
+                # way lands when it lands, and the owner runs its batch again (_PlanSuperseded).
+                raise LogOwnershipError(f"batch {batch_id}: this coordinator (epoch {tlog.epoch}) was fenced by "
+                                        "a newer one; it stops without planning (the owner runs the batch)")
             intent = self.sink.plan_batch(qname, batch_id, num_partitions)
             opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
                                                    "num_partitions": num_partitions}, ballot=number)

@@ -177,6 +177,21 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         """
         return None
 
+    def plan_superseded(self, intent: dict[str, Any]) -> bool:
+        """Whether a plan made after ``intent``'s (by :meth:`plan_batch`, in any process) now keeps
+        that ballot's tasks from writing (driver).
+
+        Asked only after a ballot of the log's owner failed before its decision.  A sink whose
+        plans share one fence at the target (KafkaSink's plan fence: a task refuses to claim a
+        transactional id once a newer plan exists) answers True when the fence has moved past
+        ``intent``.  Then the failure was not the batch's own: a deposed coordinator's plan,
+        made before its INTENT was refused (paused, or its request held on the network), moved
+        the fence after the owner's.  The owner then plans the batch again and runs it in a new
+        ballot, instead of failing the query.  Default: False (plans of other ballots never
+        stop this one's tasks).
+        """
+        return False
+
     def verify_prepared(self, batch_id: int, handles: list[HandleT], *, prepare_started_at: float) -> None:
         """Check that every pre-committed transaction of a batch can still be committed (driver).
 

@@ -399,6 +399,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             intent_json = json.dumps(intent, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ConformanceError(f"plan_batch({bid}) returned an INTENT that is not plain JSON: {e}") from None
+        if self.sink.plan_superseded(intent):
+            raise ConformanceError(f"plan_superseded() is True for batch {bid}'s INTENT right after plan_batch "
+                                   "made it, with no plan since: the owner would run every batch again")
         b = BatchModel(bid, ids, intent_json, parts)
         self.batches[bid] = b
         self.current = b
