@@ -831,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for history.json, timeline.png, driver logs")
     ap.add_argument("--schedule", default=None,
                     help="comma list of faults played once each, in order, instead of drawing them for "
-                         "--minutes (the CI schedule is every fault once)")
+                         "--minutes (CI's schedules: SCHEDULES in tests/test_nemesis.py)")
     ap.add_argument("--package", default=None,
                     help="a folder holding another `twophase` package, put first on the drivers' path "
                          "(an older commit's, laid out as installed: to show what the nemesis finds there)")

@@ -229,8 +229,8 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
 @pytest.mark.spark
 @pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
                     reason="CI time: FileSink on a cluster under executor and driver faults is the nemesis's "
-                           "(tests/test_nemesis.py: on S3 and HDFS, executors on hosts apart killed, paused and "
-                           "cut from the driver), a shared path on the cluster tests/test_services_cluster.py's, "
+                           "(tests/test_nemesis.py, hosts apart: on HDFS executors killed, paused and cut from the "
+                           "driver, on S3 paused), a shared path on the cluster tests/test_services_cluster.py's, "
                            "secrets through spark.executorEnv the PostgreSQL cluster test's; "
                            "TWOPHASE_FULL_CHAOS=1 runs it")
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
