@@ -97,7 +97,29 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], base: str, args: list[str], rounds: int) -> str:
+def run_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each section's ratios against its own run's baseline (``sections.*.ratios``: the
+    baseline's time over the variant's, > 1 faster), per run and side, with their medians.  Two
+    commits' ratios cancel what moved the whole machine between runs, which pooled seconds do not."""
+    per: dict[str, dict[str, list[float]]] = {}
+    for side, results in runs.items():
+        for r in results:
+            for section in r.get("sections", {}).values():
+                for name, value in (section.get("ratios") or {}).items():
+                    if isinstance(value, (int, float)):
+                        per.setdefault(name, {}).setdefault(side, []).append(float(value))
+    rows = []
+    for name in sorted(per):
+        new, base = per[name].get("new"), per[name].get("base")
+        if not new or not base:
+            continue
+        rows.append({"ratio": name, "new": new, "base": base, "new_median": round(statistics.median(new), 3),
+                     "base_median": round(statistics.median(base), 3)})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], base: str, args: list[str], rounds: int,
+             ratios: list[dict[str, Any]] | None = None) -> str:
     lines = [f"# This checkout against {base}",
              "",
              f"`python -m benchmarks {' '.join(args)}`, {rounds} run(s) per commit in turns; every timed "
@@ -108,6 +130,13 @@ def markdown(rows: list[dict[str, Any]], base: str, args: list[str], rounds: int
     for r in rows:
         lines.append(f"| {r['target']} | {r['variant']} | {r['new_median_s']:.3f} ({r['new_n']}) | "
                      f"{r['base_median_s']:.3f} ({r['base_n']}) | {r['new_over_base']:.3f} |")
+    if ratios:
+        lines += ["", "Against the same run's baseline (its time over the variant's: > 1 faster), each run's "
+                  "ratio in run order, and their median:", "",
+                  "| ratio | new: per run | median | base: per run | median |", "|---|---|---:|---|---:|"]
+        for r in ratios:
+            lines.append(f"| {r['ratio']} | {', '.join(f'{x:.2f}' for x in r['new'])} | {r['new_median']:.2f} | "
+                         f"{', '.join(f'{x:.2f}' for x in r['base'])} | {r['base_median']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -122,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", required=True, help="the commit to compare against (anything git rev-parse takes)")
     ap.add_argument("--rounds", type=int, default=2, help="runs per commit, in turns (default 2)")
     ap.add_argument("--out", type=Path, required=True, help="folder for each run's results and the summary")
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="run nothing: write the summary again from the runs already in --out (new-N, base-N)")
     opts = ap.parse_args(argv)
     if any(a == "--out" or a.startswith("--out=") for a in bench_args):
         ap.error("give --out before '--' only: each run's results go under it")
@@ -130,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     opts.out = opts.out.resolve()
     opts.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {"new": [], "base": []}
+    if opts.summarize_only:
+        for side in runs:
+            found = sorted(opts.out.glob(f"{side}-*/results.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+            runs[side] = [json.loads(p.read_text()) for p in found]
+        if not runs["new"] or not runs["base"]:
+            ap.error(f"--summarize-only: no new-N/results.json and base-N/results.json under {opts.out}")
+        opts.rounds = max(len(runs["new"]), len(runs["base"]))
+        earlier = opts.out / "summary.json"
+        if not bench_args and earlier.is_file():  # the runs' arguments, as the earlier summary has them
+            bench_args = list(json.loads(earlier.read_text()).get("args") or [])
+        return _write_summary(opts, bench_args, runs)
     with tempfile.TemporaryDirectory(prefix="twophase-ab-") as tmp:
         wt = _worktree(opts.base, Path(tmp) / "base")
         try:
@@ -145,10 +187,15 @@ def main(argv: list[str] | None = None) -> int:
                     runs[side].append(json.loads((out / "results.json").read_text()))
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)
-    rows = summarize(runs)
+    return _write_summary(opts, bench_args, runs)
+
+
+def _write_summary(opts: argparse.Namespace, bench_args: list[str], runs: dict[str, list[dict[str, Any]]]) -> int:
+    rows, ratios = summarize(runs), run_ratios(runs)
     (opts.out / "summary.json").write_text(json.dumps({"base": opts.base, "args": bench_args,
-                                                       "rounds": opts.rounds, "rows": rows}, indent=1))
-    (opts.out / "summary.md").write_text(markdown(rows, opts.base, bench_args, opts.rounds))
+                                                       "rounds": opts.rounds, "rows": rows, "ratios": ratios},
+                                                      indent=1))
+    (opts.out / "summary.md").write_text(markdown(rows, opts.base, bench_args, opts.rounds, ratios))
     print(opts.out / "summary.md")
     return 0
 

@@ -37,6 +37,20 @@ def test_every_repetition_of_every_run_is_pooled_per_commit():
     assert "| kafka | ours | 2.000 (3) | 1.000 (3) | 2.000 |" in md
 
 
+def test_each_runs_ratio_against_its_own_baseline_is_kept_per_run_with_its_median():
+    def run(ours: float, files: float) -> dict:
+        return {"sections": {"kafka": {"ratios": {"ours / spark": ours, "note": "n/a"}},
+                             "files": {"ratios": {"FileSink / parquet": files}}}}
+
+    runs = {"new": [run(1.2, 1.0), run(0.8, 1.1), run(1.0, 0.9)], "base": [run(0.9, 1.0), run(0.7, 1.0)]}
+    rows = {r["ratio"]: r for r in ab.run_ratios(runs)}
+    assert set(rows) == {"ours / spark", "FileSink / parquet"}  # a value that is not a number is left out
+    assert rows["ours / spark"]["new"] == [1.2, 0.8, 1.0] and rows["ours / spark"]["new_median"] == 1.0
+    assert rows["ours / spark"]["base_median"] == pytest.approx(0.8)
+    md = ab.markdown([], "abc123", [], 3, ab.run_ratios(runs))
+    assert "| ours / spark | 1.20, 0.80, 1.00 | 1.00 | 0.90, 0.70 | 0.80 |" in md
+
+
 def test_a_variant_measured_on_one_side_only_is_left_out():
     runs = {"new": [_results(kafka={"ours": [1.0], "only-new": [1.0]})],
             "base": [_results(kafka={"ours": [1.0]})]}
@@ -67,3 +81,26 @@ def test_out_after_the_separator_is_refused(capsys, tmp_path):
         ab.main(["--base", "HEAD", "--out", str(tmp_path), "--", "--only", "kafka", "--out", "x"])
     assert e.value.code == 2
     assert "give --out before '--'" in capsys.readouterr().err
+
+
+def test_kafka_spark_tasks_summary_pools_runs_and_measures_lead_and_tail_per_batch():
+    from benchmarks import kafka_spark_tasks as kst
+
+    def task(run, batch, begin, t0, t1):
+        return {"run": run, "batch": batch, "begin_ms": begin, "write_ms": 100.0, "pre_commit_ms": 5.0,
+                "t_begin": t0, "t_end": t1}
+
+    def job(run, batch, t0, t1, intent=None):
+        return {"run": run, "batch": batch, "t_job0": t0, "t_job1": t1, "intent_ms": intent, "prepare_ms": 300.0,
+                "commit_ms": 9.0, "total_ms": 320.0}
+
+    tasks = [task(1, 0, 99.0, 0.0, 9.0),  # a batch below skip: left out
+             task(1, 2, 10.0, 10.10, 10.40), task(1, 2, 20.0, 10.12, 10.45),
+             task(2, 2, 30.0, 20.20, 20.50)]
+    jobs = [job(1, 0, 0.0, 9.9), job(1, 2, 10.0, 10.5, 4.0), job(2, 2, 20.0, 20.6)]
+    s = kst.summarize(tasks, jobs)
+    assert (s["tasks"], s["batches"]) == (3, 2)
+    assert s["begin_ms"] == 20.0
+    assert s["lead_ms"] == pytest.approx(150.0, abs=0.2)  # 100 ms (run 1) and 200 ms (run 2)
+    assert s["tail_ms"] == pytest.approx(75.0, abs=0.2)   # 50 ms and 100 ms
+    assert s["intent_ms"] == 4.0  # a commit that does not report it counts as missing, not as 0
