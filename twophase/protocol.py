@@ -269,7 +269,7 @@ class TwoPhaseProtocol:
                     voided += 1
                 except _PlanSuperseded as e:
                     if replanned == _MAX_REPLANS:
-                        raise e.cause from e
+                        raise e.cause from None  # the tasks' own error, its traceback as it was
                     replanned += 1
                     log.warning("%s: batch %d: ballot %d's tasks found a later plan at the target (a deposed "
                                 "coordinator's, landing late): they wrote nothing, and the ballot is closed. "
