@@ -6,7 +6,9 @@ functions handed to ``mapInArrow`` run in Spark's Python workers.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -65,7 +67,11 @@ def uid() -> str:
 
 
 def tmpdir(prefix: str) -> str:
-    return tempfile.mkdtemp(prefix=f"twophase-bench-{prefix}-")
+    """A scratch folder removed when the benchmark process exits (a 2,000,000-row files run
+    leaves about 0.5 GB in each: 17 GB of them were found left in /tmp)."""
+    path = tempfile.mkdtemp(prefix=f"twophase-bench-{prefix}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @dataclass

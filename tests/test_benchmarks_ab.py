@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -97,6 +98,9 @@ def test_kafka_spark_tasks_summary_pools_runs_and_measures_lead_and_tail_per_bat
     tasks = [task(1, 0, 99.0, 0.0, 9.0),  # a batch below skip: left out
              task(1, 2, 10.0, 10.10, 10.40), task(1, 2, 20.0, 10.12, 10.45),
              task(2, 2, 30.0, 20.20, 20.50)]
+    tasks[1]["begin_requests"] = [["describe_transactions", 4.0], ["describe_transactions", 2.0],
+                                  ["init_producer_id", 5.0]]
+    tasks[2]["begin_requests"] = [["describe_transactions", 6.0], ["init_producer_id", 7.0]]
     jobs = [job(1, 0, 0.0, 9.9), job(1, 2, 10.0, 10.5, 4.0), job(2, 2, 20.0, 20.6)]
     s = kst.summarize(tasks, jobs)
     assert (s["tasks"], s["batches"]) == (3, 2)
@@ -104,3 +108,14 @@ def test_kafka_spark_tasks_summary_pools_runs_and_measures_lead_and_tail_per_bat
     assert s["lead_ms"] == pytest.approx(150.0, abs=0.2)  # 100 ms (run 1) and 200 ms (run 2)
     assert s["tail_ms"] == pytest.approx(75.0, abs=0.2)   # 50 ms and 100 ms
     assert s["intent_ms"] == 4.0  # a commit that does not report it counts as missing, not as 0
+    assert s["requests"] == {"begin: describe_transactions": {"per_task": 1.0, "median_ms": 4.0},
+                             "begin: init_producer_id": {"per_task": 0.67, "median_ms": 6.0}}
+
+
+def test_a_benchmarks_scratch_folders_are_removed_when_it_exits(tmp_path):
+    code = ("from benchmarks.common import tmpdir; import pathlib; p = pathlib.Path(tmpdir('t')); "
+            "(p / 'f').write_bytes(b'x' * 1000); print(p)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ab.REPO, capture_output=True, text=True, check=True)
+    path = out.stdout.strip()
+    assert path and "twophase-bench-t-" in path
+    assert not os.path.exists(path)
