@@ -16,8 +16,10 @@ job's end ("tail"), and of the coordinator's ``intent_ms``, ``prepare_ms`` and `
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,6 +28,7 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 if not __package__:  # run as a file (the child): benchmarks/kafka.py must not shadow kafka-python
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -38,12 +41,37 @@ _TIMED = textwrap.dedent('''
     import json, os, time
     from twophase.sinks.kafka import KafkaSink
 
+    _REQUESTS = []  # (request, ms) of the task running now (a Python worker runs one at a time)
+
+    class _TimedClient:
+        """The executors' transaction client, each claim request timed (commits without it: none)."""
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            f = getattr(self._inner, name)
+            if name not in ("describe_transactions", "init_producer_id", "describe_producers"):
+                return f
+
+            def timed(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return f(*a, **kw)
+                finally:
+                    _REQUESTS.append((name, (time.perf_counter() - t0) * 1e3))
+            return timed
+
     class TimedKafkaSink(KafkaSink):
+        def _task_client(self):
+            return _TimedClient(super()._task_client())
+
         def begin_transaction(self, ctx):
+            _REQUESTS.clear()
             t0 = time.perf_counter()
             txn = super().begin_transaction(ctx)
             txn._timed = {"batch": ctx.batch_id, "begin_ms": (time.perf_counter() - t0) * 1e3,
-                          "write_ms": 0.0, "t_begin": time.time()}
+                          "write_ms": 0.0, "t_begin": time.time(), "begin_requests": list(_REQUESTS)}
+            _REQUESTS.clear()
             return txn
 
         def write(self, txn, batch):
@@ -54,7 +82,8 @@ _TIMED = textwrap.dedent('''
         def pre_commit(self, txn):
             t0 = time.perf_counter()
             handle = super().pre_commit(txn)
-            rec = dict(txn._timed, pre_commit_ms=(time.perf_counter() - t0) * 1e3, t_end=time.time())
+            rec = dict(txn._timed, pre_commit_ms=(time.perf_counter() - t0) * 1e3, t_end=time.time(),
+                       pre_commit_requests=list(_REQUESTS))
             with open(os.environ["TWOPHASE_TIMED_OUT"], "a") as f:
                 f.write(json.dumps(rec) + "\\n")
             return handle
@@ -77,7 +106,9 @@ def child(out: Path, rows: int, batches: int, bootstrap: str) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
     sink = TimedKafkaSink(bootstrap, topic=topic, transactional_id_prefix=f"bench-tasks-{uuid.uuid4().hex[:6]}")
-    coord = Coordinator(sink, log_location=tempfile.mkdtemp(prefix="twophase-tasks-log-"), name="tasks")
+    logdir = tempfile.mkdtemp(prefix="twophase-tasks-log-")
+    atexit.register(shutil.rmtree, logdir, ignore_errors=True)
+    coord = Coordinator(sink, log_location=logdir, name="tasks")
     jobs = []
     for b in range(batches):
         t0 = time.time()
@@ -89,7 +120,7 @@ def child(out: Path, rows: int, batches: int, bootstrap: str) -> None:
     spark.stop()
 
 
-def summarize(tasks: list[dict], jobs: list[dict], skip: int = 2) -> dict[str, float | None]:
+def summarize(tasks: list[dict], jobs: list[dict], skip: int = 2) -> dict[str, Any]:
     """Medians of one commit's runs (their records pooled), batches below ``skip`` left out."""
     tasks = [t for t in tasks if t["batch"] >= skip]
     jobs = [j for j in jobs if j["batch"] >= skip]
@@ -107,7 +138,14 @@ def summarize(tasks: list[dict], jobs: list[dict], skip: int = 2) -> dict[str, f
         xs = [x for x in xs if x is not None]
         return round(statistics.median(xs), 1) if xs else None
 
-    return {"tasks": len(tasks), "batches": len(jobs),
+    requests: dict[str, list[float]] = {}
+    for t in tasks:
+        for phase in ("begin", "pre_commit"):
+            for name, ms in t.get(f"{phase}_requests") or []:
+                requests.setdefault(f"{phase}: {name}", []).append(ms)
+    per_request = {k: {"per_task": round(len(v) / len(tasks), 2), "median_ms": med(v)}
+                   for k, v in sorted(requests.items())}
+    return {"tasks": len(tasks), "batches": len(jobs), "requests": per_request,
             "begin_ms": med([t["begin_ms"] for t in tasks]), "write_ms": med([t["write_ms"] for t in tasks]),
             "pre_commit_ms": med([t["pre_commit_ms"] for t in tasks]),
             "task_ms": med([(t["t_end"] - t["t_begin"]) * 1e3 for t in tasks]),
@@ -184,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         a, b = summary["new"][k], summary["base"][k]
         diff = f"{a - b:+.1f}" if a is not None and b is not None else "n/a"
         lines.append(f"| {k} | {a} | {b} | {diff} |")
+    lines += ["", "The transaction client's requests inside a task (a commit whose sink has no such client "
+              "shows none): how many per task, the median of each.", "",
+              "| request | new: per task | new: median ms | base: per task | base: median ms |",
+              "|---|---:|---:|---:|---:|"]
+    for k in sorted(set(summary["new"]["requests"]) | set(summary["base"]["requests"])):
+        a, b = summary["new"]["requests"].get(k, {}), summary["base"]["requests"].get(k, {})
+        lines.append(f"| {k} | {a.get('per_task', 0)} | {a.get('median_ms', 'n/a')} | {b.get('per_task', 0)} | "
+                     f"{b.get('median_ms', 'n/a')} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print((out / "summary.md").read_text())
     return 0
