@@ -508,27 +508,29 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
 
     def plan_superseded(self, intent: dict[str, Any]) -> bool:
         """True if the plan fence has moved past ``intent``'s epoch: a newer plan (a deposed
-        coordinator's, landing late) makes every task of that ballot refuse to claim an id."""
-        from twophase.sinks import _kafka_protocol as kp
-
+        coordinator's, landing late) makes every task of that ballot refuse to claim an id.
+        A fence that cannot be read is not known to have moved: the failure stands."""
         pool = intent.get("pool")
-        if not isinstance(pool, dict) or pool.get("fence_producer") is None or not intent.get("transactional_ids"):
+        if not isinstance(pool, dict) or not intent.get("transactional_ids"):
             return False
-        fence = str(pool["fence"])
-        st = self._describe(self._txn_client(), [fence]).get(fence)
-        if st is None or st.error_code != kp.NONE:
-            return False  # not known to have moved: the failure stands
-        return [st.producer_id, st.producer_epoch] != list(pool["fence_producer"])
+        return self._plan_fence_state(self._txn_client(), pool) is False
 
     def _plan_fence_holds(self, client, pool: dict[str, Any]) -> bool:
         """True if the plan fence still holds the epoch ``pool`` was planned with."""
+        return self._plan_fence_state(client, pool) is True
+
+    def _plan_fence_state(self, client, pool: dict[str, Any]) -> bool | None:
+        """The plan fence against ``pool``'s epoch: True if it still holds it, False if it moved,
+        None if unknown (no fence in the INTENT, or no answer)."""
         from twophase.sinks import _kafka_protocol as kp
 
         fence, mine = pool.get("fence"), pool.get("fence_producer")
         if not fence or mine is None:
-            return False
-        st = self._describe(client, [fence]).get(fence)
-        return st is not None and st.error_code == kp.NONE and [st.producer_id, st.producer_epoch] == list(mine)
+            return None
+        st = self._describe(client, [str(fence)]).get(str(fence))
+        if st is None or st.error_code != kp.NONE:
+            return None
+        return [st.producer_id, st.producer_epoch] == list(mine)
 
     def _abort_open(self, client, tid: str, pid: int, epoch: int, label: str, wait: bool = True) -> bool:
         """EndTxn(abort) under exactly (pid, epoch): True if this aborted it.
