@@ -20,6 +20,12 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from twophase import crash
+from twophase.coordinator.task_input import (
+    CONVERSION_FAILED,
+    TASK_INPUTS,
+    record_batches,
+    rows_schema,
+)
 from twophase.errors import ConfigurationError, LogOwnershipError, TwoPhaseError
 from twophase.log import LogStore, TransactionLog, open_store
 from twophase.protocol import BatchProgress, TwoPhaseProtocol
@@ -192,6 +198,13 @@ class Coordinator:
     executors can import twophase (same version) and the sink's modules
     (:meth:`~twophase.TwoPhaseCommitSink.executor_modules`), and refuses a sink that
     writes to local paths unless ``shared_storage=True`` says every host mounts them.
+
+    ``task_input`` is how the tasks hand rows to the sink, as the same Arrow record batches
+    either way (:mod:`twophase.coordinator.task_input`): ``"arrow"`` (``mapInArrow``,
+    columnar, the fast path for large batches), ``"rows"`` (the RDD API, rows turned into
+    record batches in the task: a cheaper Spark job, for small batches) or ``"auto"``
+    (default): rows when the previous batch this coordinator wrote had at most
+    ``small_batch_rows`` rows, else Arrow. Spark Connect has no RDDs: always Arrow there.
     """
 
     def __init__(
@@ -213,6 +226,8 @@ class Coordinator:
         takeover: bool = False,
         lease_timeout: float = 120.0,
         shared_storage: bool = False,
+        task_input: str = "auto",
+        small_batch_rows: int = 2000,
     ):
         if not isinstance(sink, TwoPhaseCommitSink):
             raise ConfigurationError(f"sink must be a twophase.TwoPhaseCommitSink, got {type(sink).__name__}")
@@ -227,6 +242,10 @@ class Coordinator:
                 f"(it becomes part of directory names and transaction ids), got {name!r}")
         if commit_parallelism < 1 or commit_retries < 0:
             raise ConfigurationError("commit_parallelism must be >= 1 and commit_retries >= 0")
+        if task_input not in TASK_INPUTS:
+            raise ConfigurationError(f"task_input must be one of {', '.join(TASK_INPUTS)}, got {task_input!r}")
+        if not isinstance(small_batch_rows, int) or small_batch_rows < 0:
+            raise ConfigurationError(f"small_batch_rows must be an integer >= 0, got {small_batch_rows!r}")
         if parallelism is not None and (not isinstance(parallelism, int) or parallelism < 1):
             raise ConfigurationError(f"parallelism must be a positive integer or None, got {parallelism!r}")
         self.sink = sink
@@ -243,6 +262,11 @@ class Coordinator:
         self.new_generation = new_generation
         self.takeover = takeover
         self.shared_storage = shared_storage
+        self.task_input = task_input
+        self.small_batch_rows = small_batch_rows
+        self._last_rows: int | None = None  # rows of the last batch this coordinator's tasks wrote
+        self._rows_refused = False     # a row did not convert: the Arrow path from then on
+        self._batch_input = ""         # the path the current batch's tasks took
         self._probed = False           # executors checked (cluster masters, first batch)
         self._job: tuple[Any, str] | None = None  # (SparkContext, job group) of the batch's job while it runs
         self._connect_said = False     # what Spark Connect cannot offer was logged
@@ -539,6 +563,7 @@ class Coordinator:
     # ----------------------------------------------------------------- a batch
     def _run(self, df, batch_id: int, query_id: str, streaming: bool) -> None:
         t_start = time.perf_counter()
+        self._batch_input = ""
         self._start(df.sparkSession, query_id, streaming)
         assert self._protocol is not None
         prog = BatchProgress(self.name, batch_id, query_id, "committed")
@@ -612,6 +637,7 @@ class Coordinator:
         # A sink that prepares the whole batch with a Spark job of its own (prepare_batch) does it here.
         whole = self.sink.prepare_batch(df, BatchContext(name, batch_id, intent, run))
         if whole is not None:
+            self._batch_input = "batch"
             crash.crash_point("after_pre_commit", batch_id)  # the batch's pre-commit is its job
             return [{"partition": i, "attempt": 0, "rows": whole.rows if i == 0 else 0,
                      "handle": self.sink.encode_handle(h)} for i, h in enumerate(whole.handles)]
@@ -623,7 +649,8 @@ class Coordinator:
 
         crash_env = crash.carried_env()  # fault-injection runs: executors on a cluster arm the same plan
 
-        def run_partition(batches):
+        def run_task(batches):
+            """The partition's transaction over ``batches``: (ctx, rows, envelope or None)."""
             from pyspark import TaskContext
 
             from twophase import crash as _crash
@@ -636,18 +663,37 @@ class Coordinator:
             ctx = TransactionContext(name, batch_id, tc.partitionId(), tc.attemptNumber(), intent, run,
                                      task_attempt_id=tc.taskAttemptId())
             rows, envelope = run_transaction(sink, ctx, batches)
+            return ctx, rows, envelope
+
+        def run_partition(batches):
+            ctx, rows, envelope = run_task(batches)
             if envelope is None:
                 return
             yield pa.RecordBatch.from_pydict(
                 {"partition": [ctx.partition_id], "attempt": [ctx.attempt], "rows": [rows],
                  "handle": [envelope]}, schema=out_schema)
 
+        target = self._rows_target(df)
+        if target is not None:
+            schema, max_records = df.schema, self._max_records(df.sparkSession)
+
+            def run_rows(_index, rows_in):
+                ctx, rows, envelope = run_task(record_batches(rows_in, schema, target, max_records))
+                if envelope is not None:
+                    yield {"partition": ctx.partition_id, "attempt": ctx.attempt, "rows": rows, "handle": envelope}
+
+            def job():
+                return df.rdd.mapPartitionsWithIndex(run_rows).collect()
+        else:
+            def job():
+                return df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
+        self._batch_input = "arrow" if target is None else "rows"
+
         if is_connect(df.sparkSession):
             # Spark Connect has no status tracker to wait for a failed job's last tasks with: a task
             # that pre-commits after the abort below leaves a transaction that the batch's replay
             # aborts (by its INTENT) before it opens any of its own.
-            rows = df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
-            return self._results(batch_id, rows)
+            return self._handles(batch_id, job())
         sc = df.sparkSession.sparkContext
         # Our job must be findable after a failure (see _wait_for_tasks). A streaming query's jobs
         # already carry its run id as job group (query.stop() cancels by it): keep that one.
@@ -660,8 +706,13 @@ class Coordinator:
         try:
             if self.log is not None and self.log.fenced:
                 self.log.check_fence()  # raises: fenced before the job started
-            rows = df.mapInArrow(run_partition, _RESULT_SCHEMA).collect()
+            rows = job()
         except BaseException as e:
+            if target is not None and self.task_input == "auto" and CONVERSION_FAILED in str(e):
+                self._rows_refused = True
+                log.warning("%s: batch %d: a row did not convert to Arrow on the rows path; this "
+                            "coordinator's batches take the Arrow path from now on, this one included",
+                            self.name, batch_id)
             # collect() fails as soon as one task fails, while sibling tasks may still be finishing
             # and could pre-commit after the caller aborted leftovers. Let them end first.
             self._wait_for_tasks(sc, group)
@@ -675,7 +726,38 @@ class Coordinator:
             self._job = None
             if own_group is not None:
                 sc.setLocalProperty("spark.jobGroup.id", None)
-        return self._results(batch_id, rows)
+        return self._handles(batch_id, rows)
+
+    def _handles(self, batch_id: int, rows) -> list[dict[str, Any]]:
+        results = self._results(batch_id, rows)
+        self._last_rows = sum(int(r["rows"]) for r in results)  # task_input="auto" picks the next path by it
+        return results
+
+    def _rows_target(self, df) -> Any | None:
+        """The Arrow schema for the rows path (``task_input``) if this batch's tasks take it, else None."""
+        if self.task_input == "arrow" or is_connect(df.sparkSession):
+            return None
+        if self.task_input == "auto" and (self._rows_refused or self._last_rows is None
+                                          or self._last_rows > self.small_batch_rows):
+            return None
+        conf = df.sparkSession.conf  # session settings: Spark's Arrow path reads these per query
+        target = rows_schema(df.schema, str(conf.get("spark.sql.session.timeZone")),
+                             str(conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")).lower() == "true")
+        if target is None and self.task_input == "rows":
+            raise ConfigurationError(
+                f"{self.name}: task_input='rows' cannot hand the sink the record batches the Arrow path "
+                f"would for this schema ({df.schema.simpleString()[:300]}): it has an interval, variant or "
+                "user-defined type, a struct with repeated field names, or useLargeVarTypes is on. "
+                "Use task_input='arrow' or 'auto'")
+        return target
+
+    def _max_records(self, spark) -> int:
+        """Rows per record batch, as the Arrow path cuts them (``maxRecordsPerBatch``; <= 0: no limit)."""
+        try:
+            n = int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000"))
+        except ValueError:
+            n = 10000
+        return n if n > 0 else 2**62
 
     @staticmethod
     def _results(batch_id: int, rows) -> list[dict[str, Any]]:
@@ -735,6 +817,7 @@ class Coordinator:
     def _finish(self, prog: BatchProgress, t_start: float) -> None:
         prog.total_ms = _ms(t_start)
         d = prog.to_dict()
+        d["task_input"] = self._batch_input  # "arrow", "rows", "batch" (the sink's own job) or "" (none ran)
         self.last_progress = d
         self.recent_progress = (self.recent_progress + [d])[-100:]
         log.info("%s: batch %d %s: %d rows, %d handles, prepare %.0f ms, commit %.0f ms, log %.0f ms",
@@ -770,3 +853,12 @@ class _SparkBatch:
 
     def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
         return self.coordinator._source_offsets(batch_id)
+
+    def run_again(self, error: BaseException) -> str | None:
+        """After a failed ballot: run the batch again when the rows path refused a row (under
+        ``task_input="auto"``); the next ballot takes the Arrow path."""
+        c = self.coordinator
+        if c._batch_input == "rows" and c._rows_refused:
+            return ("a row did not convert to Arrow on the rows path (task_input='auto'); the next "
+                    "ballot takes the Arrow path")
+        return None

@@ -65,7 +65,13 @@ class BatchProgress:
 
 
 class BatchWork(Protocol):
-    """What the engine does for one batch; the protocol decides when."""
+    """What the engine does for one batch; the protocol decides when.
+
+    Optionally ``run_again(error) -> str | None``: after a ballot whose tasks failed (nothing
+    decided; the ballot is closed and its leftovers aborted), a reason why a new ballot would
+    not fail the same way (the coordinator's: the rows path refused a row, and the next ballot
+    takes the Arrow path), or None.  The batch then runs again, at most ``_MAX_REPLANS`` times.
+    """
 
     def partitions(self, planned: int | None) -> int:
         """How many transactions (partitions) this ballot writes.  ``planned``: what the batch's
@@ -102,17 +108,19 @@ _MAX_VOIDS = 2
 
 #: Ballots of one batch the owner runs again, in one call, because a later plan (a deposed
 #: coordinator's, landing late) kept their tasks from writing (see
-#: :meth:`~twophase.sink.TwoPhaseCommitSink.plan_superseded`).  A deposed coordinator plans at
+#: :meth:`~twophase.sink.TwoPhaseCommitSink.plan_superseded`), or because the work says its
+#: next ballot avoids what failed (:meth:`BatchWork.run_again`).  A deposed coordinator plans at
 #: most once more before its INTENT is refused, so one re-run is the rule.
 _MAX_REPLANS = 2
 
 
-class _PlanSuperseded(Exception):
-    """Our ballot failed before its decision because a later plan moved the sink's plan fence."""
+class _RunAgain(Exception):
+    """Our ballot failed before its decision, and a new ballot would not fail the same way:
+    a later plan moved the sink's plan fence, or the work changes how its tasks run."""
 
-    def __init__(self, batch_id: int, ballot: int, cause: BaseException):
-        super().__init__(f"batch {batch_id}: ballot {ballot}'s plan was superseded: {cause}")
-        self.batch_id, self.ballot, self.cause = batch_id, ballot, cause
+    def __init__(self, batch_id: int, ballot: int, cause: BaseException, reason: str):
+        super().__init__(f"batch {batch_id}: ballot {ballot} runs again ({reason}): {cause}")
+        self.batch_id, self.ballot, self.cause, self.reason = batch_id, ballot, cause, reason
 
 
 class _InBackground:
@@ -267,13 +275,12 @@ class TwoPhaseProtocol:
                     if voided == _MAX_VOIDS or not self._void(batch_id, e):
                         raise
                     voided += 1
-                except _PlanSuperseded as e:
+                except _RunAgain as e:
                     if replanned == _MAX_REPLANS:
                         raise e.cause from None  # the tasks' own error, its traceback as it was
                     replanned += 1
-                    log.warning("%s: batch %d: ballot %d's tasks found a later plan at the target (a deposed "
-                                "coordinator's, landing late): they wrote nothing, and the ballot is closed. "
-                                "Running the batch again in a new ballot.", self.name, batch_id, e.ballot)
+                    log.warning("%s: batch %d: ballot %d failed: %s; the ballot is closed. Running the batch "
+                                "again in a new ballot.", self.name, batch_id, e.ballot, e.reason)
         except BaseException:
             self.dirty = True  # before the next batch: finish (or report) whatever this one left
             self._last_committed = None
@@ -313,8 +320,14 @@ class TwoPhaseProtocol:
             # rather than at the replay (prepared transactions hold locks, open Kafka
             # transactions hold back read_committed consumers).
             self.give_up(opened, e)
-            if isinstance(e, Exception) and self._superseded(opened):
-                raise _PlanSuperseded(batch_id, opened.number, e) from e
+            if isinstance(e, Exception):
+                if self._superseded(opened):
+                    raise _RunAgain(batch_id, opened.number, e, "its tasks found a later plan at the target "
+                                    "(a deposed coordinator's, landing late) and wrote nothing") from e
+                again = getattr(work, "run_again", None)
+                reason = again(e) if again is not None else None
+                if reason:
+                    raise _RunAgain(batch_id, opened.number, e, reason) from e
             raise
         prog.prepare_ms = _ms(t0)
         self.decide_and_commit(opened, results, prog, source=source)
@@ -385,7 +398,7 @@ class TwoPhaseProtocol:
             if tlog.fenced:
                 # Its heartbeat found a newer owner: no plan of ours (it could move a sink's plan
                 # fence past the owner's ballot).  Only narrows the window: a plan already under
-                # way lands when it lands, and the owner runs its batch again (_PlanSuperseded).
+                # way lands when it lands, and the owner runs its batch again (_RunAgain).
                 raise LogOwnershipError(f"batch {batch_id}: this coordinator (epoch {tlog.epoch}) was fenced by "
                                         "a newer one; it stops without planning (the owner runs the batch)")
             intent = self.sink.plan_batch(qname, batch_id, num_partitions)
