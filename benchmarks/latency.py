@@ -44,9 +44,11 @@ from benchmarks.common import Params, goal, percentile, progress, tmpdir, uid
 
 #: Defaults of the options (``--latency-*``); --quick uses QUICK.
 DEFAULTS: dict[str, Any] = {"rows": (100, 10_000), "batches": 20, "warmup": 3, "reps": 2, "sinks": ("files", "kafka", "postgres"),
-            "logs": ("local", "s3", "hdfs"), "delays": (0, 25), "ladder": True, "file_writers": ("arrow", "spark")}
+            "logs": ("local", "s3", "hdfs"), "delays": (0, 25), "ladder": True, "file_writers": ("arrow", "spark"),
+            "task_inputs": ("auto",)}
 QUICK: dict[str, Any] = {"rows": (100,), "batches": 3, "warmup": 1, "reps": 1, "sinks": ("files",), "logs": ("s3",),
-         "delays": (0,), "ladder": False, "file_writers": ("arrow",)}
+         "delays": (0,), "ladder": False, "file_writers": ("arrow",),
+         "task_inputs": ("auto",)}
 TITLES = {"files": "Spark format('parquet')", "kafka": "Spark format('kafka')",
           "postgres": "Spark foreachBatch + df.write.jdbc"}
 SINK_NAMES = {"files": "FileSink", "kafka": "KafkaSink", "postgres": "PostgresSink"}
@@ -68,6 +70,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--latency-file-writers", help="latency section: FileSink writers measured (arrow, "
                     "spark; default both). arrow runs with every log location, spark (one df.write "
                     "per batch into the batch's staging folder) with the log local")
+    ap.add_argument("--latency-task-inputs", help="latency section: Coordinator(task_input=...) values "
+                    "measured (auto, arrow, rows; default auto). The first runs with every log location, "
+                    "the others with the log local")
     ap.add_argument("--latency-no-ladder", action="store_true", help="latency section: skip the floors "
                     "(empty foreachBatch, rows-into-Python collect by mapInArrow and by the RDD API, "
                     "Coordinator(NullSink))")
@@ -98,6 +103,10 @@ def configure(params: Params, a, error) -> None:
         cfg["file_writers"] = tuple(x.strip() for x in a.latency_file_writers.split(",") if x.strip())
         if not cfg["file_writers"] or set(cfg["file_writers"]) - {"arrow", "spark"}:
             error("--latency-file-writers takes arrow, spark or both")
+    if a.latency_task_inputs:
+        cfg["task_inputs"] = tuple(x.strip() for x in a.latency_task_inputs.split(",") if x.strip())
+        if not cfg["task_inputs"] or set(cfg["task_inputs"]) - {"auto", "arrow", "rows"}:
+            error("--latency-task-inputs takes auto, arrow, rows")
     if cfg["batches"] <= cfg["warmup"] or cfg["reps"] < 1 or not cfg["rows"] or min(cfg["rows"]) < 1:
         error("--latency-batches must exceed --latency-warmup; reps and rows >= 1")
     params.latency = cfg  # type: ignore[attr-defined]
@@ -380,7 +389,8 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
 
     cases: list[_Case] = []
 
-    def coordinated(label: str, make_sink, log: str, delay: float | None = None) -> _Case:
+    def coordinated(label: str, make_sink, log: str, delay: float | None = None,
+                    task_input: str = "auto") -> _Case:
         case = _Case(label, None, log, delay, coord=True)
 
         def start(sdf, ck):
@@ -404,7 +414,8 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
             case.proxy = px
             # On the test cluster every executor runs on this host: local paths are shared.
             coord = Coordinator(make_sink(), checkpoint_location=ck, log_location=loc, storage_options=so,
-                                name=f"bench-lat-{target}-{uid()}", shared_storage=params.cluster > 0)
+                                name=f"bench-lat-{target}-{uid()}", shared_storage=params.cluster > 0,
+                                task_input=task_input)
             case.coordinators.append(coord)
             return sdf.writeStream.foreachBatch(coord).option("checkpointLocation", ck).start()
 
@@ -450,10 +461,20 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
                 cur.execute(f'CREATE TABLE "{t}" (id BIGINT, payload TEXT)')
         conn.close()
 
+        prefixes: list[str] = []
+
         def drop():
             c = psycopg2.connect(info["dsn"])
             c.autocommit = True
             with c.cursor() as cur:
+                # A query stopped mid-batch can leave its batch's prepared transactions (a restart
+                # would abort them by its INTENT; these queries are not restarted), and they hold
+                # locks on the table: roll back ours first, so that DROP does not wait for ever.
+                cur.execute("SELECT gid FROM pg_prepared_xacts WHERE split_part(gid, ':', 1) = ANY(%s)",
+                            (prefixes,))
+                for (gid,) in cur.fetchall():
+                    cur.execute("ROLLBACK PREPARED %s", (gid,))
+                cur.execute("SET lock_timeout = '30s'")
                 for t in (ours_t, jdbc_t):
                     cur.execute(f'DROP TABLE IF EXISTS "{t}"')
             c.close()
@@ -463,7 +484,8 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
         props = {"user": info["user"], "password": info["password"], "driver": "org.postgresql.Driver"}
 
         def sink():
-            return PostgresSink(info["dsn"], ours_t, gid_prefix=f"l{uid()}")
+            prefixes.append(f"l{uid()}")
+            return PostgresSink(info["dsn"], ours_t, gid_prefix=prefixes[-1])
 
         def jdbc(batch_df, batch_id):
             batch_df.write.jdbc(url, jdbc_t, mode="append", properties=props)
@@ -478,14 +500,18 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
         cases.append(coordinated("FileSink(writer='spark'), log local", spark_writer_sink, "local"))
         if "arrow" not in cfg["file_writers"]:
             return cases
+    first, *others = cfg["task_inputs"]
+    said = "" if first == "auto" else f", task_input={first}"
     for log in cfg["logs"]:
         if log == "s3":
             for d in cfg["delays"]:
-                cases.append(coordinated(f"{ours}, log on S3 (MinIO, +{d} ms/request)", sink, "s3", d))
+                cases.append(coordinated(f"{ours}, log on S3 (MinIO, +{d} ms/request){said}", sink, "s3", d, first))
         elif log == "hdfs":
-            cases.append(coordinated(f"{ours}, log on HDFS", sink, "hdfs"))
+            cases.append(coordinated(f"{ours}, log on HDFS{said}", sink, "hdfs", task_input=first))
         else:
-            cases.append(coordinated(f"{ours}, log local", sink, "local"))
+            cases.append(coordinated(f"{ours}, log local{said}", sink, "local", task_input=first))
+    for ti in others:
+        cases.append(coordinated(f"{ours}, log local, task_input={ti}", sink, "local", task_input=ti))
     if target == "kafka":  # the coordinated queries write key/value rows
         for c in cases[1:]:
             c.start = _keyed(c.start)
