@@ -165,7 +165,7 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         """Pre-commit the whole batch with a Spark job of the sink's own (driver); None: not this way.
 
         The second way to write a sink.  Instead of per-task transactions
-        (:meth:`begin_transaction` ... :meth:`pre_commit` in a ``mapInArrow`` task per
+        (:meth:`begin_transaction` ... :meth:`pre_commit` in a Spark task per
         partition), the coordinator hands the batch's DataFrame to this method, which
         runs one Spark action (e.g. ``df.write.format(...).save(staging)``, where
         Spark's own output committer deals with task retries and speculation) and
