@@ -49,7 +49,7 @@ def _same_types(dt: Any) -> bool:
     if isinstance(dt, (T.BooleanType, T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType,
                        T.DoubleType, T.DecimalType, T.StringType, T.BinaryType, T.DateType,
                        T.TimestampType, T.TimestampNTZType)):
-        return not isinstance(dt, T.UserDefinedType)
+        return True
     if isinstance(dt, T.ArrayType):
         return _same_types(dt.elementType)
     if isinstance(dt, T.StructType):
@@ -88,7 +88,7 @@ def record_batches(rows: Iterable[Any], schema: Any, target: Any, max_records: i
             table = conversion.convert(chunk, schema, False).cast(target)
         except Exception as e:  # noqa: BLE001 - see refused()
             raise refused(e) from None
-        return table.combine_chunks().to_batches()
+        return table.to_batches()
 
     rows = iter(rows)
     while True:
