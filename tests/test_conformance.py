@@ -400,6 +400,35 @@ def test_harness_catches_what_spark_and_the_coordinator_do(fast_path, gap):
 # ---------------------------------------------------------------------------- the harness itself
 
 
+@pytest.mark.timeout(120)
+def test_settings_without_shrinking_hold_for_the_ownership_half(fast_path):
+    """CI once spent 308 s in one of the 20 runs of the sibling-abort gap above: the crash half
+    missed the defect and the ownership half found it under its own default settings, which shrink,
+    for five minutes (hypothesis' cap), although the caller's settings said not to shrink.  Here
+    the crash half gets one step; the ownership half must stop at its first failure."""
+    from twophase.protocol import TwoPhaseProtocol
+
+    for seed in range(1, 6):
+        examples: set[str] = set()
+
+        def protocol(*a, examples=examples, **kw):
+            examples.add(kw["name"])  # "<prefix>-own-<token>-<example>": one name per example
+            return TwoPhaseProtocol(*a, **kw)
+
+        db = str(fast_path / f"db{seed}")
+        with pytest.raises(ConformanceError) as info:
+            run_sink_conformance(lambda db=db: AbortDeletesSiblingsSink(db), lambda db=db: read_table(db),
+                                 pending=lambda db=db: staged_transactions(db), settings=NO_SHRINK, max_examples=1,
+                                 steps=1, ownership_examples=25, protocol_factory=protocol, seed=seed)
+        if examples:  # the ownership half ran and caught it
+            assert "DATA LOSS" in str(info.value), str(info.value)
+            # Generation stops at the first failing example and replays it once.
+            assert len(examples) <= 26, len(examples)
+            return
+    pytest.fail("the crash half caught the defect in one step on 5 seeds: the ownership half never ran")
+
+
+
 def test_testing_imports_without_pytest():
     code = ("import sys; sys.modules['pytest'] = None; sys.modules['_pytest'] = None\n"
             "import twophase.testing as t; print(t.run_sink_conformance.__name__)")

@@ -1120,7 +1120,8 @@ def run_sink_conformance(
     task attempts, and the decision, commits, crashes and recovery follow as for any sink.
 
     ``settings`` is a ``hypothesis.settings`` (default: :func:`default_settings`);
-    ``max_examples`` and ``steps`` (steps per example) override it.  Each example
+    ``max_examples`` and ``steps`` (steps per example) override it.  The ownership machine
+    below runs under the same settings (phases, database, deadline), with its own steps.  Each example
     uses its own query name, ids and batch ids ``example * 1000 + k``.
     ``settle_timeout`` re-reads for that many seconds while decided rows are
     missing (for stores whose committed data becomes readable with a lag).
@@ -1177,10 +1178,18 @@ def run_sink_conformance(
     if ownership and make_frame is None:
         # The second half: the real protocol (protocol_factory) with two coordinators on one log,
         # late and duplicate task attempts and a second pipeline on the same target.
-        from twophase.testing.ownership import DEFAULT_EXAMPLES, run_ownership_conformance
+        from twophase.testing.ownership import (
+            DEFAULT_EXAMPLES,
+            DEFAULT_STEPS,
+            run_ownership_conformance,
+        )
 
+        # The caller's settings (phases, database, deadline ...) hold for this half too, with its
+        # own steps per example (CI once spent 5 minutes here shrinking a failure that the
+        # caller's settings had told hypothesis not to shrink).
         own = run_ownership_conformance(
             sink_factory, read_committed, protocol_factory=protocol_factory,
+            settings=None if settings is None else hypothesis.settings(settings, stateful_step_count=DEFAULT_STEPS),
             max_examples=ownership_examples if ownership_examples is not None else
             (DEFAULT_EXAMPLES if settings is None and max_examples is None else s.max_examples),
             seed=seed, make_batch=make_batch, id_of=id_of, reset=reset, pending=pending, max_rows=max_rows,
