@@ -820,9 +820,9 @@ class Coordinator:
         d["task_input"] = self._batch_input  # "arrow", "rows", "batch" (the sink's own job) or "" (none ran)
         self.last_progress = d
         self.recent_progress = (self.recent_progress + [d])[-100:]
-        log.info("%s: batch %d %s: %d rows, %d handles, prepare %.0f ms, commit %.0f ms, log %.0f ms",
-                 prog.name, prog.batch_id, prog.action, prog.rows, prog.handles, prog.prepare_ms,
-                 prog.commit_ms, prog.log_ms)
+        log.info("%s: batch %d %s: %d rows, %d handles, tasks' input %s, prepare %.0f ms, commit %.0f ms, "
+                 "log %.0f ms", prog.name, prog.batch_id, prog.action, prog.rows, prog.handles,
+                 self._batch_input or "none", prog.prepare_ms, prog.commit_ms, prog.log_ms)
 
 
 class _SparkBatch:

@@ -1,9 +1,14 @@
 """Kill the real driver of a file-source -> Spark -> FileSink pipeline at every crash point and at
-random moments (SIGKILL of its whole process group); count the committed output by record id."""
+random moments (SIGKILL of its whole process group); count the committed output by record id.
+
+Its tasks take the rows path (``task_input="rows"``) on every batch: each restart's first batch is
+the one its crash point hits, and ``"auto"`` sends a coordinator's first batch down the Arrow path,
+which the PostgreSQL and Kafka kill tests' crash points meet."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -20,7 +25,7 @@ def test_every_crash_point_and_random_sigkills_lose_and_duplicate_nothing(tmp_pa
     r = subprocess.run(
         [sys.executable, "-m", "twophase.cli", "demo", "--workdir", str(workdir), "--files",
          str(len(crash.POINTS) + 2), "--records", "200", "--kills", "1", "--seed", "20261122",
-         "--format", fmt, "--json"],
+         "--format", fmt, "--task-input", "rows", "--json"],
         capture_output=True, text=True, timeout=1500)
     assert r.returncode in (0, 1), r.stderr[-3000:]
     verdict = json.loads(r.stdout)
@@ -41,3 +46,7 @@ def test_every_crash_point_and_random_sigkills_lose_and_duplicate_nothing(tmp_pa
     assert verdict["records_out"] == verdict["records_in"]
     assert verdict["staging_files_left"] == 0
     assert r.returncode == 0
+    # Every batch was written on the rows path (the driver's log names each batch's path).
+    paths = re.findall(r"batch \d+ \w+: \d+ rows, \d+ handles, tasks' input (\w+)",
+                       (workdir / "driver.log").read_text())
+    assert len(paths) >= len(crash.POINTS) and set(paths) <= {"rows", "none"} and "rows" in paths, paths

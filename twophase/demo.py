@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "them); names: " + ", ".join(crash.POINTS))
     p.add_argument("--seed", type=int, default=None, help="random seed for kill moments (default: random)")
     p.add_argument("--format", default="parquet", choices=["parquet", "jsonl", "csv"])
+    p.add_argument("--task-input", default="auto", choices=["auto", "arrow", "rows"],
+                   help="how the coordinator's tasks take their rows (Coordinator(task_input=...); "
+                        "default auto: the rows path after a batch of at most 2,000 rows)")
     p.add_argument("--connect", action="store_true",
                    help="run the driver as a Spark Connect client (SparkSession.builder.remote('local[2]'): "
                         "the coordinator runs in the Connect server's foreachBatch worker); needs "
@@ -87,7 +90,7 @@ def staging_left(out: Path) -> int:
     return sum(1 for p in st.rglob("*") if p.is_file()) if st.exists() else 0
 
 
-def run_driver(workdir: Path, fmt: str, connect: bool = False) -> int:
+def run_driver(workdir: Path, fmt: str, connect: bool = False, task_input: str = "auto") -> int:
     """The driver process: run the streaming query until all available input is committed."""
     import logging
 
@@ -101,7 +104,7 @@ def run_driver(workdir: Path, fmt: str, connect: bool = False) -> int:
     spark = local_session("local[2]", app_name="twophase-demo", connect=connect)
     cp = str(workdir / "checkpoint")
     coordinator = Coordinator(FileSink(str(workdir / "output"), format=fmt), checkpoint_location=cp,
-                              name="demo")
+                              name="demo", task_input=task_input)
     src = (spark.readStream.schema("id STRING, file INT, amount INT").option("maxFilesPerTrigger", 1)
            .json(str(workdir / "input")))
     q = (src.repartition(2).writeStream.foreachBatch(coordinator).option("checkpointLocation", cp)
@@ -147,7 +150,8 @@ def main_from_args(args) -> int:
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     say(f"faults: {len(points)} crash points, {args.kills} random SIGKILLs (seed {seed}); "
         f"driver log: {workdir / 'driver.log'}")
-    cmd = [sys.executable, "-m", "twophase.demo", "driver", "--workdir", str(workdir), "--format", args.format]
+    cmd = [sys.executable, "-m", "twophase.demo", "driver", "--workdir", str(workdir), "--format", args.format,
+           "--task-input", getattr(args, "task_input", "auto")]
     if getattr(args, "connect", False):
         from twophase._deps import require
 
@@ -200,8 +204,9 @@ def _driver_main(argv: list[str]) -> int:
     p.add_argument("--workdir", required=True)
     p.add_argument("--format", default="parquet")
     p.add_argument("--connect", action="store_true")
+    p.add_argument("--task-input", default="auto", choices=["auto", "arrow", "rows"])
     a = p.parse_args(argv)
-    return run_driver(Path(a.workdir), a.format, a.connect)
+    return run_driver(Path(a.workdir), a.format, a.connect, a.task_input)
 
 
 if __name__ == "__main__":
