@@ -428,7 +428,6 @@ def test_settings_without_shrinking_hold_for_the_ownership_half(fast_path):
     pytest.fail("the crash half caught the defect in one step on 5 seeds: the ownership half never ran")
 
 
-
 def test_testing_imports_without_pytest():
     code = ("import sys; sys.modules['pytest'] = None; sys.modules['_pytest'] = None\n"
             "import twophase.testing as t; print(t.run_sink_conformance.__name__)")

@@ -1120,9 +1120,9 @@ def run_sink_conformance(
     task attempts, and the decision, commits, crashes and recovery follow as for any sink.
 
     ``settings`` is a ``hypothesis.settings`` (default: :func:`default_settings`);
-    ``max_examples`` and ``steps`` (steps per example) override it.  The ownership machine
-    below runs under the same settings (phases, database, deadline), with its own steps.  Each example
-    uses its own query name, ids and batch ids ``example * 1000 + k``.
+    ``max_examples`` and ``steps`` (steps per example) override it; the ownership machine
+    below runs under the same settings (phases, database, deadline), with its own steps.
+    Each example uses its own query name, ids and batch ids ``example * 1000 + k``.
     ``settle_timeout`` re-reads for that many seconds while decided rows are
     missing (for stores whose committed data becomes readable with a lag).
 
