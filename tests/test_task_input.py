@@ -26,7 +26,12 @@ from pyspark import cloudpickle
 
 from twophase import CommitResult, TwoPhaseCommitSink
 from twophase.coordinator import Coordinator
-from twophase.coordinator.task_input import CONVERSION_FAILED, record_batches, rows_schema
+from twophase.coordinator.task_input import (
+    CONVERSION_FAILED,
+    TASK_INPUTS,
+    record_batches,
+    rows_schema,
+)
 from twophase.errors import ConfigurationError
 from twophase.sinks.files import FileSink
 
@@ -253,3 +258,9 @@ def test_a_row_the_rows_path_cannot_build_runs_the_batch_again_on_the_arrow_path
                 if i == 15]
     assert year_one == [-62135596800 * 10**6]
     assert not [p for p in (out / "_twophase").rglob("*") if p.is_file()]  # ballot 0's staged files aborted
+
+
+def test_the_demos_task_input_choices_are_the_coordinators():
+    from twophase import demo
+
+    assert demo.TASK_INPUTS == TASK_INPUTS

@@ -22,6 +22,10 @@ from pathlib import Path
 
 from twophase import crash
 
+#: ``Coordinator(task_input=...)``'s values (twophase.coordinator.task_input.TASK_INPUTS; not
+#: imported here, so that building the CLI's parser imports no coordinator).
+TASK_INPUTS = ("auto", "arrow", "rows")
+
 DESCRIPTION = (
     "Run an exactly-once Spark pipeline (JSON files -> Spark -> FileSink on local disk), kill its "
     "driver at every named crash point and at random moments, restart it each time, and print a "
@@ -41,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "them); names: " + ", ".join(crash.POINTS))
     p.add_argument("--seed", type=int, default=None, help="random seed for kill moments (default: random)")
     p.add_argument("--format", default="parquet", choices=["parquet", "jsonl", "csv"])
-    p.add_argument("--task-input", default="auto", choices=["auto", "arrow", "rows"],
+    p.add_argument("--task-input", default="auto", choices=TASK_INPUTS,
                    help="how the coordinator's tasks take their rows (Coordinator(task_input=...); "
                         "default auto: the rows path after a batch of at most 2,000 rows)")
     p.add_argument("--connect", action="store_true",
@@ -204,7 +208,7 @@ def _driver_main(argv: list[str]) -> int:
     p.add_argument("--workdir", required=True)
     p.add_argument("--format", default="parquet")
     p.add_argument("--connect", action="store_true")
-    p.add_argument("--task-input", default="auto", choices=["auto", "arrow", "rows"])
+    p.add_argument("--task-input", default="auto", choices=TASK_INPUTS)
     a = p.parse_args(argv)
     return run_driver(Path(a.workdir), a.format, a.connect, a.task_input)
 
