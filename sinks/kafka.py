@@ -52,7 +52,12 @@ import pyarrow as pa
 from twophase._deps import require
 from twophase.config import is_secret_ref, resolve_secret
 from twophase.context import TransactionContext
-from twophase.errors import ConfigurationError, MissingDependencyError, TwoPhaseError
+from twophase.errors import (
+    ConfigurationError,
+    MissingDependencyError,
+    TransactionTakenError,
+    TwoPhaseError,
+)
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.sinks.kafka")
@@ -678,6 +683,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         duration = max(0.0, now - float(prepare_started_at))
         margin_s = self.commit_margin_ms / 1000.0
         not_open: list[str] = []
+        taken: list[str] = []
         tight: list[tuple[float, str]] = []
         oldest_age, oldest_tid, oldest_timeout_s = -1.0, "", self.transaction_timeout_ms / 1000.0
         for h, tid in zip(handles, tids):
@@ -698,6 +704,10 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 not_open.append(f"{tid}: DescribeTransactions answered {kp.error_name(st.error_code)}")
             elif st.state != "Ongoing" or st.producer_id != pid or st.producer_epoch != epoch:
                 not_open.append(self._not_open_reason(tid, pid, epoch, st, timeout_s))
+                if age < timeout_s / 2:
+                    # Far younger than its timeout (whatever the clocks' skew): not the broker's
+                    # abort but another actor's InitProducerId on the id (a late task attempt).
+                    taken.append(not_open[-1])
             else:
                 is_open = True
                 # The broker's clock started the timeout: prefer its start time to the executor's.
@@ -714,6 +724,14 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         def more(items: list[str]) -> str:
             rest = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
             return "; ".join(items[:5]) + rest
+
+        if taken and len(taken) == len(not_open) and not tight:
+            raise TransactionTakenError(
+                f"batch {batch_id}: not deciding the batch: {len(taken)} of its {len(handles)} Kafka "
+                f"transactions were aborted long before their timeout: {more(taken)}. Another actor "
+                "initialised the id (a late attempt of one of the batch's tasks, which claimed it from a "
+                "stale look at its state). Nothing of this batch is visible; the ballot's transactions "
+                "are aborted and the batch runs again in a new ballot.")
 
         parts = [(f"batch {batch_id}: not deciding the batch: {len(not_open) + len(tight)} of its "
                   f"{len(handles)} Kafka transactions could not be committed safely.")]
@@ -1037,7 +1055,9 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         1. Describe the partition's ``slots_per_partition`` ids, then the plan fence.  A fence
            past the INTENT's epoch means a newer execution of this batch, or a later batch, was
            planned: this attempt is late and stops before touching any id.
-        2. Take the first id with no transaction open or closing, and claim it with a
+        2. Take the first id with no transaction open or closing, starting from the slot of the
+           attempt's number (so that the attempts of one stage attempt, a retry and the zombie it
+           replaced, never race for one id while there are slots enough), and claim it with a
            conditional InitProducerId from the producer id and epoch just described (an id the
            broker does not know yet: from an impossible producer id, which only a new id
            accepts).  The broker refuses if the id moved meanwhile.  An id with an open
@@ -1068,6 +1088,11 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             raise TwoPhaseError(f"{ctx.label}: partition {ctx.partition_id} is outside the batch INTENT "
                                 f"({n} partitions planned); nothing was written")
         slots = list(tids[ctx.partition_id * r:(ctx.partition_id + 1) * r])
+        # Each attempt number starts on a slot of its own: a retry and the zombie attempt it replaced
+        # (paused, cut off) are alive at once, and two claimants of one slot can abort each other's
+        # transaction (a claim from a stale look at the slot's state, see docs/kafka.md).
+        k = ctx.attempt % r
+        slots = slots[k:] + slots[:k]
         client = self._task_client()
         states = self._describe(client, slots)
         self._check_plan_fence(ctx, client, pool)  # after the ids: a plan seen here precedes them

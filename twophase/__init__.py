@@ -19,6 +19,7 @@ from twophase.errors import (
     MissingDependencyError,
     PrunedBatchError,
     QueryMismatchError,
+    TransactionTakenError,
     TwoPhaseError,
 )
 from twophase.sink import CommitOutcome, CommitResult, PreparedBatch, TwoPhaseCommitSink
@@ -51,6 +52,7 @@ __all__ = [
     "PrunedBatchError",
     "QueryMismatchError",
     "TransactionContext",
+    "TransactionTakenError",
     "TwoPhaseCommitSink",
     "TwoPhaseError",
     "__version__",

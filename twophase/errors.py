@@ -54,6 +54,16 @@ class CommitError(TwoPhaseError):
     """Committing a pre-committed transaction failed after retries; replaying the batch retries it."""
 
 
+class TransactionTakenError(TwoPhaseError):
+    """Before a batch's decision: one of its pre-committed transactions was aborted by another
+    actor at the target (a late task attempt initialising the same transactional id), not by the
+    transaction's own timeout.
+
+    Nothing of the batch is decided or visible, and the next ballot plans afresh, so the
+    coordinator closes the ballot and runs the batch again in a new one (at most twice in one
+    call) instead of failing the query; raised again after that."""
+
+
 class DataLossError(TwoPhaseError):
     """A transaction whose commit was decided can no longer be committed (expired, aborted, fenced)."""
 

@@ -34,7 +34,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from twophase import crash
-from twophase.errors import BatchVanishedError, CommitError, LogOwnershipError, TwoPhaseError
+from twophase.errors import (
+    BatchVanishedError,
+    CommitError,
+    LogOwnershipError,
+    TransactionTakenError,
+    TwoPhaseError,
+)
 from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog, parse_batch_name
 from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
 from twophase.sink import TwoPhaseCommitSink
@@ -108,8 +114,9 @@ _MAX_VOIDS = 2
 
 #: Ballots of one batch the owner runs again, in one call, because a later plan (a deposed
 #: coordinator's, landing late) kept their tasks from writing (see
-#: :meth:`~twophase.sink.TwoPhaseCommitSink.plan_superseded`), or because the work says its
-#: next ballot avoids what failed (:meth:`BatchWork.run_again`).  A deposed coordinator plans at
+#: :meth:`~twophase.sink.TwoPhaseCommitSink.plan_superseded`), because another actor aborted one
+#: of its transactions before the decision (:class:`~twophase.errors.TransactionTakenError`), or
+#: because the work says its next ballot avoids what failed (:meth:`BatchWork.run_again`).  A deposed coordinator plans at
 #: most once more before its INTENT is refused, so one re-run is the rule.
 _MAX_REPLANS = 2
 
@@ -324,6 +331,9 @@ class TwoPhaseProtocol:
                 if self._superseded(opened):
                     raise _RunAgain(batch_id, opened.number, e, "its tasks found a later plan at the target "
                                     "(a deposed coordinator's, landing late) and wrote nothing") from e
+                if isinstance(e, TransactionTakenError):
+                    raise _RunAgain(batch_id, opened.number, e, "another actor aborted one of its transactions "
+                                    "before the decision") from e
                 again = getattr(work, "run_again", None)
                 reason = again(e) if again is not None else None
                 if reason:
