@@ -664,7 +664,10 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         timeout left.  A transaction's age is the driver's clock minus the broker's
         start time of the transaction, capped at the time since ``prepare_started_at``
         (it cannot be older than the batch).  Raises :class:`TwoPhaseError` otherwise;
-        the batch is then undecided and the coordinator aborts its transactions.
+        the batch is then undecided and the coordinator aborts its transactions.  When every
+        transaction found closed is less than half its timeout old, another actor's
+        InitProducerId closed it, not the broker's clock: :class:`TransactionTakenError`, and
+        the coordinator runs the batch again in a new ballot.
         """
         from twophase.sinks import _kafka_protocol as kp
 

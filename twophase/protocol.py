@@ -116,8 +116,9 @@ _MAX_VOIDS = 2
 #: coordinator's, landing late) kept their tasks from writing (see
 #: :meth:`~twophase.sink.TwoPhaseCommitSink.plan_superseded`), because another actor aborted one
 #: of its transactions before the decision (:class:`~twophase.errors.TransactionTakenError`), or
-#: because the work says its next ballot avoids what failed (:meth:`BatchWork.run_again`).  A deposed coordinator plans at
-#: most once more before its INTENT is refused, so one re-run is the rule.
+#: because the work says its next ballot avoids what failed (:meth:`BatchWork.run_again`).  A
+#: deposed coordinator plans at most once more before its INTENT is refused, so one re-run is the
+#: rule.
 _MAX_REPLANS = 2
 
 

@@ -201,7 +201,10 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         each one is still open and has a safe margin left, and raises
         :class:`~twophase.errors.TwoPhaseError` otherwise: the batch then fails while
         it is undecided (its leftovers are aborted and its replay writes it again),
-        instead of being decided and reported as data loss later.
+        instead of being decided and reported as data loss later.  Raise
+        :class:`~twophase.errors.TransactionTakenError` when another actor, not the batch's
+        own age, aborted a transaction (a late task attempt): the coordinator then runs the
+        batch again in a new ballot instead of failing the query.
         ``prepare_started_at`` is the ``time.time()`` at which the batch's executors
         started.  Default: nothing to check.
         """
