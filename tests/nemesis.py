@@ -323,6 +323,7 @@ class Nemesis:
         if self.cluster:
             self.marks.mkdir(parents=True, exist_ok=True)
             self.master_url = info["spark_hosts"]["master_url"]
+            self._wait_for_a_free_cluster()
         self.minio = info["minio_host"]
         self.target = TARGETS[self.sink](info)
         self.log_prefix = f"nemesis-{self.run_id}/log"
@@ -595,6 +596,26 @@ class Nemesis:
         return watch
 
     # ---------------------------------------------------------------- the schedule
+    def _wait_for_a_free_cluster(self, timeout: float = 60.0) -> None:
+        """Wait until no other application runs on the cluster, or say which ones do.  The drivers
+        need both workers' executors; one left by an interrupted run (its pytest killed) keeps
+        them, and every batch of this run would stall with no hint why."""
+        from tests.services.spark_cluster import master_status
+        from tests.services.spark_hosts import MASTER_JSON
+
+        deadline = time.monotonic() + timeout
+        while True:
+            apps = (master_status(url=MASTER_JSON) or {}).get("activeapps") or []
+            if not apps:
+                return
+            if time.monotonic() > deadline:
+                names = "; ".join(f"{a.get('name')} ({a.get('id')}, {a.get('cores')} cores)" for a in apps)
+                _log(f"WARNING: the cluster still runs {len(apps)} other application(s) after {timeout:.0f} s: "
+                     f"{names}. This run's drivers may get no executors. A driver left by an interrupted "
+                     "run? Stop it: pkill -f ownership_pipeline.py")
+                return
+            time.sleep(0.5)
+
     def run(self) -> History:
         self.setup()
         try:
