@@ -340,6 +340,26 @@ class Nemesis:
         self.stop_file = self.out / "stop"
         self.env = dict(self.target.env(), TP_NEMESIS_S3_SECRET=self.minio["secret"])
 
+    def _wait_for_a_free_cluster(self, timeout: float = 60.0) -> None:
+        """Wait until no other application runs on the cluster, or say which ones do.  The drivers
+        need both workers' executors; one left by an interrupted run (its pytest killed) keeps
+        them, and every batch of this run would stall with no hint why."""
+        from tests.services.spark_cluster import master_status
+        from tests.services.spark_hosts import MASTER_JSON
+
+        deadline = time.monotonic() + timeout
+        while True:
+            apps = (master_status(url=MASTER_JSON) or {}).get("activeapps") or []
+            if not apps:
+                return
+            if time.monotonic() > deadline:
+                names = "; ".join(f"{a.get('name')} ({a.get('id')}, {a.get('cores')} cores)" for a in apps)
+                _log(f"WARNING: the cluster still runs {len(apps)} other application(s) after {timeout:.0f} s: "
+                     f"{names}. This run's drivers may get no executors. A driver left by an interrupted "
+                     "run? Stop it: pkill -f ownership_pipeline.py")
+                return
+            time.sleep(0.5)
+
     def sink_config(self) -> dict[str, Any]:
         """The target's sink config; for an older ``--package``, without the parameters its sink
         does not know (they keep that package's defaults)."""
@@ -596,26 +616,6 @@ class Nemesis:
         return watch
 
     # ---------------------------------------------------------------- the schedule
-    def _wait_for_a_free_cluster(self, timeout: float = 60.0) -> None:
-        """Wait until no other application runs on the cluster, or say which ones do.  The drivers
-        need both workers' executors; one left by an interrupted run (its pytest killed) keeps
-        them, and every batch of this run would stall with no hint why."""
-        from tests.services.spark_cluster import master_status
-        from tests.services.spark_hosts import MASTER_JSON
-
-        deadline = time.monotonic() + timeout
-        while True:
-            apps = (master_status(url=MASTER_JSON) or {}).get("activeapps") or []
-            if not apps:
-                return
-            if time.monotonic() > deadline:
-                names = "; ".join(f"{a.get('name')} ({a.get('id')}, {a.get('cores')} cores)" for a in apps)
-                _log(f"WARNING: the cluster still runs {len(apps)} other application(s) after {timeout:.0f} s: "
-                     f"{names}. This run's drivers may get no executors. A driver left by an interrupted "
-                     "run? Stop it: pkill -f ownership_pipeline.py")
-                return
-            time.sleep(0.5)
-
     def run(self) -> History:
         self.setup()
         try:

@@ -33,17 +33,13 @@ import pyarrow as pa
 import pytest
 
 from tests.inprocess import Driver, OneTask, run_attempt
+from tests.test_kafka_ownership import _committer, _open, _prepare, _values
 from tests.test_kafka_sink import _topic, read_committed
 from twophase.context import TransactionContext
 from twophase.protocol import BatchProgress
-from twophase.recovery import Committer
 from twophase.sinks.kafka import KafkaSink
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
-
-
-def _values(tag: str, n: int = 10) -> list[bytes]:
-    return [f"{tag}-{i}".encode() for i in range(n)]
 
 
 def _rows(tag: str) -> pa.RecordBatch:
@@ -71,12 +67,6 @@ def _claims_after(sink: KafkaSink, zombie: TransactionContext, meanwhile: Callab
     return txn, got[0]
 
 
-def _open(sink: KafkaSink, *intents: dict[str, Any]) -> list[str]:
-    tids = sorted({t for i in intents for t in i["transactional_ids"]})
-    states = sink._txn_client().describe_transactions(tids)
-    return sorted(t for t, d in states.items() if d.state in ("Ongoing", "PrepareAbort", "PrepareCommit"))
-
-
 def test_a_zombie_attempt_waking_as_its_retry_claims_leaves_the_retrys_transaction_alone(kafka_service):
     """Batch 1, partition 0: attempt 0's executor was stopped after it described the slots; attempt
     1 (the retry) claims, writes and pre-commits; attempt 0 wakes, claims, writes and pre-commits
@@ -87,32 +77,25 @@ def test_a_zombie_attempt_waking_as_its_retry_claims_leaves_the_retrys_transacti
     bs = kafka_service["bootstrap_servers"]
     topic, prefix = _topic(bs, partitions=1), f"lc1-{uuid.uuid4().hex[:8]}"
     sink = KafkaSink(bs, topic, prefix, transaction_timeout_ms=120_000)
-    committer = Committer(sink, retries=10, backoff=0.1, max_backoff=1.0)
+    committer = _committer(sink)
     try:
         intent0 = sink.plan_batch("q", 0, 1)                            # batch 0 uses slot 0 (ids reused)
-        h0 = sink.pre_commit(_begin_write(sink, TransactionContext("q", 0, 0, 0, intent0), "b0"))
+        h0 = _prepare(sink, intent0, 0, 0, 0, _values("b0"))
         committer.commit(0, [h0], recovering=False)
         sink.abort_lingering("q", 0, intent0, [h0])
         intent1 = sink.plan_batch("q", 1, 1)
         started = time.time()
         zombie_ctx = TransactionContext("q", 1, 0, 0, intent1)
-        zombie, retry = _claims_after(sink, zombie_ctx, lambda: sink.pre_commit(
-            _begin_write(sink, TransactionContext("q", 1, 0, 1, intent1), "retry")))
+        zombie, retry = _claims_after(sink, zombie_ctx, lambda: _prepare(sink, intent1, 1, 0, 1, _values("retry")))
         sink.write(zombie, _rows("zombie"))
         sink.pre_commit(zombie)                                          # its result is lost with its executor
         sink.verify_prepared(1, [retry], prepare_started_at=started)     # was: "not deciding the batch"
         committer.commit(1, [retry], recovering=False)
         assert sink.abort_lingering("q", 1, intent1, [retry]) == 1      # the zombie's transaction
         assert Counter(read_committed(bs, topic)) == Counter(_values("b0") + _values("retry"))
-        assert _open(sink, intent0, intent1) == []
+        assert _open(sink, intent1) == []                               # batch 0's ids are batch 1's
     finally:
         sink.close()
-
-
-def _begin_write(sink: KafkaSink, ctx: TransactionContext, tag: str) -> Any:
-    txn = sink.begin_transaction(ctx)
-    sink.write(txn, _rows(tag))
-    return txn
 
 
 class StageRetryRace(OneTask):
