@@ -20,7 +20,8 @@ InitProducerId aborts such a transaction, even a decided one, whatever epoch it 
 Kafka 4.1.2).  Cleanup is conditional too: ``abort_lingering`` aborts with EndTxn under the exact
 producer id and epoch it described, and only what the INTENT's snapshot lists as open before the
 ballot, or anything not kept while no newer ballot has been planned.  See docs/kafka.md, including
-what is left (a claimant that stalls between two of its own requests).
+what is left (a claim sent from a stale look at an id: two attempts of one number racing, or one
+that stalls between two of its own requests; caught before the decision, the batch runs again).
 
 Delivery guarantee: with :class:`twophase.coordinator.Coordinator`, every row of
 every batch appears exactly once to consumers with ``isolation.level=read_committed``
