@@ -27,7 +27,7 @@ from twophase.coordinator.task_input import (
     rows_schema,
 )
 from twophase.errors import ConfigurationError, LogOwnershipError, TwoPhaseError
-from twophase.log import LogStore, TransactionLog, open_store
+from twophase.log import LogStore, TransactionLog, batch_query_id, open_store
 from twophase.protocol import BatchProgress, TwoPhaseProtocol
 from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
@@ -331,7 +331,7 @@ class Coordinator:
 
         Calling it again with the same ``batch_id`` (e.g. a re-run job) does not write twice.
         """
-        self._run(df, int(batch_id), f"batch:{self.name}", streaming=False)
+        self._run(df, int(batch_id), batch_query_id(self.name, self.sink.target()), streaming=False)
         assert self.last_progress is not None
         return self.last_progress
 
@@ -342,7 +342,8 @@ class Coordinator:
         self._check_spark(spark, query_id, streaming)
         self.sink.open()
         tlog = TransactionLog(self.log_location, **self._log_args)
-        tlog.acquire(query_id, self.name, new_generation=self.new_generation, takeover=self.takeover)
+        tlog.acquire(query_id, self.name, new_generation=self.new_generation, takeover=self.takeover,
+                     target=self.sink.target())
         self.new_generation = False  # only the first acquire starts a generation
         if self._protocol is not None:
             self._protocol.settle()  # the old log's last COMMITTED record, before that log closes

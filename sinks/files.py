@@ -321,6 +321,9 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         """``"local"``, ``"hdfs"`` or ``"s3"``."""
         return self._backend.fs
 
+    def target(self) -> str:
+        return "files " + re.sub(r"://[^/@]*@", "://", self.url)  # no user:password@ of a URL
+
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:
         """The config for ``twophase recover``; credentials only as ``{"env": ...}`` references.

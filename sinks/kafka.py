@@ -253,6 +253,9 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         self.__dict__.update(state)
         self._client_lock = threading.Lock()
 
+    def target(self) -> str:
+        return f"kafka {self.bootstrap_servers} topic {self.topic or '(per-record topics)'}"
+
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:
         """A config for ``twophase recover`` and friends.  Refuses literal secrets (use ``{"env": ...}``)."""

@@ -482,6 +482,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             except Exception:
                 pass
 
+    def target(self) -> str:
+        return f"postgres {self.where} table {self.target_name}"
+
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:
         """Everything needed to rebuild this sink, without secrets.

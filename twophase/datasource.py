@@ -31,7 +31,7 @@ from twophase import crash
 from twophase._deps import require
 from twophase.config import sink_class  # sinks by kind: the core never imports a sink module
 from twophase.errors import ConfigurationError, TwoPhaseError
-from twophase.log import TransactionLog, open_store
+from twophase.log import TransactionLog, batch_query_id, open_store
 from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
 from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
@@ -190,11 +190,11 @@ def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
         batch_id, query_id = _current_batch(settings.checkpoint)
     else:
         assert settings.batch_id is not None
-        batch_id, query_id = settings.batch_id, f"batch:{settings.name}"
+        batch_id, query_id = settings.batch_id, batch_query_id(settings.name, sink.target())
     _open(sink, settings)
     tlog = TransactionLog(settings.log_location)
     # No process outlives a batch: each plan is a new epoch; the ballots' slots are the fence.
-    tlog.acquire(query_id, settings.name, takeover=True)
+    tlog.acquire(query_id, settings.name, takeover=True, target=sink.target())
     protocol = TwoPhaseProtocol(sink, tlog, name=settings.name, query_name=f"{settings.name}.{tlog.scope()}",
                                 committer=lambda: _committer(sink, settings))
     prog = BatchProgress(settings.name, batch_id, query_id, "committed")
@@ -342,10 +342,10 @@ class _Steps:
         settings = self.settings
         try:
             query_id = _current_batch(settings.checkpoint)[1] if settings.streaming and settings.checkpoint \
-                else f"batch:{settings.name}"
+                else batch_query_id(settings.name, self.sink.target())
             self.sink.open_for_commit()
             tlog = TransactionLog(settings.log_location)
-            tlog.acquire(query_id, settings.name, takeover=True)
+            tlog.acquire(query_id, settings.name, takeover=True, target=self.sink.target())
             try:
                 TwoPhaseProtocol(self.sink, tlog, name=settings.name, query_name=f"{settings.name}.{tlog.scope()}",
                                  committer=lambda: _committer(self.sink, settings)).recover()

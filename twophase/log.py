@@ -251,6 +251,26 @@ def _process_space() -> str:
     return "|".join(parts)
 
 
+def batch_query_id(name: str, target: str) -> str:
+    """The query id a batch job (``Coordinator.write``, ``df.write.format("twophase-*")``) binds
+    its log generation to: its name and a digest of its sink's target
+    (:meth:`~twophase.sink.TwoPhaseCommitSink.target`).  Streaming queries use Spark's query id.
+
+    A batch job has no Spark query id; with the name alone, two jobs given one log location (and
+    the default name) shared a generation, and the second found the first one's batch ids
+    committed and silently wrote nothing.  With the target in it, the second job is refused.
+    """
+    return f"batch:{name}@{hashlib.sha256(target.encode()).hexdigest()[:16]}"
+
+
+def _describe_query(rec: dict[str, Any]) -> str:
+    q = str(rec.get("query_id"))
+    if not q.startswith("batch:"):
+        return f"streaming query {q}"
+    target = rec.get("target")
+    return f"batch job {q[6:].split('@', 1)[0]!r}" + (f" writing to {target}" if target else "")
+
+
 # ------------------------------------------------------------------------------ log
 class TransactionLog:
     """The log of one coordinator: ownership, generation, and batch records.
@@ -326,26 +346,59 @@ class TransactionLog:
                     out.append(rec)
         return sorted(out, key=lambda r: r["generation"])
 
-    def _bind_generation(self, query_id: str, name: str, new_generation: bool) -> int:
+    def _bind_generation(self, query_id: str, name: str, new_generation: bool, target: str | None = None) -> int:
+        """The generation of this log that belongs to ``query_id``: the latest one, or a new one.
+
+        ``new_generation`` asks for a new generation only when the latest belongs to *another*
+        query: it is bound to the query it replaces.  A flag kept in the job's code after the first
+        start (the same checkpoint, so the same query id) finds the latest generation its own and
+        reuses it; a new generation there would have no record of a batch decided just before a
+        crash, and the replay would write it a second time.
+        """
         gens = self.generations()
-        if gens and not new_generation:
-            latest = gens[-1]
-            if latest["query_id"] == query_id:
-                return int(latest["generation"])
-            raise QueryMismatchError(
-                f"the transaction log {self.url} belongs to streaming query {latest['query_id']} "
+        latest = gens[-1] if gens else None
+        if latest is not None and latest["query_id"] == query_id:
+            if new_generation:
+                log.info("transaction log %s: generation %s already belongs to query %s; new_generation=True "
+                         "reuses it (the flag starts a generation only for a query the log has not seen last)",
+                         self.url, latest["generation"], query_id)
+            return int(latest["generation"])
+        if latest is not None and query_id.startswith("batch:") and latest["query_id"] == query_id.split("@", 1)[0]:
+            # A batch job's generation from before batch ids carried the target: the same job.
+            return int(latest["generation"])
+        if latest is not None and not new_generation:
+            raise QueryMismatchError(self._mismatch(latest, query_id))
+        g = (int(latest["generation"]) + 1) if latest is not None else 1
+        body = {"kind": "generation", "generation": g, "query_id": query_id, "name": name,
+                "created_at": time.time()}
+        if target:
+            body["target"] = target
+        if not self.store.create(f"generations/{g:04d}.json", encode_record(body)):
+            # Another driver created it first: ours too if it is the same query (two drivers of one
+            # new query, both with the flag), else refused.
+            rec = self._read(f"generations/{g:04d}.json")
+            if rec is not None and rec.get("query_id") == query_id:
+                return g
+            raise LogOwnershipError(f"another coordinator created generation {g} of {self.url} at the same time "
+                                    f"(for query {None if rec is None else rec.get('query_id')})")
+        return g
+
+    def _mismatch(self, latest: dict[str, Any], query_id: str) -> str:
+        if str(query_id).startswith("batch:") or str(latest["query_id"]).startswith("batch:"):
+            return (f"the transaction log {self.url} belongs to {_describe_query(latest)} (generation "
+                    f"{latest['generation']}), but this is {_describe_query({'query_id': query_id})}. Two jobs "
+                    "must not share one log: batch ids are per job, so the second job would find the first one's "
+                    "batches committed and write nothing. Give each job its own log location "
+                    "(Coordinator(log_location=...), option twophase.logLocation).")
+        return (f"the transaction log {self.url} belongs to streaming query {latest['query_id']} "
                 f"(generation {latest['generation']}, coordinator {latest.get('name')!r}), but this "
                 f"is query {query_id}. The checkpoint was probably deleted or replaced: Spark restarts "
                 "batch ids at 0, and the log would wrongly skip them as already committed. Either "
                 "point log_location at a fresh location, or start a new log generation explicitly "
-                "(Coordinator(..., new_generation=True)); 'twophase offsets' prints where the old "
-                "generation's committed input ends.")
-        g = (int(gens[-1]["generation"]) + 1) if gens else 1
-        body = {"kind": "generation", "generation": g, "query_id": query_id, "name": name,
-                "created_at": time.time()}
-        if not self.store.create(f"generations/{g:04d}.json", encode_record(body)):
-            raise LogOwnershipError(f"another coordinator created generation {g} of {self.url} at the same time")
-        return g
+                "(Coordinator(..., new_generation=True): it is bound to the query it starts the generation "
+                "for, so it may stay in the code); first finish the old generation's pending batches "
+                "('twophase status', 'twophase recover'), then 'twophase offsets' prints where its "
+                "committed input ends.")
 
     # -- ownership
     def epochs(self) -> list[int]:
@@ -386,8 +439,12 @@ class TransactionLog:
                 return True
         return True
 
-    def acquire(self, query_id: str, name: str, *, new_generation: bool = False, takeover: bool = False) -> None:
-        """Become the owner of this log for ``query_id`` (or refuse, naming the live owner)."""
+    def acquire(self, query_id: str, name: str, *, new_generation: bool = False, takeover: bool = False,
+                target: str | None = None) -> None:
+        """Become the owner of this log for ``query_id`` (or refuse, naming the live owner).
+
+        ``target``: where the sink writes (secret-free), kept with a new generation so that a
+        refusal can name the job the log belongs to."""
         lease = self.lease()
         if lease is not None and not takeover and self._holder_alive(lease):
             raise LogOwnershipError(
@@ -396,7 +453,7 @@ class TransactionLog:
                 "ago). Two coordinators must never commit for one log. Stop the other query first; if it "
                 f"is dead on another host, wait {self.lease_timeout:.0f}s for its lease to expire or "
                 "pass takeover=True.")
-        self.generation = self._bind_generation(query_id, name, new_generation)
+        self.generation = self._bind_generation(query_id, name, new_generation, target)
         self.query_id = query_id
         current = self.epochs()
         epoch = (current[-1] + 1) if current else 1

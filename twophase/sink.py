@@ -288,6 +288,26 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         """A short, secret-free description for messages ("file part-3.parquet", "tid app-0-1 pid 7")."""
         return _handles.dumps(self.handle_to_json(handle))[:300]
 
+    def target(self) -> str:
+        """Where this sink's rows land, secret-free ("files s3://bucket/orders", "kafka ... topic t").
+
+        A batch job's identity in its transaction log is its name plus this target (see
+        :func:`twophase.log.batch_query_id`): two batch jobs that share one log are refused by it,
+        instead of the second finding the first one's batch ids committed and writing nothing.
+        Default: the sink's kind and a digest of :meth:`to_config` (or the class name where there is
+        no config); override it with the target alone, so that a setting changed between two runs
+        of one job does not make it another job.
+        """
+        import hashlib
+        import json
+
+        label = self.kind or type(self).__qualname__
+        try:
+            cfg = self.to_config()
+        except Exception:  # noqa: BLE001 - no config: the class is all we know
+            return label
+        return f"{label} {hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]}"
+
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:
         """A plain dict from which :meth:`from_config` rebuilds this sink without Spark.

@@ -1,0 +1,71 @@
+"""Issue 45, scenario 2: two batch jobs given one transaction log.
+
+A batch job has no Spark query id; its log generation was bound to ``batch:{name}``.  An "orders"
+job and a "payments" job that share one ``twophase.logLocation`` (and the default name) shared one
+generation, and the second found batch 20261127 COMMITTED and silently wrote nothing, its write
+returning as if done.  Now a batch job's identity includes its sink's target: the second job is
+refused with a message naming the shared log, and nothing of it is lost silently.  Each job on
+its own log writes its rows once, and a re-run of either is still skipped.
+
+On local Spark and real local files, in both forms (``Coordinator.write`` and ``df.write``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from twophase import QueryMismatchError
+from twophase.coordinator import Coordinator
+from twophase.sinks.files import FileSink
+
+
+def _ids(folder) -> list[int]:
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(json.loads(line)["id"]) for p in os.listdir(folder) if p.endswith(".jsonl")
+                  for line in open(os.path.join(folder, p)) if line.strip())
+
+
+def test_two_batch_jobs_on_one_log_with_the_coordinator_the_second_is_refused_naming_the_log(spark, tmp_path):
+    log = str(tmp_path / "logs" / "daily")
+    orders, payments = tmp_path / "orders", tmp_path / "payments"
+    o = spark.range(0, 100, 1, 2).selectExpr("id")
+    p = spark.range(1000, 1050, 1, 2).selectExpr("id")
+    with Coordinator(FileSink(str(orders), format="jsonl"), log_location=log) as c:
+        assert c.write(o, batch_id=20261127)["action"] == "committed"
+    with Coordinator(FileSink(str(payments), format="jsonl"), log_location=log) as c:
+        with pytest.raises(QueryMismatchError, match="must not share one log") as err:
+            c.write(p, batch_id=20261127)
+    assert log in str(err.value) and "orders" in str(err.value)
+    assert _ids(orders) == list(range(100))
+    assert _ids(payments) == []   # refused, not skipped as "committed"
+    # Each job on a log of its own: written once, and a re-run is skipped.
+    for _ in range(2):
+        with Coordinator(FileSink(str(payments), format="jsonl"), log_location=str(tmp_path / "logs" / "pay")) as c:
+            c.write(p, batch_id=20261127)
+    with Coordinator(FileSink(str(orders), format="jsonl"), log_location=log) as c:
+        assert c.write(o, batch_id=20261127)["action"] == "skipped"
+    assert _ids(payments) == list(range(1000, 1050))
+    assert _ids(orders) == list(range(100))
+
+
+def test_two_batch_jobs_on_one_log_by_name_the_second_is_refused_naming_the_log(spark, tmp_path):
+    import twophase.datasource
+
+    twophase.datasource.register(spark)
+    log = str(tmp_path / "logs" / "daily")
+    orders, payments = tmp_path / "orders", tmp_path / "payments"
+
+    def write(df, out):
+        (df.write.format("twophase-files").mode("append").option("format", "jsonl")
+         .option("twophase.logLocation", log).option("twophase.batchId", "20261127").save(str(out)))
+
+    write(spark.range(0, 100, 1, 2).selectExpr("id"), orders)
+    with pytest.raises(Exception, match="must not share one log"):
+        write(spark.range(1000, 1050, 1, 2).selectExpr("id"), payments)
+    write(spark.range(0, 100, 1, 2).selectExpr("id"), orders)   # a re-run of orders: skipped
+    assert _ids(orders) == list(range(100))
+    assert _ids(payments) == []
