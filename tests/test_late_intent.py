@@ -96,3 +96,72 @@ def test_a_newer_owners_intent_in_the_slot_stops_the_older_coordinator(tmp_path)
     assert b.tlog.view(1).ballots[0].decision is None  # A closed nothing of the newer owner's
     a.close()
     b.close()
+
+
+def a_late_decision_lands_while_the_owner_reads_again_after_a_late_intent(make_sink, log_url: str):
+    """Issue 45, scenario 3.  A (the older epoch: a paused driver, or the data source form's earlier
+    run, whose commit step decides with no epoch check) and B (the owner) both run batch 2.  A's
+    INTENT of ballot 0 lands late, just before B's: B's create finds it and B reads the batch again;
+    A's decision of ballot 0 lands in between.  B must commit that decision, not open ballot 1 and
+    decide the batch a second time.  Returns (A, B)."""
+    from twophase.recovery import Committer
+
+    a = Driver(make_sink(), log_url, "q")
+    assert a.batch(0, ids(1, 2)).action == "committed"
+    b = Driver(make_sink(), log_url, "q", takeover=True)
+    assert b.batch(1, ids(3)).action == "committed"
+    held: dict = {}
+    write = b.tlog.write
+
+    def b_write(batch_id, state, payload, generation=None, ballot=0):
+        if state != INTENT or batch_id != 2 or held:
+            return write(batch_id, state, payload, generation=generation, ballot=ballot)
+        # A's INTENT (ballot 0) lands first, and A's task pre-commits under it.
+        intent = a.sink.plan_batch(a.query_name, 2, 1)
+        mine = a.tlog.write(2, INTENT, {"intent": intent, "sink": a.sink.kind, "name": a.query_name,
+                                        "num_partitions": 1}, ballot=0)
+        assert a.tlog.mine(mine)
+        results = OneTask(a.sink, ids(4, 5)).prepare(a.query_name, 2, intent, f"e{a.tlog.epoch}late")
+        found = write(batch_id, state, payload, generation=generation, ballot=ballot)   # B's: finds A's
+        assert not b.tlog.mine(found)
+        # A's decision lands before B reads the batch again.
+        held["decision"] = a.tlog.decide(2, 0, {"handles": [r["handle"] for r in results], "rows": 2})
+        assert a.tlog.mine(held["decision"])
+        return found
+
+    b.tlog.write = b_write  # type: ignore[method-assign]
+    b.batch(2, ids(4, 5))
+    # A goes on: it commits what it decided (idempotent beside B's commit of the same decision).
+    Committer(a.sink, backoff=0.01).commit(2, [a.sink.decode_handle(h) for h in held["decision"].handles],
+                                           recovering=False)
+    decided = [x.ballot for x in b.tlog.view(2).ballots if x.committed]
+    assert decided == [0], f"ballots decided 'commit': {decided}"
+    return a, b
+
+
+def test_a_late_decision_racing_the_owners_reread_after_a_late_intent_is_committed_once_files(tmp_path):
+    from twophase.sinks.files import FileSink
+
+    out = tmp_path / "out"
+    a, b = a_late_decision_lands_while_the_owner_reads_again_after_a_late_intent(
+        lambda: FileSink(str(out), format="jsonl"), str(tmp_path / "log"))
+    try:
+        rows = Counter(json.loads(line)["id"] for p in os.listdir(out) if not p.startswith("_")
+                       for line in open(out / p) if line.strip())
+        assert rows == Counter([1, 2, 3, 4, 5])
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.postgres
+def test_a_late_decision_racing_the_owners_reread_after_a_late_intent_is_committed_once_postgres(
+        postgres_service, tmp_path):
+    with PgTable(postgres_service["dsn"], "latedec") as t:
+        a, b = a_late_decision_lands_while_the_owner_reads_again_after_a_late_intent(t.sink, str(tmp_path / "log"))
+        try:
+            assert t.ids() == [1, 2, 3, 4, 5]
+            assert t.prepared() == []
+        finally:
+            a.close()
+            b.close()

@@ -24,7 +24,7 @@ from tests.test_cli_backends import cli, write_log
 from twophase import CommitResult, PrunedBatchError, TransactionContext
 from twophase.coordinator import Coordinator
 from twophase.errors import CommitError, ConfigurationError, LogOwnershipError
-from twophase.log import COMMITTED, INTENT, PREPARED, TransactionLog
+from twophase.log import COMMITTED, INTENT, PREPARED, TransactionLog, batch_query_id
 from twophase.sinks.files import FileSink
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def test_coordinator_fenced_before_deciding_aborts_its_own_prepared_transactions
         def plan_batch(self, query_name, batch_id, num_partitions):
             # While this coordinator plans the batch, an operator starts a second one on the log.
             other = TransactionLog(log_url)
-            other.acquire("batch:fence", "fence", takeover=True)
+            other.acquire(batch_query_id("fence", self.target()), "fence", takeover=True)
             return super().plan_batch(query_name, batch_id, num_partitions)
 
     sink = TakenOver(postgres_service["dsn"], table, gid_prefix=f"f{table[-6:]}")

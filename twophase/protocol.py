@@ -388,21 +388,26 @@ class TwoPhaseProtocol:
                 tlog.refuse_pruned(batch_id)  # PrunedBatchError below the low-water mark
         prog.log_ms += _ms(t0)
 
-        if view.committed is None and view.decision is not None:  # only if recovery was skipped: never leave it
-            recovered = self.recover()
-            view = tlog.view(batch_id)
-        if view.committed is not None:                                              # steps 1-2
-            prog.action = "recommitted" if (tlog.generation, batch_id) in (recovered or set()) else "skipped"
-            decision = view.decision
-            if prog.action == "recommitted" and decision is not None:
-                prog.handles = len(decision.handles)
-                prog.rows = int(decision.body.get("rows", 0))
-            return None
-
-        t0 = time.perf_counter()                                                    # step 3
+        t0 = time.perf_counter()
         qname = self.query_name
         for tries in range(_MAX_LATE_INTENTS + 1):
+            if view.committed is None and view.decision is not None:
+                # A commit decision: recovery was skipped (the fast path), or one landed after we
+                # read (a late actor's decision in a ballot our late-INTENT loop found open).  It
+                # stands: commit it.  Never open another ballot beside a decided one.
+                recovered = (recovered or set()) | self.recover()
+                view = tlog.view(batch_id)
+            if view.committed is not None:                                          # steps 1-2
+                prog.action = "recommitted" if (tlog.generation, batch_id) in (recovered or set()) else "skipped"
+                decision = view.decision
+                if prog.action == "recommitted" and decision is not None:
+                    prog.handles = len(decision.handles)
+                    prog.rows = int(decision.body.get("rows", 0))
+                return None
             number = self._close_earlier_ballots(batch_id, view, prog, after_recovery=recovered is not None)
+            if number is None:  # a ballot was decided while we closed it: commit that decision
+                view = tlog.view(batch_id)
+                continue
             planned = next((b.intent.body.get("num_partitions") for b in reversed(view.ballots)
                             if b.intent is not None), None)
             num_partitions = partitions(int(planned) if planned else None)
@@ -428,12 +433,14 @@ class TwoPhaseProtocol:
                     "writing (the owner runs the batch)")
             # A deposed coordinator's INTENT that landed late (paused, or held on the wire): the
             # batch is ours to run.  Its ballot is closed like any earlier one (its transactions
-            # aborted only after its slot says abort; a decision that beat the close stands: the
-            # replay commits it), and we open the next ballot.
+            # aborted only after its slot says abort; a decision that beat the close stands: it is
+            # committed at the top of the loop, and no ballot of ours is opened), and we open the next.
             log.warning("%s: batch %d: ballot %d was opened by deposed coordinator epoch %s (a late INTENT); "
                         "closing it and opening the next", self.name, batch_id, number, other)
             view = tlog.view(batch_id)
             recovered = recovered or set()  # earlier ballots were handled: abort only what is closed now
+        else:  # pragma: no cover - every pass of the loop breaks, returns or raises by its last try
+            raise LogOwnershipError(f"batch {batch_id}: no ballot could be opened")
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
         run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
@@ -531,11 +538,13 @@ class TwoPhaseProtocol:
             tlog.prune(batch_id)
 
     def _close_earlier_ballots(self, batch_id: int, view: BatchView, prog: BatchProgress, *,
-                               after_recovery: bool) -> int:
+                               after_recovery: bool) -> int | None:
         """Close what earlier ballots of this batch left open, abort their names; return the number
-        of the ballot to open.  A ballot found decided while we closed it stands: CommitError (the
-        replay commits it)."""
+        of the ballot to open, or None when a ballot turned out decided (in ``view`` already, or a
+        late decision that beat our close): that decision stands and is committed, never skipped."""
         tlog = self.tlog
+        if any(b.committed for b in view.ballots):
+            return None
         closed_now = []
         for ballot in view.ballots:
             if ballot.open:
@@ -543,8 +552,9 @@ class TwoPhaseProtocol:
                 if not slot.aborted:
                     # Decided while we looked (a paused coordinator's late decision): it stands.
                     self.dirty = True
-                    raise CommitError(f"batch {batch_id}: ballot {ballot.ballot} was decided by another "
-                                      "coordinator while this one opened a new ballot; the replay commits it")
+                    log.warning("%s: batch %d: ballot %d was decided by another coordinator while this one "
+                                "closed it; committing that decision", self.name, batch_id, ballot.ballot)
+                    return None
                 closed_now.append(ballot)
         # Every earlier ballot is closed as aborted now: its names are garbage. Recovery (when it ran
         # just now) already aborted those closed before.
