@@ -93,6 +93,9 @@ def cmd_recover(args) -> int:
                   f"{report.handles_already_committed} were already committed)")
         aborted = ", ".join(f"batch {b}: {n}" for b, n in report.aborted.items()) or "none"
         print(f"aborted lingering transactions: {aborted}")
+        for b in report.voided:
+            print(f"VOID: batch {b}: every transaction of its decision is gone and none of it was ever visible; "
+                  "the query runs it again when it restarts")
         for lost in report.lost:
             print(f"LOST: batch {lost['batch_id']}: {lost['handle']}: {lost['reason']}")
     return 1 if report.lost else 0

@@ -80,9 +80,10 @@ class BatchVanishedError(DataLossError):
     visible (each one aborted or rolled back by the target, none committed).
 
     Nothing of the batch is visible, so it can run again instead of being lost: the coordinator
-    voids the decision and re-runs the batch when Spark replays it (the batch it is running);
-    elsewhere (an older batch, ``twophase recover``) it is reported like any data loss, with
-    that advice."""
+    voids the decision and re-runs the batch when Spark replays it (the batch it is running), in
+    both forms; ``twophase recover`` voids a decision of the query's current generation and leaves
+    the batch to the query's replay.  Elsewhere (an older generation's batch, which Spark never
+    replays) it is reported like any data loss, with that advice."""
 
     generation: int | None = None  # the decided ballot, when known
     ballot: int | None = None

@@ -361,7 +361,23 @@ class TwoPhaseProtocol:
         """Steps 1-3 of batch ``batch_id``: recovery when dirty, then either nothing to run (None:
         the batch was committed before, or is recommitted now from an earlier decision;
         ``prog.action`` says which) or a ballot of ours opened (its INTENT logged) for the tasks
-        to write under.  ``partitions(planned)`` is :meth:`BatchWork.partitions`."""
+        to write under.  ``partitions(planned)`` is :meth:`BatchWork.partitions`.
+
+        A decision of this very batch that recovery proves void (every transaction gone, none ever
+        visible: :class:`~twophase.errors.BatchVanishedError`) is recorded void and the batch gets
+        a new ballot, in both forms: the coordinator's :meth:`run_batch` and the data source form's
+        plan step, which calls this directly."""
+        voided = 0
+        while True:
+            try:
+                return self._open_ballot(batch_id, partitions, prog)
+            except BatchVanishedError as e:
+                if voided == _MAX_VOIDS or not self._void(batch_id, e):
+                    raise
+                voided += 1
+
+    def _open_ballot(self, batch_id: int, partitions: Callable[[int | None], int],
+                     prog: BatchProgress) -> OpenedBallot | None:
         tlog = self.tlog
         t0 = time.perf_counter()
         self.settle()

@@ -255,11 +255,15 @@ class RecoveryReport:
     handles_already_committed: int = 0
     aborted: dict[int, int] = field(default_factory=dict)
     lost: list[dict[str, Any]] = field(default_factory=list)
+    #: Batches whose decision was proved void (every transaction gone, none ever visible): the
+    #: query's replay runs them again.
+    voided: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"committed_batches": self.committed_batches, "handles_committed": self.handles_committed,
                 "handles_already_committed": self.handles_already_committed,
-                "aborted": {str(k): v for k, v in self.aborted.items()}, "lost": self.lost}
+                "aborted": {str(k): v for k, v in self.aborted.items()}, "lost": self.lost,
+                "voided": self.voided}
 
 
 def recover_pending(
@@ -420,9 +424,27 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
                     "commits decided batches first and then aborts the leftovers.")
         committer = Committer(sink, parallelism=parallelism, ignore_lost=ignore_lost, where=log_url,
                               name="twophase recover")
-        return recover_pending(sink, pending, committer,
-                               mark_committed=mark_committed_in(tlog, {"recovered_by": "twophase recover"}),
-                               close_ballot=closer_for(tlog, "closed by twophase recover"))
+        voided: list[int] = []
+        while True:
+            try:
+                report = recover_pending(sink, pending, committer,
+                                         mark_committed=mark_committed_in(tlog, {"recovered_by": "twophase recover"}),
+                                         close_ballot=closer_for(tlog, "closed by twophase recover"))
+                report.voided = voided
+                return report
+            except BatchVanishedError as e:
+                # A decided batch of the query's generation of which nothing exists or was ever
+                # visible: its decision is void (as the coordinator records it), and the query's
+                # replay runs the batch again.  An older generation's batch is never replayed by
+                # Spark (its checkpoint was replaced): that stays data loss.
+                if e.batch_id is None or e.ballot is None or e.generation != tlog.generation \
+                        or e.batch_id in voided:
+                    raise
+                tlog.void_ballot(e.batch_id, e.ballot, str(e))
+                log.warning("twophase recover: batch %d: its decision (ballot %d) is void: %s. The query runs it "
+                            "again when Spark replays it.", e.batch_id, e.ballot, e)
+                voided.append(e.batch_id)
+                pending = pending_batches(tlog)
     finally:
         tlog.close()
 
