@@ -337,8 +337,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, spark, query_id: str, streaming: bool) -> TransactionLog:
-        if self.log is not None and self._query_id == query_id:
+        if self.log is not None and self._query_id == query_id and not self.log.fenced:
             return self.log
+        # A fenced log is never reused: this object takes the log again (refused, naming the owner,
+        # while a newer coordinator holds it; a new epoch once that one is gone).
         self._check_spark(spark, query_id, streaming)
         self.sink.open()
         tlog = TransactionLog(self.log_location, **self._log_args)

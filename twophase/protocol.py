@@ -564,6 +564,13 @@ class TwoPhaseProtocol:
         closed_now = []
         for ballot in view.ballots:
             if ballot.open:
+                epoch = None if ballot.intent is None else ballot.intent.body.get("epoch")
+                if epoch is not None and tlog.epoch is not None and int(epoch) > tlog.epoch:
+                    # Its INTENT (immutable) proves a newer owner: we are deposed, and leave it alone.
+                    raise LogOwnershipError(
+                        f"batch {batch_id}: ballot {ballot.ballot} was opened by coordinator epoch {epoch}, newer "
+                        f"than this one (epoch {tlog.epoch}); this one stops without closing it (the owner runs "
+                        "the batch)")
                 slot = tlog.close_ballot(batch_id, ballot.ballot, f"re-run by coordinator epoch {tlog.epoch}")
                 if not slot.aborted:
                     # Decided while we looked (a paused coordinator's late decision): it stands.

@@ -43,6 +43,7 @@ from twophase.errors import (
     ConfigurationError,
     DataLossError,
     LogError,
+    LogOwnershipError,
 )
 from twophase.log import ABORT, COMMIT, COMMITTED, INTENT, PREPARED, BatchView, TransactionLog
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
@@ -59,6 +60,7 @@ class BallotInfo:
     name: str                          # the query name its transactions were opened under
     intent: dict[str, Any]
     outcome: str | None                # "commit", "abort", or None while open
+    epoch: int | None = None           # the coordinator epoch that opened it (its INTENT's)
 
 
 @dataclass
@@ -114,7 +116,8 @@ def pending_from_view(view: BatchView, default_name: str) -> PendingBatch | None
     for b in view.ballots:
         # A decision proved void counts as closed: its names are garbage, like an abort's.
         outcome = None if b.decision is None else (COMMIT if b.committed else ABORT)
-        infos.append(BallotInfo(b.ballot, str(b.name or default_name), b.plan, outcome))
+        epoch = None if b.intent is None or b.intent.body.get("epoch") is None else int(b.intent.body["epoch"])
+        infos.append(BallotInfo(b.ballot, str(b.name or default_name), b.plan, outcome, epoch))
     decided = next((b for b in view.ballots if b.committed), None)
     main = decided or view.ballots[-1]
     kinds = [b.intent.body.get("sink") for b in view.ballots if b.intent is not None]
@@ -376,8 +379,18 @@ def _close_open_ballots(b: PendingBatch, close_ballot: Callable[[PendingBatch, i
 
 
 def closer_for(tlog: TransactionLog, reason: str) -> Callable[[PendingBatch, int], dict[str, Any]]:
-    """A ``close_ballot`` for :func:`recover_pending` that closes slots in ``tlog``."""
+    """A ``close_ballot`` for :func:`recover_pending` that closes slots in ``tlog``.
+
+    A ballot opened by a newer epoch than ``tlog``'s is never closed: its INTENT, written once and
+    never changed, proves that a newer coordinator owns the log, so this one is deposed (a fenced
+    driver retrying its batch, a paused plan step) and raises :class:`LogOwnershipError` instead of
+    aborting the owner's ballot under it."""
     def close(b: PendingBatch, ballot: int) -> dict[str, Any]:
+        info = next((x for x in b.ballots if x.ballot == ballot), None)
+        if info is not None and info.epoch is not None and tlog.epoch is not None and info.epoch > tlog.epoch:
+            raise LogOwnershipError(
+                f"{b.label}: ballot {ballot} was opened by coordinator epoch {info.epoch}, newer than this one "
+                f"(epoch {tlog.epoch}) of {tlog.url}: this one was deposed and leaves the owner's ballot alone")
         return tlog.close_ballot(b.batch_id, ballot, reason, generation=b.generation).body
     return close
 
