@@ -74,7 +74,11 @@ INTENT, PREPARED, COMMITTED = "intent", "prepared", "committed"
 #: A decided ballot proved void: every transaction it named is gone and none ever became visible
 #: (see :meth:`TransactionLog.void_ballot`).  Its batch runs again in a new ballot.
 VOID = "void"
-_LOW_WATER = "low-water.json"
+_LOW_WATER = "low-water.json"      # logs written before the marks were files of their own (read only)
+#: The low-water marks of a generation, one file per mark (``000000000042.json``), each created
+#: exclusively and never replaced: the mark is the highest, so a deposed pruner's late, lower mark
+#: cannot move it backwards.
+_LOW_WATER_DIR = "low-water"
 STATES = (INTENT, PREPARED, COMMITTED)
 _BALLOT_STATES = (INTENT, PREPARED, VOID)
 #: The ``outcome`` of a PREPARED record (a ballot's decision slot).
@@ -303,6 +307,7 @@ class TransactionLog:
         self._fence_listeners: list[Callable[[], None]] = []
         self._fenced = threading.Event()
         self._low_water: dict[int, int] = {}
+        self._legacy_low_water: dict[int, int] = {}
         self._ensure_format()
 
     # -- basics
@@ -627,9 +632,10 @@ class TransactionLog:
             self.refuse_pruned(batch_id)
         return None
 
-    def refuse_pruned(self, batch_id: int) -> None:
-        """Raise :class:`PrunedBatchError` if ``batch_id`` is at or below the low-water mark."""
-        low = self.low_water()
+    def refuse_pruned(self, batch_id: int, *, fresh: bool = False) -> None:
+        """Raise :class:`PrunedBatchError` if ``batch_id`` is at or below the low-water mark
+        (``fresh``: read the mark from the store, not this object's cache)."""
+        low = self.low_water(fresh=fresh)
         if low is not None and batch_id <= low:
             raise PrunedBatchError(
                 f"batch {batch_id} is at or below the low-water mark {low} of {self.url} (generation "
@@ -669,14 +675,24 @@ class TransactionLog:
             out[bid] = BatchView(bid, generation, ballots, committed)
         return out
 
-    def low_water(self, generation: int | None = None) -> int | None:
-        """The highest batch id whose records were pruned after it was committed, or None."""
+    def low_water(self, generation: int | None = None, *, fresh: bool = False) -> int | None:
+        """The highest batch id whose records were pruned after it was committed, or None.
+
+        ``fresh``: list the marks again (one small listing) instead of trusting this object's
+        cache.  The protocol reads it fresh after its INTENT and after its decision: a deposed
+        coordinator's late record in a batch whose records were pruned (its slot free again) is
+        found that way, since the mark is created before any record of the batch is deleted.
+        """
         g = generation if generation is not None else self.generation
         if g is None:
             return None
-        if g not in self._low_water:
-            rec = self._read(f"g{g:04d}/{_LOW_WATER}")
-            self._low_water[g] = int(rec["batch_id"]) if rec is not None else -1
+        if fresh or g not in self._low_water:
+            marks = [int(n[:-5]) for n in self.store.list(f"g{g:04d}/{_LOW_WATER_DIR}")
+                     if n.endswith(".json") and n[:-5].isdigit()]
+            if g not in self._legacy_low_water:  # written once by older versions, never again: read once
+                rec = self._read(f"g{g:04d}/{_LOW_WATER}")
+                self._legacy_low_water[g] = int(rec["batch_id"]) if rec is not None else -1
+            self._low_water[g] = max([*marks, self._legacy_low_water[g], self._low_water.get(g, -1)])
         low = self._low_water[g]
         return None if low < 0 else low
 
@@ -775,7 +791,13 @@ class TransactionLog:
         return out
 
     def prune(self, committed_batch: int) -> int:
-        """Delete records of committed batches older than the last ``retain_batches``."""
+        """Delete records of committed batches older than the last ``retain_batches``.
+
+        The low-water mark is raised first (a file of its own, created exclusively: it never moves
+        backwards), and never to or above a batch that is still pending (records, no COMMITTED):
+        every batch at or below the mark was committed, so a record found there later is a
+        deposed coordinator's late write, never a decision to commit (see :meth:`low_water`).
+        """
         if self.generation is None:
             return 0
         horizon = committed_batch - self.retain_batches
@@ -783,29 +805,51 @@ class TransactionLog:
             return 0
         folder = f"g{self.generation:04d}"
         names = self.store.list(folder)
-        committed = {int(n[6:18]) for n in names if n.endswith(".committed.json") and n.startswith("batch-")}
-        doomed = [b for b in committed if b <= horizon]
+        low = self.low_water(fresh=True)
+        low = -1 if low is None else low
+        ids: dict[int, bool] = {}  # batch id -> has a COMMITTED record
+        for n in names:
+            parsed = parse_batch_name(n)
+            if parsed is not None:
+                ids[parsed[0]] = ids.get(parsed[0], False) or parsed[1] == COMMITTED
+        pending = [b for b, done in ids.items() if not done and b > low]
+        limit = min(pending, default=horizon + 1)
+        doomed = {b for b, done in ids.items() if done and b <= horizon and b < limit}
         if not doomed:
             return 0
         # The low-water mark is raised before any record goes: idempotence must outlive the records.
         mark = max(doomed)
-        if mark > (self.low_water() or -1):
-            self.store.replace(f"{folder}/{_LOW_WATER}", encode_record(
-                {"kind": "low-water", "batch_id": mark, "generation": self.generation, "at": time.time()}))
+        if mark > low:
+            self.store.create(f"{folder}/{_LOW_WATER_DIR}/{mark:012d}.json", encode_record(
+                {"kind": "low-water", "batch_id": mark, "generation": self.generation, "epoch": self.epoch,
+                 "at": time.time()}))
             self._low_water[self.generation] = mark
+            for n in self.store.list(f"{folder}/{_LOW_WATER_DIR}"):  # lower marks: the highest stands
+                if n.endswith(".json") and n[:-5].isdigit() and int(n[:-5]) < mark:
+                    self.store.delete(f"{folder}/{_LOW_WATER_DIR}/{n}")
         deleted = 0
         # Delete the committed marker last, so a crash mid-prune leaves a batch still marked committed.
         for n in sorted(names, key=lambda x: x.endswith(".committed.json")):
-            if not n.startswith("batch-"):
-                continue
-            try:
-                bid = int(n[6:18])
-            except ValueError:
-                continue
-            if bid <= horizon and bid in committed:
+            parsed = parse_batch_name(n)
+            if parsed is not None and parsed[0] in doomed:
                 self.store.delete(f"{folder}/{n}")
                 deleted += 1
         return deleted
+
+    def forget_pruned(self, batch_id: int, generation: int | None = None) -> int:
+        """Delete the records of a batch at or below the low-water mark (a deposed coordinator's late
+        writes, after recovery aborted their transactions).  Refuses any other batch."""
+        g = generation if generation is not None else self.generation
+        low = self.low_water(g, fresh=True)
+        if g is None or low is None or batch_id > low:
+            raise LogError(f"batch {batch_id} is not below the low-water mark of generation {g}: not forgotten")
+        n = 0
+        for name in self.store.list(f"g{g:04d}"):
+            parsed = parse_batch_name(name)
+            if parsed is not None and parsed[0] == batch_id:
+                self.store.delete(f"g{g:04d}/{name}")
+                n += 1
+        return n
 
     def name_for(self, batch_id: int) -> str:
         """The coordinator name that wrote a batch's records (its INTENT's ``name``), for recovery."""

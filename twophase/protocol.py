@@ -38,11 +38,12 @@ from twophase.errors import (
     BatchVanishedError,
     CommitError,
     LogOwnershipError,
+    PrunedBatchError,
     TransactionTakenError,
     TwoPhaseError,
 )
 from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog, parse_batch_name
-from twophase.recovery import Committer, closer_for, pending_batches, recover_pending
+from twophase.recovery import Committer, closer_for, forgetter_for, pending_batches, recover_pending
 from twophase.sink import TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.protocol")
@@ -205,7 +206,8 @@ class TwoPhaseProtocol:
 
         if pending:
             recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
-                            close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"))
+                            close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"),
+                            forget=forgetter_for(tlog))
         self._replaced = None  # read the replaced generations' last batches again
         self._sweep_replaced_generations()
         return committed
@@ -437,6 +439,7 @@ class TwoPhaseProtocol:
             opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
                                                    "num_partitions": num_partitions}, ballot=number)
             if tlog.mine(opened):
+                self._refuse_pruned(batch_id, "INTENT", [])
                 break
             # Another coordinator's INTENT holds this ballot's slot.
             self.dirty = True
@@ -494,6 +497,7 @@ class TwoPhaseProtocol:
             raise TwoPhaseError(f"batch {batch_id}: ballot {number} was closed by another coordinator "
                                 f"({decided.body.get('reason') or 'aborted'}) before this one (epoch {tlog.epoch}) "
                                 "decided it; its transactions were aborted and the batch is re-run by the owner")
+        self._refuse_pruned(batch_id, "decision", handles)
         prog.log_ms += _ms(t0)
         crash.crash_point("after_prepared_logged", batch_id)
 
@@ -552,6 +556,24 @@ class TwoPhaseProtocol:
         tlog = self.tlog
         if batch_id % max(1, tlog.retain_batches // 10) == 0:  # a listing: not on every batch
             tlog.prune(batch_id)
+
+    def _refuse_pruned(self, batch_id: int, what: str, handles: list[dict[str, Any]]) -> None:
+        """After our INTENT or decision landed (exclusive create): was the batch committed and pruned
+        meanwhile?  Then its slot was free only because its records were deleted, and we are a
+        deposed coordinator (paused, or our request held on the wire, for ``retain_batches``
+        batches).  The owner raises the low-water mark before it deletes a record, so this read,
+        made after our create, sees it: a fence, not a check before an act.  We abort nothing but
+        our own handles (a plan of ours may list the owner's open transactions) and stop; the
+        owner's recovery aborts and forgets what we wrote there."""
+        try:
+            self.tlog.refuse_pruned(batch_id, fresh=True)
+        except PrunedBatchError as e:
+            self.dirty = True
+            self._abort_own(batch_id, handles)
+            raise LogOwnershipError(
+                f"batch {batch_id}: this coordinator's {what} (epoch {self.tlog.epoch}) landed after the batch "
+                f"was committed and its records pruned: it was deposed and stops, aborting only its own "
+                f"transactions. {e}") from e
 
     def _close_earlier_ballots(self, batch_id: int, view: BatchView, prog: BatchProgress, *,
                                after_recovery: bool) -> int | None:

@@ -80,6 +80,10 @@ class PendingBatch:
     decided_at: float | None = None
     ballot: int = 0                    # the decided ballot (else the latest)
     ballots: list[BallotInfo] = field(default_factory=list)
+    #: At or below its generation's low-water mark: every such batch was committed before its
+    #: records were pruned, so these records are a deposed coordinator's late writes (a decision
+    #: among them is never committed: its transactions are aborted, its records forgotten).
+    pruned: bool = False
 
     @property
     def decided(self) -> bool:
@@ -101,9 +105,12 @@ def pending_batches(tlog: TransactionLog, generations: list[int] | None = None) 
     out: list[PendingBatch] = []
     for g in sorted(generations):
         default_name = _generation_name(tlog, g)
-        for view in tlog.views(g, skip_committed=True).values():
+        views = tlog.views(g, skip_committed=True)
+        low = tlog.low_water(g, fresh=True) if views else None
+        for view in views.values():
             pb = pending_from_view(view, default_name)
             if pb is not None:
+                pb.pruned = low is not None and pb.batch_id <= low
                 out.append(pb)
     return out
 
@@ -278,6 +285,7 @@ def recover_pending(
     abort_undecided: bool = True,
     after_commits: Callable[[PendingBatch, list[CommitResult]], None] | None = None,
     close_ballot: Callable[[PendingBatch, int], dict[str, Any]] | None = None,
+    forget: Callable[[PendingBatch], None] | None = None,
 ) -> RecoveryReport:
     """Finish ``batches`` (from :func:`pending_batches`, or a harness' model) in the safe order.
 
@@ -295,6 +303,8 @@ def recover_pending(
     Raises whatever the commit of a decided batch raised; then nothing was aborted.
     """
     report = RecoveryReport()
+    late = [b for b in batches if b.pruned]
+    batches = [b for b in batches if not b.pruned]
     for b in batches:
         if b.sink_kind and b.sink_kind != sink.kind:
             raise ConfigurationError(
@@ -342,7 +352,19 @@ def recover_pending(
             report.aborted[b.batch_id] = report.aborted.get(b.batch_id, 0) + n
         mark_committed(b)
         report.committed_batches.append(b.batch_id)
-    if abort_undecided:                                                      # 3. undecided leftovers
+    for b in late:                          # 3. late writes in pruned batches: aborted, never committed
+        n = 0
+        for env in b.handles or []:
+            sink.recover_and_abort(sink.decode_handle(env))
+            n += 1
+        for ballot in b.ballots:
+            n += sink.abort_lingering(ballot.name, b.batch_id, ballot.intent, [])
+        log.warning("%s: %s is at or below the low-water mark (committed, its records pruned): its records "
+                    "are a deposed coordinator's late writes%s; aborted %d transactions, never committed",
+                    committer.name, b.label, " (a decision among them)" if b.decided else "", n)
+        if forget is not None:
+            forget(b)
+    if abort_undecided:                                                      # 4. undecided leftovers
         for b in ordered:
             if b.decided:
                 continue
@@ -395,6 +417,13 @@ def closer_for(tlog: TransactionLog, reason: str) -> Callable[[PendingBatch, int
     return close
 
 
+def forgetter_for(tlog: TransactionLog) -> Callable[[PendingBatch], None]:
+    """A ``forget`` for :func:`recover_pending`: deletes a pruned batch's late records from ``tlog``."""
+    def forget(b: PendingBatch) -> None:
+        tlog.forget_pruned(b.batch_id, generation=b.generation)
+    return forget
+
+
 def mark_committed_in(tlog: TransactionLog, how: dict[str, Any]) -> Callable[[PendingBatch], None]:
     """A ``mark_committed`` for :func:`recover_pending` that writes COMMITTED into ``tlog``."""
     def mark(b: PendingBatch) -> None:
@@ -442,7 +471,8 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
             try:
                 report = recover_pending(sink, pending, committer,
                                          mark_committed=mark_committed_in(tlog, {"recovered_by": "twophase recover"}),
-                                         close_ballot=closer_for(tlog, "closed by twophase recover"))
+                                         close_ballot=closer_for(tlog, "closed by twophase recover"),
+                                         forget=forgetter_for(tlog))
                 report.voided = voided
                 return report
             except BatchVanishedError as e:
