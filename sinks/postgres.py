@@ -1003,12 +1003,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             n = self._rollback_prepared(gids)
             if n:
                 log.info("batch %d: rolled back %d prepared transactions under %s", batch_id, n, prefix)
-            n_late = self._rollback_prepared(late, strict=False)
-            if n_late:
-                log.warning("batch %d: rolled back %d prepared transactions of earlier, finished batches "
-                            "of %s, prepared late (after their batch's cleanup): %s", batch_id, n_late,
-                            query_name, ", ".join(late[:5]) + (", ..." if len(late) > 5 else ""))
-            n += n_late
+            n += self._rollback_late(query_name, batch_id, late)
             self._prune_markers(query_name, batch_id, keep)
             schema = next((h["marker_schema"] for h in keep if h.get("marker_schema")), None) or self._marker_home
             self._drop_claims(schema, prefix=self.query_prefix(query_name))
@@ -1016,6 +1011,25 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover prepared transactions: {e}") \
                 from None
         return n
+
+    def _rollback_late(self, query_name: str, batch_id: int, late: list[str]) -> int:
+        n = self._rollback_prepared(late, strict=False)
+        if n:
+            log.warning("batch %d: rolled back %d prepared transactions of earlier, finished batches of %s, "
+                        "prepared late (after their batch's cleanup): %s", batch_id, n, query_name,
+                        ", ".join(late[:5]) + (", ..." if len(late) > 5 else ""))
+        return n
+
+    def sweep_late(self, query_name: str, batch_id: int) -> int:
+        """Roll back this query's prepared transactions of batches before ``batch_id`` (driver): late
+        task attempts' leftovers, holding row locks batch ``batch_id``'s tasks may need (see
+        :meth:`abort_lingering`).  One look at ``pg_prepared_xacts``."""
+        try:
+            late = [p["gid"] for p in self.prepared(self.query_prefix(query_name))
+                    if (b := self._gid_batch(query_name, p["gid"])) is not None and b < int(batch_id)]
+            return self._rollback_late(query_name, batch_id, late)
+        except _ConnectError as e:
+            raise TwoPhaseError(f"batch {batch_id}: cannot look for late prepared transactions: {e}") from None
 
     def _prune_markers(self, query_name: str, batch_id: int, keep: list[dict]) -> int:
         """Delete this query's marker rows older than the retention, in the marker table's own

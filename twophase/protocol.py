@@ -329,8 +329,12 @@ class TwoPhaseProtocol:
             # Nothing is decided: close our ballot, then abort what its partitions left open now,
             # rather than at the replay (prepared transactions hold locks, open Kafka
             # transactions hold back read_committed consumers).
+            late = self._sweep_late(opened) if isinstance(e, Exception) else 0
             self.give_up(opened, e)
             if isinstance(e, Exception):
+                if late:
+                    raise _RunAgain(batch_id, opened.number, e, f"{late} transactions of late task attempts of "
+                                    "earlier batches held what its tasks needed; they are aborted") from e
                 if self._superseded(opened):
                     raise _RunAgain(batch_id, opened.number, e, "its tasks found a later plan at the target "
                                     "(a deposed coordinator's, landing late) and wrote nothing") from e
@@ -347,6 +351,15 @@ class TwoPhaseProtocol:
         if sweep is not None:
             sweep.result()  # done by now, as a rule; it logs its own failures
         self.committed(batch_id)
+
+    def _sweep_late(self, opened: OpenedBallot) -> int:
+        """After our ballot failed: abort late actors' leftovers of earlier batches (see
+        :meth:`~twophase.sink.TwoPhaseCommitSink.sweep_late`); how many there were."""
+        try:
+            return self.sink.sweep_late(opened.query_name, opened.batch_id)
+        except Exception as e:  # noqa: BLE001 - not known: the failure stands
+            log.debug("%s: batch %d: late leftovers not swept (%s)", self.name, opened.batch_id, e)
+            return 0
 
     def _superseded(self, opened: OpenedBallot) -> bool:
         """After our ballot failed: True if we still own the log and the sink says a later plan
@@ -462,6 +475,8 @@ class TwoPhaseProtocol:
             raise LogOwnershipError(f"batch {batch_id}: no ballot could be opened")
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
+        # A late attempt of an earlier batch may hold what this ballot's tasks need: gone first.
+        prog.aborted_lingering += self.sink.sweep_late(qname, batch_id)
         run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
         return OpenedBallot(batch_id, number, intent, run, qname)
 

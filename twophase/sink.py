@@ -228,6 +228,20 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         """
         return 0
 
+    def sweep_late(self, query_name: str, batch_id: int) -> int:
+        """Abort what late actors left of this query's *earlier* batches, where a cheap look finds
+        it (driver); return how many it aborted.  Default: 0 (nothing to look at).
+
+        Called after batch ``batch_id``'s ballot is opened, before its tasks start (every decided
+        batch before it is committed by then), and again after its tasks failed: a late task
+        attempt of an earlier batch that pre-committed after that batch's cleanup may hold what
+        this batch's tasks need (PostgreSQL: the row locks of an upsert's keys, until
+        ``lock_timeout`` fails the task).  Found after a failure, the batch runs again in a new
+        ballot instead of failing the query.  The same leftovers :meth:`abort_lingering` also
+        removes; only leftovers that cannot be part of a decision still to commit may be touched.
+        """
+        return 0
+
     @abstractmethod
     def commit(self, handle: HandleT) -> CommitResult:
         """Make a pre-committed transaction visible (driver).  Must be idempotent.
