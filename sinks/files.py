@@ -322,7 +322,9 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         return self._backend.fs
 
     def target(self) -> str:
-        return "files " + re.sub(r"://[^/@]*@", "://", self.url)  # no user:password@ of a URL
+        url = re.sub(r"://[^/@]*@", "://", self.url)  # no user:password@ of a URL
+        url = url[len("file://"):] if url.startswith("file://") else url
+        return "files " + (url.rstrip("/") or "/")
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:

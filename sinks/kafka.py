@@ -254,7 +254,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         self._client_lock = threading.Lock()
 
     def target(self) -> str:
-        return f"kafka {self.bootstrap_servers} topic {self.topic or '(per-record topics)'}"
+        servers = ",".join(sorted(h.strip() for h in str(self.bootstrap_servers).split(",") if h.strip()))
+        return f"kafka {servers} topic {self.topic or '(per-record topics)'}"
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:

@@ -483,7 +483,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 pass
 
     def target(self) -> str:
-        return f"postgres {self.where} table {self.target_name}"
+        p = self.params  # not the user: a job's credentials may change between runs
+        return f"postgres {p.get('host', '')}:{p.get('port', '5432')}/{p.get('dbname', '')} table {self.target_name}"
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:
@@ -1013,6 +1014,13 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         return n
 
     def _rollback_late(self, query_name: str, batch_id: int, late: list[str]) -> int:
+        """Roll back late leftovers of earlier batches, each only once claimed ``doomed`` (one statement):
+        a gid claimed ``decided`` is in a decision (another run of the job, a batch decided and not yet
+        committed) and is left alone, however it looked."""
+        if not late:
+            return 0
+        with self._driver_cursor() as cur:
+            late = self._doom(cur, f"batch {batch_id}", late)
         n = self._rollback_prepared(late, strict=False)
         if n:
             log.warning("batch %d: rolled back %d prepared transactions of earlier, finished batches of %s, "
@@ -1156,7 +1164,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                         old_form.append(gid)
                 elif tid is not None and tid < own_id and (number not in latest or latest[number][0] < tid):
                     latest[number] = (tid, gid)
-            for gid in self._doom(cur, ctx, sorted(old_form + [g for _, g in latest.values()])):
+            for gid in self._doom(cur, ctx.label, sorted(old_form + [g for _, g in latest.values()])):
                 try:
                     cur.execute("ROLLBACK PREPARED %s", (gid,))
                     n += 1
@@ -1169,8 +1177,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                                     _describe_pg_error(e))
         return n
 
-    def _doom(self, cur: Any, ctx: TransactionContext, gids: list[str]) -> list[str]:
-        """Claim ``gids`` as doomed; return those this attempt may roll back (executor).
+    def _doom(self, cur: Any, label: str, gids: list[str]) -> list[str]:
+        """Claim ``gids`` as doomed; return those this attempt (or the driver's sweep of late
+        leftovers) may roll back.
 
         One statement: a gid without a claim, or claimed ``prepared`` or ``doomed``, is doomed
         (from then on the driver's check refuses to decide it, and its own attempt, if it has
@@ -1191,12 +1200,12 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             won = {r[0] for r in cur.fetchall()}
         except pg.Error as e:
             log.warning("%s: cannot claim %s as doomed (%s); none is rolled back and this attempt may wait on "
-                        "their locks", ctx.label, ", ".join(gids), _describe_pg_error(e))
+                        "their locks", label, ", ".join(gids), _describe_pg_error(e))
             return []
         for gid in gids:
             if gid not in won:
-                log.warning("%s: %s looks like an earlier attempt of this task but is claimed by its batch's "
-                            "decision: left alone (this attempt may wait on its locks)", ctx.label, gid)
+                log.warning("%s: %s looks like a leftover but is claimed by its batch's decision: left alone "
+                            "(what needs its locks may wait on them)", label, gid)
         return [g for g in gids if g in won]
 
     def _map_columns(self, txn: PostgresTransaction, schema: pa.Schema) -> list[_Column]:

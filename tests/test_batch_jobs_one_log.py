@@ -69,3 +69,41 @@ def test_two_batch_jobs_on_one_log_by_name_the_second_is_refused_naming_the_log(
     write(spark.range(0, 100, 1, 2).selectExpr("id"), orders)   # a re-run of orders: skipped
     assert _ids(orders) == list(range(100))
     assert _ids(payments) == []
+
+
+def test_a_log_of_an_earlier_version_is_bound_to_the_first_batch_job_that_comes_and_refuses_another(tmp_path):
+    """Logs written before batch ids carried the target have a generation bound to ``batch:{name}``:
+    the first job of that name adopts it and binds it to its target (an exclusive create); a second
+    job of the same name writing elsewhere is refused, not silently skipped (found by the review)."""
+    from twophase.log import TransactionLog, batch_query_id
+
+    log = str(tmp_path / "log")
+    old = TransactionLog(log)
+    old.acquire("batch:daily", "daily")   # as twophase 96f774c bound a batch job's generation
+    old.close()
+    orders, refunds = FileSink(str(tmp_path / "orders")), FileSink(str(tmp_path / "refunds"))
+    first = TransactionLog(log)
+    first.acquire(batch_query_id("daily", orders.target()), "daily", target=orders.target())
+    assert first.generation == 1
+    first.close()
+    again = TransactionLog(log)
+    again.acquire(batch_query_id("daily", orders.target()), "daily", target=orders.target())
+    assert again.generation == 1
+    again.close()
+    with pytest.raises(QueryMismatchError, match="must not share one log") as err:
+        TransactionLog(log).acquire(batch_query_id("daily", refunds.target()), "daily", target=refunds.target())
+    assert "orders" in str(err.value) and "refunds" in str(err.value)
+
+
+def test_a_batch_jobs_target_does_not_change_with_how_its_address_is_written():
+    """A harmless change between two runs (a trailing slash, file://, brokers in another order, other
+    database credentials) is the same job, not a second job refused on its own log."""
+    from twophase.sinks.kafka import KafkaSink
+    from twophase.sinks.postgres import PostgresSink
+
+    assert FileSink("/data/orders").target() == FileSink("/data/orders/").target() \
+        == FileSink("file:///data/orders").target()
+    assert KafkaSink("b:9092,a:9092", "t", "p").target() == KafkaSink("a:9092, b:9092", "t", "p").target()
+    assert PostgresSink("host=h port=5432 dbname=d user=u1", "t").target() == \
+        PostgresSink("host=h port=5432 dbname=d user=u2 password=secret", "t").target()
+    assert "secret" not in PostgresSink("host=h dbname=d password=secret", "t").target()

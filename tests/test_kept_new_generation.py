@@ -14,6 +14,8 @@ import json
 import os
 from collections import Counter
 
+import pytest
+
 from tests.inprocess import Driver, OneTask, ids
 from twophase.log import INTENT
 
@@ -77,3 +79,26 @@ def test_a_new_generation_flag_kept_by_two_drivers_of_one_new_query_binds_them_t
     b.close()
     assert a.tlog.generation == b.tlog.generation == 2
     assert [g["query_id"] for g in b.tlog.generations()] == ["old", "new"]
+
+
+def test_a_replaced_query_restarted_with_the_flag_kept_is_refused_not_given_a_third_generation(tmp_path):
+    """Query A decides batch 1 and dies; query B replaces it (new_generation=True), and B's recovery
+    commits A's batch 1.  A restarted with the flag still in its code got generation 3 and wrote
+    batch 1 again on Spark's replay (found by the review of this change).  Now a query whose
+    generation was replaced never writes to the log again."""
+    from twophase import QueryMismatchError
+    from twophase.sinks.files import FileSink
+
+    out, log_url = tmp_path / "out", str(tmp_path / "log")
+    a = Driver(FileSink(str(out), format="jsonl"), log_url, "A", new_generation=True)
+    assert a.batch(0, ids(1)).action == "committed"
+    _decide_and_die(a, 1, ids(2))
+    a.close()
+    b = Driver(FileSink(str(out), format="jsonl"), log_url, "B", new_generation=True)
+    assert b.batch(0, ids(100)).action == "committed"   # its recovery committed A's batch 1 first
+    b.close()
+    try:
+        with pytest.raises(QueryMismatchError, match="replaced"):
+            Driver(FileSink(str(out), format="jsonl"), log_url, "A", new_generation=True)
+    finally:
+        assert _visible(out) == Counter([1, 2, 100])

@@ -195,13 +195,17 @@ def test_retention_keeps_recent_and_uncommitted_batches(tmp_path):
             tlog.write(b, COMMITTED, {})
         tlog.prune(b)
     left = tlog.batches()
-    # The uncommitted batch is never pruned, and the low-water mark stays below it (a record found at
-    # or below the mark is a deposed coordinator's late write), so the batches after it wait for it.
-    assert sorted(left) == [2, 3, 4, 5, 6, 7, 8, 9] and tlog.low_water() == 1
+    assert sorted(left) == [2, 7, 8, 9]  # the last 3 committed, and the uncommitted one
     assert COMMITTED not in left[2] and PREPARED in left[2]  # undecided/uncommitted never pruned
+    # The log keeps which batches it pruned: the pending one is not among them (a record found in a
+    # pruned batch is a deposed coordinator's late write; batch 2's are not).
+    reader = make_log(tmp_path, retain_batches=3)
+    reader.generation = tlog.generation
+    assert reader.pruned(fresh=True) == [[0, 1], [3, 6]] and not reader.is_pruned(2)
     tlog.write(2, COMMITTED, {})
     tlog.prune(9)
-    assert sorted(tlog.batches()) == [7, 8, 9] and tlog.low_water() == 6  # the last 3 committed
+    assert sorted(tlog.batches()) == [7, 8, 9] and reader.pruned(fresh=True) == [[0, 6]]
+    assert len(tlog.store.list(f"g{tlog.generation:04d}/low-water")) == 1  # one file holds the union
 
 
 def test_object_store_without_exclusive_create_is_refused(tmp_path):

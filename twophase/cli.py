@@ -48,7 +48,8 @@ def cmd_status(args) -> int:
         state = "released" if owner.get("released") else f"last heartbeat {owner['heartbeat_age_s']}s ago"
         print(f"owner: epoch {owner['epoch']} on {owner['host']} pid {owner['pid']}, {state}")
     if info.get("low_water") is not None:
-        print(f"low-water mark: batches up to {info['low_water']} were committed and pruned")
+        spans = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in info.get("pruned") or [])
+        print(f"pruned: batches {spans} were committed and their records deleted (refused if written again)")
     if not info["batches"]:
         print("no batch records")
         return 0

@@ -40,7 +40,7 @@ class LogOwnershipError(LogError):
 
 
 class PrunedBatchError(LogError):
-    """A batch id at or below the log's low-water mark: committed long ago, its records pruned.
+    """A batch id committed long ago, whose records were pruned (the log keeps which ones).
 
     Writing it again would duplicate it, so it is refused (idempotence must not end at the
     retention window)."""

@@ -74,11 +74,28 @@ INTENT, PREPARED, COMMITTED = "intent", "prepared", "committed"
 #: A decided ballot proved void: every transaction it named is gone and none ever became visible
 #: (see :meth:`TransactionLog.void_ballot`).  Its batch runs again in a new ballot.
 VOID = "void"
-_LOW_WATER = "low-water.json"      # logs written before the marks were files of their own (read only)
-#: The low-water marks of a generation, one file per mark (``000000000042.json``), each created
-#: exclusively and never replaced: the mark is the highest, so a deposed pruner's late, lower mark
-#: cannot move it backwards.
+_LOW_WATER = "low-water.json"      # logs of earlier versions: one mark, every batch up to it pruned (read only)
+#: What a generation pruned: files ``<highest batch>-<token>.json``, each created exclusively and never
+#: replaced, each holding the ranges of batch ids whose records were deleted after they were
+#: committed.  The pruned set is the union of the files: a pruner writes the union it read plus
+#: what it prunes, then deletes only the files it read, so nothing pruned is ever forgotten (a
+#: deposed pruner's late file only adds batches that were committed).
 _LOW_WATER_DIR = "low-water"
+
+
+def _merge(ranges: list[list[int]]) -> list[list[int]]:
+    """Inclusive ``[first, last]`` ranges, sorted and merged."""
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges):
+        if out and a <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _in(ranges: list[list[int]], batch_id: int) -> bool:
+    return any(a <= batch_id <= b for a, b in ranges)
 STATES = (INTENT, PREPARED, COMMITTED)
 _BALLOT_STATES = (INTENT, PREPARED, VOID)
 #: The ``outcome`` of a PREPARED record (a ballot's decision slot).
@@ -306,7 +323,8 @@ class TransactionLog:
         #: Called once, from whichever thread first finds this coordinator fenced (see on_fenced).
         self._fence_listeners: list[Callable[[], None]] = []
         self._fenced = threading.Event()
-        self._low_water: dict[int, int] = {}
+        #: generation -> (pruned ranges, the mark files they were read from)
+        self._pruned: dict[int, tuple[list[list[int]], frozenset[str]]] = {}
         self._legacy_low_water: dict[int, int] = {}
         self._ensure_format()
 
@@ -345,7 +363,7 @@ class TransactionLog:
     def generations(self) -> list[dict[str, Any]]:
         out = []
         for n in self.store.list("generations"):
-            if n.endswith(".json"):
+            if n.endswith(".json") and n[:-5].isdigit():
                 rec = self._read(f"generations/{n}")
                 if rec is not None:
                     out.append(rec)
@@ -362,6 +380,16 @@ class TransactionLog:
         """
         gens = self.generations()
         latest = gens[-1] if gens else None
+        replaced = next((g for g in gens[:-1] if g["query_id"] == query_id), None)
+        if replaced is not None and latest is not None and latest["query_id"] != query_id:
+            # Its generation was replaced by another query's: that query may have committed (or
+            # recovered) this one's batches, so it never writes again, flag or not.
+            raise QueryMismatchError(
+                f"{_describe_query(replaced)} owned generation {replaced['generation']} of {self.url}, which "
+                f"{_describe_query(latest)} replaced (generation {latest['generation']}): a replaced query "
+                "never writes to this log again (its batches may have been recovered by the new one, and "
+                "a replay would write them twice). Run it with a log location of its own, or restart it "
+                "from a new checkpoint.")
         if latest is not None and latest["query_id"] == query_id:
             if new_generation:
                 log.info("transaction log %s: generation %s already belongs to query %s; new_generation=True "
@@ -369,10 +397,17 @@ class TransactionLog:
                          self.url, latest["generation"], query_id)
             return int(latest["generation"])
         if latest is not None and query_id.startswith("batch:") and latest["query_id"] == query_id.split("@", 1)[0]:
-            # A batch job's generation from before batch ids carried the target: the same job.
-            return int(latest["generation"])
+            # A batch job's generation from before batch ids carried the target: the first job of
+            # that name to come binds it to its target (exclusive create); another target is refused.
+            g = int(latest["generation"])
+            name_ = f"generations/{g:04d}.target.json"
+            self.store.create(name_, encode_record({"kind": "target", "query_id": query_id, "target": target}))
+            bound = self._read(name_) or {}
+            if bound.get("query_id") == query_id:
+                return g
+            raise QueryMismatchError(self._mismatch(dict(latest, target=bound.get("target")), query_id, target))
         if latest is not None and not new_generation:
-            raise QueryMismatchError(self._mismatch(latest, query_id))
+            raise QueryMismatchError(self._mismatch(latest, query_id, target))
         g = (int(latest["generation"]) + 1) if latest is not None else 1
         body = {"kind": "generation", "generation": g, "query_id": query_id, "name": name,
                 "created_at": time.time()}
@@ -388,13 +423,16 @@ class TransactionLog:
                                     f"(for query {None if rec is None else rec.get('query_id')})")
         return g
 
-    def _mismatch(self, latest: dict[str, Any], query_id: str) -> str:
+    def _mismatch(self, latest: dict[str, Any], query_id: str, target: str | None = None) -> str:
         if str(query_id).startswith("batch:") or str(latest["query_id"]).startswith("batch:"):
             return (f"the transaction log {self.url} belongs to {_describe_query(latest)} (generation "
-                    f"{latest['generation']}), but this is {_describe_query({'query_id': query_id})}. Two jobs "
-                    "must not share one log: batch ids are per job, so the second job would find the first one's "
-                    "batches committed and write nothing. Give each job its own log location "
-                    "(Coordinator(log_location=...), option twophase.logLocation).")
+                    f"{latest['generation']}), but this is {_describe_query({'query_id': query_id, 'target': target})}. "
+                    "Two jobs must not share one log: batch ids are per job, so the second job would find the "
+                    "first one's batches committed and write nothing. Give each job its own log location "
+                    "(Coordinator(log_location=...), option twophase.logLocation). A batch job is its name and "
+                    "its target: if only the target's address changed (another host name for the same "
+                    "server), keep the address the log names, or move the job to a new log knowing that a "
+                    "batch id already written there would be written again.")
         return (f"the transaction log {self.url} belongs to streaming query {latest['query_id']} "
                 f"(generation {latest['generation']}, coordinator {latest.get('name')!r}), but this "
                 f"is query {query_id}. The checkpoint was probably deleted or replaced: Spark restarts "
@@ -633,16 +671,16 @@ class TransactionLog:
         return None
 
     def refuse_pruned(self, batch_id: int, *, fresh: bool = False) -> None:
-        """Raise :class:`PrunedBatchError` if ``batch_id`` is at or below the low-water mark
-        (``fresh``: read the mark from the store, not this object's cache)."""
-        low = self.low_water(fresh=fresh)
-        if low is not None and batch_id <= low:
+        """Raise :class:`PrunedBatchError` if ``batch_id`` was committed and its records pruned
+        (``fresh``: read what was pruned from the store, not this object's cache)."""
+        if self.is_pruned(batch_id, fresh=fresh):
             raise PrunedBatchError(
-                f"batch {batch_id} is at or below the low-water mark {low} of {self.url} (generation "
-                f"{self.generation}): batches up to {low} were committed and their records pruned "
-                f"(retain_batches={self.retain_batches}). Writing it again would duplicate it, so it is "
-                "refused. A re-run of an old job needs a batch id above the mark; a streaming query "
-                "restored from an old checkpoint needs a new log generation.")
+                f"batch {batch_id} of {self.url} (generation {self.generation}) was committed and its records "
+                f"pruned (retain_batches={self.retain_batches}, low-water mark {self.low_water()}). Writing it "
+                "again would duplicate it, so it is refused. A re-run of an old job needs a batch id that "
+                "was never committed; a streaming query restored from an old copy of its checkpoint would "
+                "write these batches again: start it from a new checkpoint at the offsets 'twophase offsets' "
+                "prints (a new query, with new_generation=True if it keeps this log).")
 
     def view(self, batch_id: int, generation: int | None = None) -> BatchView:
         """Every record of batch ``batch_id`` (one listing of the generation's folder)."""
@@ -675,26 +713,50 @@ class TransactionLog:
             out[bid] = BatchView(bid, generation, ballots, committed)
         return out
 
-    def low_water(self, generation: int | None = None, *, fresh: bool = False) -> int | None:
-        """The highest batch id whose records were pruned after it was committed, or None.
+    def pruned(self, generation: int | None = None, *, fresh: bool = False,
+               at_least: int | None = None) -> list[list[int]]:
+        """The ranges ``[first, last]`` of batch ids whose records were pruned after they were committed.
 
-        ``fresh``: list the marks again (one small listing) instead of trusting this object's
-        cache.  The protocol reads it fresh after its INTENT and after its decision: a deposed
-        coordinator's late record in a batch whose records were pruned (its slot free again) is
-        found that way, since the mark is created before any record of the batch is deleted.
+        ``fresh``: list the mark files again instead of trusting this object's cache; with
+        ``at_least``, only files that can hold a batch id that high are read (their names carry
+        their highest id), so asking about the current batch costs one small listing.  The
+        protocol asks afresh after its INTENT and after its decision land: a deposed
+        coordinator's late record in a batch whose records were pruned (its slots free again) is
+        found that way, since the pruner writes its file before it deletes any record.
         """
         g = generation if generation is not None else self.generation
         if g is None:
-            return None
-        if fresh or g not in self._low_water:
-            marks = [int(n[:-5]) for n in self.store.list(f"g{g:04d}/{_LOW_WATER_DIR}")
-                     if n.endswith(".json") and n[:-5].isdigit()]
-            if g not in self._legacy_low_water:  # written once by older versions, never again: read once
-                rec = self._read(f"g{g:04d}/{_LOW_WATER}")
-                self._legacy_low_water[g] = int(rec["batch_id"]) if rec is not None else -1
-            self._low_water[g] = max([*marks, self._legacy_low_water[g], self._low_water.get(g, -1)])
-        low = self._low_water[g]
-        return None if low < 0 else low
+            return []
+        cached = self._pruned.get(g)
+        if cached is not None and not fresh:
+            return cached[0]
+        folder = f"g{g:04d}/{_LOW_WATER_DIR}"
+        names = frozenset(n for n in self.store.list(folder) if n.endswith(".json") and n[:12].isdigit())
+        ranges = [] if cached is None else list(cached[0])   # never forget what was seen
+        for n in sorted(names - (cached[1] if cached is not None else frozenset())):
+            if at_least is not None and int(n[:12]) < at_least:
+                continue  # cannot hold it; read when someone asks about a lower batch
+            rec = self._read(f"{folder}/{n}")
+            if rec is not None:
+                ranges += [list(r) for r in rec.get("ranges", [])]
+        if g not in self._legacy_low_water:  # written once by older versions, never again: read once
+            rec = self._read(f"g{g:04d}/{_LOW_WATER}")
+            self._legacy_low_water[g] = int(rec["batch_id"]) if rec is not None else -1
+        if self._legacy_low_water[g] >= 0:
+            ranges.append([0, self._legacy_low_water[g]])
+        ranges = _merge(ranges)
+        read = names if at_least is None else frozenset(n for n in names if int(n[:12]) >= at_least)
+        self._pruned[g] = (ranges, read | (cached[1] if cached is not None else frozenset()))
+        return ranges
+
+    def is_pruned(self, batch_id: int, generation: int | None = None, *, fresh: bool = False) -> bool:
+        """Was ``batch_id`` committed and its records pruned?"""
+        return _in(self.pruned(generation, fresh=fresh, at_least=batch_id if fresh else None), batch_id)
+
+    def low_water(self, generation: int | None = None, *, fresh: bool = False) -> int | None:
+        """The highest batch id whose records were pruned, or None (for messages and ``status``)."""
+        ranges = self.pruned(generation, fresh=fresh)
+        return ranges[-1][1] if ranges else None
 
     def write(self, batch_id: int, state: str, payload: dict[str, Any],
               generation: int | None = None, ballot: int = 0) -> BatchRecord:
@@ -791,42 +853,33 @@ class TransactionLog:
         return out
 
     def prune(self, committed_batch: int) -> int:
-        """Delete records of committed batches older than the last ``retain_batches``.
+        """Delete the records of committed batches but the last ``retain_batches`` (by batch id).
 
-        The low-water mark is raised first (a file of its own, created exclusively: it never moves
-        backwards), and never to or above a batch that is still pending (records, no COMMITTED):
-        every batch at or below the mark was committed, so a record found there later is a
-        deposed coordinator's late write, never a decision to commit (see :meth:`low_water`).
+        ``committed_batch`` is the batch just committed (it is kept).  What is pruned is written
+        first, as a file of its own created exclusively (see :meth:`pruned`), then the records
+        go; a record found later in a pruned batch is a deposed coordinator's late write, never a
+        decision to commit.  Pending batches are never pruned, and a batch id never committed is
+        never refused as pruned (a backfill of a date skipped before writes).
         """
         if self.generation is None:
             return 0
-        horizon = committed_batch - self.retain_batches
-        if horizon < 0:
-            return 0
-        folder = f"g{self.generation:04d}"
+        g = self.generation
+        folder = f"g{g:04d}"
         names = self.store.list(folder)
-        low = self.low_water(fresh=True)
-        low = -1 if low is None else low
-        ids: dict[int, bool] = {}  # batch id -> has a COMMITTED record
-        for n in names:
-            parsed = parse_batch_name(n)
-            if parsed is not None:
-                ids[parsed[0]] = ids.get(parsed[0], False) or parsed[1] == COMMITTED
-        pending = [b for b, done in ids.items() if not done and b > low]
-        limit = min(pending, default=horizon + 1)
-        doomed = {b for b, done in ids.items() if done and b <= horizon and b < limit}
+        committed = sorted({p[0] for p in map(parse_batch_name, names) if p is not None and p[1] == COMMITTED})
+        doomed = set(committed[:-self.retain_batches]) - {committed_batch}
         if not doomed:
             return 0
-        # The low-water mark is raised before any record goes: idempotence must outlive the records.
-        mark = max(doomed)
-        if mark > low:
-            self.store.create(f"{folder}/{_LOW_WATER_DIR}/{mark:012d}.json", encode_record(
-                {"kind": "low-water", "batch_id": mark, "generation": self.generation, "epoch": self.epoch,
-                 "at": time.time()}))
-            self._low_water[self.generation] = mark
-            for n in self.store.list(f"{folder}/{_LOW_WATER_DIR}"):  # lower marks: the highest stands
-                if n.endswith(".json") and n[:-5].isdigit() and int(n[:-5]) < mark:
-                    self.store.delete(f"{folder}/{_LOW_WATER_DIR}/{n}")
+        marks = f"{folder}/{_LOW_WATER_DIR}"
+        ranges = self.pruned(fresh=True)
+        read = self._pruned[g][1]
+        ranges = _merge(ranges + [[b, b] for b in doomed])
+        top = ranges[-1][1]
+        self.store.create(f"{marks}/{top:012d}-{uuid.uuid4().hex[:8]}.json", encode_record(
+            {"kind": "pruned", "ranges": ranges, "generation": g, "epoch": self.epoch, "at": time.time()}))
+        self._pruned[g] = (ranges, read)
+        for n in read:  # only files whose ranges the new one holds (another pruner's new file stays)
+            self.store.delete(f"{marks}/{n}")
         deleted = 0
         # Delete the committed marker last, so a crash mid-prune leaves a batch still marked committed.
         for n in sorted(names, key=lambda x: x.endswith(".committed.json")):
@@ -840,9 +893,8 @@ class TransactionLog:
         """Delete the records of a batch at or below the low-water mark (a deposed coordinator's late
         writes, after recovery aborted their transactions).  Refuses any other batch."""
         g = generation if generation is not None else self.generation
-        low = self.low_water(g, fresh=True)
-        if g is None or low is None or batch_id > low:
-            raise LogError(f"batch {batch_id} is not below the low-water mark of generation {g}: not forgotten")
+        if g is None or not self.is_pruned(batch_id, g, fresh=True):
+            raise LogError(f"batch {batch_id} of generation {g} was not pruned: its records are not forgotten")
         n = 0
         for name in self.store.list(f"g{g:04d}"):
             parsed = parse_batch_name(name)

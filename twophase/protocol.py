@@ -416,7 +416,7 @@ class TwoPhaseProtocol:
         else:
             view = tlog.view(batch_id)
             if not view.ballots and view.committed is None:
-                tlog.refuse_pruned(batch_id)  # PrunedBatchError below the low-water mark
+                tlog.refuse_pruned(batch_id)  # PrunedBatchError: committed, and its records pruned
         prog.log_ms += _ms(t0)
 
         t0 = time.perf_counter()
@@ -576,7 +576,7 @@ class TwoPhaseProtocol:
         """After our INTENT or decision landed (exclusive create): was the batch committed and pruned
         meanwhile?  Then its slot was free only because its records were deleted, and we are a
         deposed coordinator (paused, or our request held on the wire, for ``retain_batches``
-        batches).  The owner raises the low-water mark before it deletes a record, so this read,
+        batches).  The owner writes what it prunes before it deletes a record, so this read,
         made after our create, sees it: a fence, not a check before an act.  We abort nothing but
         our own handles (a plan of ours may list the owner's open transactions) and stop; the
         owner's recovery aborts and forgets what we wrote there."""

@@ -80,9 +80,9 @@ class PendingBatch:
     decided_at: float | None = None
     ballot: int = 0                    # the decided ballot (else the latest)
     ballots: list[BallotInfo] = field(default_factory=list)
-    #: At or below its generation's low-water mark: every such batch was committed before its
-    #: records were pruned, so these records are a deposed coordinator's late writes (a decision
-    #: among them is never committed: its transactions are aborted, its records forgotten).
+    #: Committed, then its records pruned (see :meth:`TransactionLog.pruned`): the records found now
+    #: are a deposed coordinator's late writes (a decision among them is never committed: its
+    #: transactions are aborted, its records forgotten).
     pruned: bool = False
 
     @property
@@ -106,11 +106,11 @@ def pending_batches(tlog: TransactionLog, generations: list[int] | None = None) 
     for g in sorted(generations):
         default_name = _generation_name(tlog, g)
         views = tlog.views(g, skip_committed=True)
-        low = tlog.low_water(g, fresh=True) if views else None
+        pruned = tlog.pruned(g, fresh=True) if views else []
         for view in views.values():
             pb = pending_from_view(view, default_name)
             if pb is not None:
-                pb.pruned = low is not None and pb.batch_id <= low
+                pb.pruned = any(a <= pb.batch_id <= b for a, b in pruned)
                 out.append(pb)
     return out
 
@@ -359,7 +359,7 @@ def recover_pending(
             n += 1
         for ballot in b.ballots:
             n += sink.abort_lingering(ballot.name, b.batch_id, ballot.intent, [])
-        log.warning("%s: %s is at or below the low-water mark (committed, its records pruned): its records "
+        log.warning("%s: %s was committed and its records pruned: the records found there now "
                     "are a deposed coordinator's late writes%s; aborted %d transactions, never committed",
                     committer.name, b.label, " (a decision among them)" if b.decided else "", n)
         if forget is not None:
@@ -539,6 +539,7 @@ def describe(log_url: str, storage_options: dict[str, Any] | None = None,
     last = tlog.last_committed(latest) if latest is not None else None
     out["last_committed"] = None if last is None else last.batch_id
     out["low_water"] = tlog.low_water(latest) if latest is not None else None
+    out["pruned"] = tlog.pruned(latest) if latest is not None else []
     return out
 
 
