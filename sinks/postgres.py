@@ -670,7 +670,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         if not cur.fetchone()[0]:
             log.warning("role %r may not write the claims table %s: its retried tasks will never roll back "
                         "what an earlier attempt left prepared (they wait on its locks and fail after "
-                        "lock_timeout); to let them: %s", user, claims, grant)
+                        "lock_timeout), and the driver rolls back late leftovers of earlier batches without "
+                        "claiming them (two overlapping runs of one batch job could roll back each other's "
+                        "decided transactions); to let them: %s", user, claims, grant)
 
     def batch_prefix(self, query_name: str, batch_id: int) -> str:
         """``{gid_prefix}:{query}:{batch}:`` — every gid of any attempt of this batch starts so."""
@@ -1020,7 +1022,16 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         if not late:
             return 0
         with self._driver_cursor() as cur:
-            late = self._doom(cur, f"batch {batch_id}", late)
+            doomed = self._doom(cur, f"batch {batch_id}", late, strict=False)
+        if doomed is None:
+            # No claims table this role may write: decided gids are not marked either (verify_prepared
+            # checks only pg_prepared_xacts then), so the leftovers are rolled back as they are, as
+            # before claims existed; two overlapping runs of one batch job need the claims table.
+            log.warning("batch %d: rolling back late leftovers without claiming them (no claims table this role "
+                        "may write): grant it, or two overlapping runs of one job may roll back each other's "
+                        "decided transactions", batch_id)
+            doomed = late
+        late = doomed
         n = self._rollback_prepared(late, strict=False)
         if n:
             log.warning("batch %d: rolled back %d prepared transactions of earlier, finished batches of %s, "
@@ -1164,7 +1175,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                         old_form.append(gid)
                 elif tid is not None and tid < own_id and (number not in latest or latest[number][0] < tid):
                     latest[number] = (tid, gid)
-            for gid in self._doom(cur, ctx.label, sorted(old_form + [g for _, g in latest.values()])):
+            for gid in self._doom(cur, ctx.label, sorted(old_form + [g for _, g in latest.values()])) or []:
                 try:
                     cur.execute("ROLLBACK PREPARED %s", (gid,))
                     n += 1
@@ -1177,7 +1188,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                                     _describe_pg_error(e))
         return n
 
-    def _doom(self, cur: Any, label: str, gids: list[str]) -> list[str]:
+    def _doom(self, cur: Any, label: str, gids: list[str], strict: bool = True) -> list[str] | None:
         """Claim ``gids`` as doomed; return those this attempt (or the driver's sweep of late
         leftovers) may roll back.
 
@@ -1186,7 +1197,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         not claimed it yet, rolls it back and fails); one claimed ``decided`` is in a decision
         and is left alone: this attempt then waits on its locks and fails after
         ``lock_timeout`` like any conflict, and the decided transaction commits.  Without a
-        claims table this role may write, nothing may be rolled back.
+        claims table this role may write, nothing may be rolled back (``strict=False``: None,
+        and the caller decides).
         """
         if not gids:
             return []
@@ -1199,6 +1211,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                     c=self._claims_in(self._marker_home)), (gids,))
             won = {r[0] for r in cur.fetchall()}
         except pg.Error as e:
+            if not strict:  # the caller decides (the driver's sweep of late leftovers)
+                log.debug("%s: cannot claim %s as doomed (%s)", label, ", ".join(gids), _describe_pg_error(e))
+                return None
             log.warning("%s: cannot claim %s as doomed (%s); none is rolled back and this attempt may wait on "
                         "their locks", label, ", ".join(gids), _describe_pg_error(e))
             return []

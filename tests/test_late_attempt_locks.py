@@ -74,3 +74,25 @@ def test_a_batch_that_meets_a_late_attempts_locks_while_its_tasks_run_runs_again
             assert [(b.ballot, b.committed) for b in ballots] == [(0, False), (1, True)]
         finally:
             d.close()
+
+
+def test_a_late_leftover_is_rolled_back_even_where_the_role_may_not_write_the_claims_table(
+        postgres_service, tmp_path):
+    """Found by the second review: the driver's sweep claims a late leftover ``doomed`` before it rolls
+    it back; a role without write access to the claims table then rolled back nothing, and the batch
+    failed after ``lock_timeout`` at every run.  Without claims it rolls back as before claims existed
+    (and says what that leaves unprotected)."""
+    from twophase.sinks.postgres import _claims_name
+
+    with PgTable(postgres_service["dsn"], "noclaims") as t:
+        d = Driver(_upsert(t), str(tmp_path / "log"), "q")
+        claims = _claims_name(f"{t.name}_m")
+        try:
+            assert d.batch(0, ids(1, 2, 3)).action == "committed"
+            _late_attempt_of_batch_0(d)
+            t.execute(f'REVOKE INSERT, UPDATE ON "{claims}" FROM CURRENT_USER')
+            assert d.batch(1, ids(3, 4)).action == "committed"   # was: failed after lock_timeout, every run
+            assert t.ids() == [1, 2, 3, 4] and t.prepared() == []
+        finally:
+            t.execute(f'GRANT INSERT, UPDATE ON "{claims}" TO CURRENT_USER')
+            d.close()

@@ -170,3 +170,74 @@ def test_a_deposed_pruners_late_low_water_mark_does_not_move_it_backwards(tmp_pa
         a.close()
         b.close()
         c.close()
+
+
+def test_a_late_decision_whose_read_of_what_was_pruned_races_another_prune_is_still_refused(tmp_path):
+    """Found by the second review: the deposed coordinator listed the pruned-batch files, paused, and
+    meanwhile the owner pruned again (a new union file, the listed one deleted): the read found
+    nothing and the late decision in pruned batch 1 was committed.  A file that vanished between the
+    listing and its read is now looked for again in a new listing."""
+    from twophase.sinks.files import FileSink
+
+    out, log_url = tmp_path / "out", str(tmp_path / "log")
+
+    def sink():
+        return FileSink(str(out), format="jsonl")
+
+    a = Driver(sink(), log_url, "q")
+    b = None
+    try:
+        a.batch(0, ids(0))
+        intent = a.sink.plan_batch(a.query_name, 1, 1)
+        assert a.tlog.mine(a.tlog.write(1, INTENT, {"intent": intent, "sink": a.sink.kind, "name": a.query_name,
+                                                    "num_partitions": 1}))
+        late = OneTask(a.sink, ids(1)).prepare(a.query_name, 1, intent, f"e{a.tlog.epoch}late")
+        b = Driver(sink(), log_url, "q", takeover=True)
+        b.tlog.retain_batches = 1
+        for n in (1, 2, 3, 4):
+            assert b.batch(n, ids(n)).action == "committed"
+        read, paused = a.tlog.store.read, []
+
+        def a_read(name):   # A pauses between its listing of what was pruned and its read of a file
+            if "low-water/" in name and not paused:
+                paused.append(b.batch(5, ids(5)))   # B prunes again meanwhile
+            return read(name)
+
+        a.tlog.store.read = a_read  # type: ignore[method-assign]
+        with pytest.raises(LogOwnershipError, match="pruned"):   # was: committed
+            a.protocol.decide_and_commit(OpenedBallot(1, 0, intent, f"e{a.tlog.epoch}late", a.query_name), late,
+                                         BatchProgress("pipe", 1, None, "committed"))
+        assert paused
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+    rows = Counter(json.loads(line)["id"] for p in os.listdir(out) if p.endswith(".jsonl")
+                   for line in open(out / p) if line.strip())
+    assert rows == Counter(range(6))
+
+
+def test_an_owner_re_running_a_batch_a_late_prune_removed_after_its_cache_was_filled_is_refused_as_pruned(
+        tmp_path):
+    """Found by the second review: a deposed pruner's late prune removed batch 3 after the owner had
+    read what was pruned; the owner's re-run of batch 3 passed its cached check, its INTENT landed in
+    the pruned batch, and it was told it had been deposed.  The check before the INTENT is fresh now:
+    PrunedBatchError, nothing written."""
+    from twophase.sinks.files import FileSink
+
+    out, log_url = tmp_path / "out", str(tmp_path / "log")
+    d1 = Driver(FileSink(str(out), format="jsonl"), log_url, "q")
+    d1.tlog.retain_batches = 1
+    for n in range(4):
+        d1.batch(n, ids(n))
+    c = Driver(FileSink(str(out), format="jsonl"), log_url, "q", takeover=True)
+    try:
+        c.batch(10, ids(10))
+        d1.tlog.prune(5)   # d1, deposed, prunes late: batch 3 was committed
+        c.batch(11, ids(11))
+        with pytest.raises(PrunedBatchError):
+            c.batch(3, ids(3))
+        assert c.tlog.view(3).ballots == []
+    finally:
+        d1.close()
+        c.close()

@@ -731,22 +731,34 @@ class TransactionLog:
         if cached is not None and not fresh:
             return cached[0]
         folder = f"g{g:04d}/{_LOW_WATER_DIR}"
-        names = frozenset(n for n in self.store.list(folder) if n.endswith(".json") and n[:12].isdigit())
         ranges = [] if cached is None else list(cached[0])   # never forget what was seen
-        for n in sorted(names - (cached[1] if cached is not None else frozenset())):
-            if at_least is not None and int(n[:12]) < at_least:
-                continue  # cannot hold it; read when someone asks about a lower batch
-            rec = self._read(f"{folder}/{n}")
-            if rec is not None:
+        done = cached[1] if cached is not None else frozenset()
+        for _ in range(100):
+            names = frozenset(n for n in self.store.list(folder) if n.endswith(".json") and n[:12].isdigit())
+            vanished = False
+            for n in sorted(names - done):
+                if at_least is not None and int(n[:12]) < at_least:
+                    continue  # cannot hold it; read when someone asks about a lower batch
+                rec = self._read(f"{folder}/{n}")
+                if rec is None:
+                    # Deleted since the listing: a pruner folded it into a file it wrote before
+                    # deleting it, which a new listing shows.  Never read as "nothing pruned".
+                    vanished = True
+                    continue
                 ranges += [list(r) for r in rec.get("ranges", [])]
+                done |= {n}
+            if not vanished:
+                break
+        else:
+            raise LogUnavailableError(f"{self.store.location(folder)}: its files kept vanishing between a listing "
+                                      "and their reads; what was pruned could not be read")
         if g not in self._legacy_low_water:  # written once by older versions, never again: read once
             rec = self._read(f"g{g:04d}/{_LOW_WATER}")
             self._legacy_low_water[g] = int(rec["batch_id"]) if rec is not None else -1
         if self._legacy_low_water[g] >= 0:
             ranges.append([0, self._legacy_low_water[g]])
         ranges = _merge(ranges)
-        read = names if at_least is None else frozenset(n for n in names if int(n[:12]) >= at_least)
-        self._pruned[g] = (ranges, read | (cached[1] if cached is not None else frozenset()))
+        self._pruned[g] = (ranges, done)
         return ranges
 
     def is_pruned(self, batch_id: int, generation: int | None = None, *, fresh: bool = False) -> bool:

@@ -416,7 +416,7 @@ class TwoPhaseProtocol:
         else:
             view = tlog.view(batch_id)
             if not view.ballots and view.committed is None:
-                tlog.refuse_pruned(batch_id)  # PrunedBatchError: committed, and its records pruned
+                tlog.refuse_pruned(batch_id, fresh=True)  # PrunedBatchError: committed, records pruned
         prog.log_ms += _ms(t0)
 
         t0 = time.perf_counter()
@@ -587,8 +587,8 @@ class TwoPhaseProtocol:
             self._abort_own(batch_id, handles)
             raise LogOwnershipError(
                 f"batch {batch_id}: this coordinator's {what} (epoch {self.tlog.epoch}) landed after the batch "
-                f"was committed and its records pruned: it was deposed and stops, aborting only its own "
-                f"transactions. {e}") from e
+                "was committed and its records pruned (it was deposed, paused or its request late, or a late "
+                f"prune raced its re-run); it stops, aborting only its own transactions. {e}") from e
 
     def _close_earlier_ballots(self, batch_id: int, view: BatchView, prog: BatchProgress, *,
                                after_recovery: bool) -> int | None:
