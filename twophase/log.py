@@ -807,7 +807,12 @@ class TransactionLog:
         if not created:
             existing = self.record(batch_id, state, generation=g, ballot=ballot)
             if existing is None:
-                raise LogError(f"{self.store.location(name)} exists but cannot be read back")
+                # Another writer's record was there and is gone: the batch was committed and its records
+                # pruned by the owner meanwhile, so this writer is behind it (deposed, or late).
+                raise LogOwnershipError(
+                    f"{self.store.location(name)} was written by another coordinator and deleted before this "
+                    f"one (epoch {self.epoch}) could read it: the batch was committed and pruned meanwhile; "
+                    "this one stops")
             return existing
         return BatchRecord(batch_id, state, body, self.store.location(name))
 

@@ -3,6 +3,7 @@
 Hypothesis drives any :class:`~twophase.TwoPhaseCommitSink` through batches, task
 failures, driver crashes and recoveries, and checks every row is visible exactly
 once.  Needs ``pip install 'twophase[testing]'`` (hypothesis); pytest is optional.
+Every interleaving of the protocol's actors up to a preemption bound: :mod:`twophase.testing.explorer`.
 """
 
 from twophase.testing.conformance import (
