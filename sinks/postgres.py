@@ -1091,6 +1091,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         try:
             if conn.autocommit:  # ROLLBACK PREPARED cannot run inside a transaction block
                 self._roll_back_earlier_attempts(conn, ctx, prefix)
+                self._roll_back_late_leftovers(conn, ctx)
                 conn.autocommit = False
             conn.tpc_begin(gid)
             with conn.cursor() as cur:
@@ -1117,6 +1118,30 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         txn = PostgresTransaction(ctx, gid, conn, database, oid, columns)
         txn.extra["marker_schema"] = self._marker_home or marker_schema
         return txn
+
+    def _roll_back_late_leftovers(self, conn: Any, ctx: TransactionContext) -> int:
+        """A retried attempt (its first failed, perhaps on the locks of a late attempt of an earlier
+        batch, after ``lock_timeout``) rolls back this query's prepared gids of earlier batches that it
+        can claim ``doomed`` (executor), as the driver's :meth:`sweep_late` does before a batch: in
+        the data source form no driver runs the batch again, so the retry is where it can pass.  A
+        gid claimed ``decided`` is left alone; without a claims table nothing is rolled back."""
+        pg = _pg()
+        head = self.query_prefix(ctx.query_name)
+        n = 0
+        with conn.cursor() as cur:
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
+                        "AND left(gid, length(%s)) = %s", (head, head))
+            late = sorted(g for (g,) in cur.fetchall()
+                          if (b := self._gid_batch(ctx.query_name, g)) is not None and b < int(ctx.batch_id))
+            for gid in self._doom(cur, ctx.label, late) or []:
+                try:
+                    cur.execute("ROLLBACK PREPARED %s", (gid,))
+                    n += 1
+                    log.info("%s: rolled back %s, a late leftover of an earlier batch", ctx.label, gid)
+                except pg.Error as e:
+                    if e.pgcode != _UNDEFINED_OBJECT:
+                        log.warning("%s: cannot roll back %s (%s)", ctx.label, gid, _describe_pg_error(e))
+        return n
 
     def _roll_back_earlier_attempts(self, conn: Any, ctx: TransactionContext, prefix: str) -> int:
         """``ROLLBACK PREPARED`` what earlier attempts of this task left prepared (executor).

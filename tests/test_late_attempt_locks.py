@@ -96,3 +96,26 @@ def test_a_late_leftover_is_rolled_back_even_where_the_role_may_not_write_the_cl
         finally:
             t.execute(f'GRANT INSERT, UPDATE ON "{claims}" TO CURRENT_USER')
             d.close()
+
+
+def test_in_the_data_source_form_a_retried_task_rolls_back_the_late_leftover_its_first_attempt_waited_on(
+        postgres_service, tmp_path):
+    """The data source form has no driver that runs a batch again: Spark retries the task.  The
+    retried attempt (attempt 1) rolls back what a late attempt of an earlier batch left prepared
+    (claimed doomed first), so it writes key 3 where its first attempt failed after lock_timeout."""
+    from twophase.sinks.postgres import PostgresWriteError
+
+    with PgTable(postgres_service["dsn"], "latelock3") as t:
+        d = Driver(_upsert(t), str(tmp_path / "log"), "q")
+        try:
+            assert d.batch(0, ids(1, 2, 3)).action == "committed"
+            intent = d.sink.plan_batch(d.query_name, 1, 1)
+            _late_attempt_of_batch_0(d)
+            with pytest.raises(PostgresWriteError, match="lock"):   # attempt 0 waits on key 3's lock
+                run_attempt(d.sink, TransactionContext(d.query_name, 1, 0, 0, intent, "run1"), ids(3, 4))
+            handle = run_attempt(d.sink, TransactionContext(d.query_name, 1, 0, 1, intent, "run1"), ids(3, 4))
+            assert [g for g in t.prepared()] == [handle["gid"]]   # the zombie's gid is gone, ours is prepared
+            d.sink.commit(handle)
+            assert t.ids() == [1, 2, 3, 4]
+        finally:
+            d.close()
