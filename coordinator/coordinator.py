@@ -276,6 +276,7 @@ class Coordinator:
         self.log: TransactionLog | None = None
         self._checkpoint_store: LogStore | Literal[False] | None = None  # False: its scheme has no store
         self._query_id: str | None = None
+        self._run_id: str | None = None  # the streaming query's run (sql.streaming.runId) the log was taken in
         self._stateful: bool | None = None
         self._scoped_name = name       # the name sinks see: name + the log's identity (set at start)
         self._protocol: TwoPhaseProtocol | None = None  # the protocol's steps, on the log we hold
@@ -337,10 +338,17 @@ class Coordinator:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, spark, query_id: str, streaming: bool) -> TransactionLog:
-        if self.log is not None and self._query_id == query_id and not self.log.fenced:
-            return self.log
-        # A fenced log is never reused: this object takes the log again (refused, naming the owner,
-        # while a newer coordinator holds it; a new epoch once that one is gone).
+        run_id = None
+        if streaming and not is_connect(spark):
+            run_id = spark.sparkContext.getLocalProperty("sql.streaming.runId")
+        if self.log is not None and self._query_id == query_id:
+            if not self.log.fenced or (streaming and run_id == self._run_id):
+                # Fenced in this very run of the streaming query: its batches fail (a newer driver
+                # took over; this one stops).  Over Connect there is no run id: the same.
+                return self.log
+        # A fenced log is not kept by a new run of the query (restarted in this process) or a batch
+        # write: this object takes the log again (refused, naming the owner, while a newer
+        # coordinator holds it; a new epoch once that one is gone).
         self._check_spark(spark, query_id, streaming)
         self.sink.open()
         tlog = TransactionLog(self.log_location, **self._log_args)
@@ -351,7 +359,7 @@ class Coordinator:
             self._protocol.settle()  # the old log's last COMMITTED record, before that log closes
         if self.log is not None:
             self.log.close()
-        self.log, self._query_id = tlog, query_id
+        self.log, self._query_id, self._run_id = tlog, query_id, run_id
         self._scoped_name = f"{self.name}.{tlog.scope()}"
         # A new protocol instance starts dirty: recovery runs before its first batch.
         self._protocol = TwoPhaseProtocol(self.sink, tlog, name=self.name, query_name=self._scoped_name,

@@ -254,8 +254,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         self._client_lock = threading.Lock()
 
     def target(self) -> str:
-        servers = ",".join(sorted(h.strip() for h in str(self.bootstrap_servers).split(",") if h.strip()))
-        return f"kafka {servers} topic {self.topic or '(per-record topics)'}"
+        # What is written, not the way there: brokers listed otherwise, or another listener, is the same job.
+        return f"kafka topic {self.topic or '(per-record topics)'} (ids {self.transactional_id_prefix})"
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:

@@ -483,8 +483,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 pass
 
     def target(self) -> str:
-        p = self.params  # not the user: a job's credentials may change between runs
-        return f"postgres {p.get('host', '')}:{p.get('port', '5432')}/{p.get('dbname', '')} table {self.target_name}"
+        # What is written, not the way there: a job reached through another host name, port (a
+        # pooler, a proxy) or user is the same job.
+        return f"postgres database {self.params.get('dbname', '(default)')} table {self.target_name}"
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:

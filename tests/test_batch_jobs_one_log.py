@@ -95,15 +95,18 @@ def test_a_log_of_an_earlier_version_is_bound_to_the_first_batch_job_that_comes_
     assert "orders" in str(err.value) and "refunds" in str(err.value)
 
 
-def test_a_batch_jobs_target_does_not_change_with_how_its_address_is_written():
-    """A harmless change between two runs (a trailing slash, file://, brokers in another order, other
-    database credentials) is the same job, not a second job refused on its own log."""
+def test_a_batch_jobs_target_does_not_change_with_the_way_to_it():
+    """A harmless change between two runs (a trailing slash, file://, brokers listed otherwise, another
+    host name, port (a pooler, a proxy) or user for the same database) is the same job, not a second
+    job refused on its own log; another table, topic or folder is another job."""
     from twophase.sinks.kafka import KafkaSink
     from twophase.sinks.postgres import PostgresSink
 
     assert FileSink("/data/orders").target() == FileSink("/data/orders/").target() \
-        == FileSink("file:///data/orders").target()
-    assert KafkaSink("b:9092,a:9092", "t", "p").target() == KafkaSink("a:9092, b:9092", "t", "p").target()
+        == FileSink("file:///data/orders").target() != FileSink("/data/refunds").target()
+    assert KafkaSink("b:9092,a:9092", "t", "p").target() == KafkaSink("a:19092", "t", "p").target() \
+        != KafkaSink("a:9092", "u", "p").target()
     assert PostgresSink("host=h port=5432 dbname=d user=u1", "t").target() == \
-        PostgresSink("host=h port=5432 dbname=d user=u2 password=secret", "t").target()
+        PostgresSink("host=proxy port=6432 dbname=d user=u2 password=secret", "t").target() != \
+        PostgresSink("host=h port=5432 dbname=d", "t2").target()
     assert "secret" not in PostgresSink("host=h dbname=d password=secret", "t").target()
