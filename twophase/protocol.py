@@ -471,8 +471,9 @@ class TwoPhaseProtocol:
                         "closing it and opening the next", self.name, batch_id, number, other)
             view = tlog.view(batch_id)
             recovered = recovered or set()  # earlier ballots were handled: abort only what is closed now
-        else:  # pragma: no cover - every pass of the loop breaks, returns or raises by its last try
-            raise LogOwnershipError(f"batch {batch_id}: no ballot could be opened")
+        else:  # every try found a ballot decided while it closed it: others keep writing this batch
+            raise LogOwnershipError(f"batch {batch_id}: no ballot could be opened ({_MAX_LATE_INTENTS + 1} tries "
+                                    "found a ballot decided by another coordinator meanwhile)")
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
         # A late attempt of an earlier batch may hold what this ballot's tasks need: gone first.
