@@ -848,6 +848,16 @@ def _run_batches(ctx: ActorContext, protocol: TwoPhaseProtocol, sink: TwoPhaseCo
         ctx.spark_committed(b)
 
 
+def _take_log(ctx: ActorContext) -> tuple[TwoPhaseCommitSink[Any, Any], TwoPhaseProtocol]:
+    """A coordinator's start: its sink opened, the log taken over (a new epoch), its protocol."""
+    sink = ctx.sink()
+    sink.open()
+    tlog = ctx.tlog()
+    tlog.acquire(QUERY_ID, NAME, takeover=True)
+    ctx.label(tlog)
+    return sink, ctx.protocol(sink, tlog)
+
+
 def owner(batches: Sequence[int] | None = None, *, name: str = "owner", until_last: bool = True) -> Actor:
     """The log's owner: a coordinator that takes the log over (``takeover=True``: a newer epoch, at a
     point the explorer picks) and runs ``run_batch`` for ``batches``, one after the other, as
@@ -856,12 +866,8 @@ def owner(batches: Sequence[int] | None = None, *, name: str = "owner", until_la
 
     def run(ctx: ActorContext) -> None:
         todo = _batches(ctx, batches, until_last)
-        sink = ctx.sink()
-        sink.open()
-        tlog = ctx.tlog()
-        tlog.acquire(QUERY_ID, NAME, takeover=True)
-        ctx.label(tlog)
-        _run_batches(ctx, ctx.protocol(sink, tlog), sink, todo)
+        sink, protocol = _take_log(ctx)
+        _run_batches(ctx, protocol, sink, todo)
 
     return Actor(name, run)
 
@@ -875,12 +881,7 @@ def deposed(batches: Sequence[int] | None = None, *, name: str = "deposed", hist
     anywhere in the owner's run (it was paused, or held on the wire)."""
 
     def run(ctx: ActorContext) -> None:
-        sink = ctx.sink()
-        sink.open()
-        tlog = ctx.tlog()
-        tlog.acquire(QUERY_ID, NAME, takeover=True)
-        ctx.label(tlog)
-        protocol = ctx.protocol(sink, tlog)
+        sink, protocol = _take_log(ctx)
         _run_batches(ctx, protocol, sink, list(range(history)))
         ctx.ready()
         _run_batches(ctx, protocol, sink, _batches(ctx, batches, until_last))
@@ -998,12 +999,7 @@ def _final_owner(world: _World) -> Actor:
     has not committed, then one batch more (its cleanup sweeps what late attempts left)."""
 
     def run(ctx: ActorContext) -> None:
-        sink = ctx.sink()
-        sink.open()
-        tlog = ctx.tlog()
-        tlog.acquire(QUERY_ID, NAME, takeover=True)
-        ctx.label(tlog)
-        protocol = ctx.protocol(sink, tlog)
+        sink, protocol = _take_log(ctx)
         protocol.recover()
         protocol.dirty = False
         for b in range(world.batches + 1):
