@@ -71,3 +71,43 @@ def test_a_sigkill_is_timed_from_progress_and_reported_as_landed(tmp_path):
                                  env={"FAKE_WORK": "2"}, progress=lambda s: None,
                                  progress_probe=_probe(tmp_path))
     assert [r.outcome for r in runs] == ["killed", "completed"]
+
+
+def _run(n, fault, code, outcome, fired=(), progress=None):
+    return chaos.Run(n, fault, code, 1.0, code == 0, outcome, list(fired), progress)
+
+
+def _fails(runs, **kw) -> str:
+    try:
+        chaos.check_runs(runs, **kw)
+    except AssertionError as e:
+        return str(e)
+    raise AssertionError(f"check_runs passed {runs}")
+
+
+def test_check_runs_passes_only_faults_that_landed_where_and_when_they_were_aimed():
+    done = _run(9, "none", 0, "completed", progress=10)
+    good = [_run(1, "crash:mid_commit:2", 137, "crash point fired", ["mid_commit 2 11"], 4),
+            _run(2, "crash:after_pre_commit", 1, "crash point fired", ["after_pre_commit 0 12"] * 4, 1),
+            _run(3, "sigkill@3.0s", -9, "killed", progress=6), done]
+    chaos.check_runs(good)
+    # Each way a fault can miss is refused, with the run named.
+    assert "failed" in _fails([_run(1, "crash:mid_commit", 1, "failed"), done])
+    assert "did not fire" in _fails([_run(1, "crash:mid_commit", 0, "finished before the fault"), done])
+    assert "another batch" in _fails([_run(1, "crash:mid_commit:2", 137, "crash point fired",
+                                           ["mid_commit 3 11"]), done])
+    assert "exited 1" in _fails([_run(1, "crash:mid_commit", 1, "crash point fired", ["mid_commit 0 1"]), done])
+    assert "exited 137 at an executor point" in _fails(
+        [_run(1, "crash:after_pre_commit", 137, "crash point fired", ["after_pre_commit 0 1"]), done])
+    assert "was not killed" in _fails([_run(1, "sigkill@3.0s", 0, "finished before the fault"), done])
+    assert "after the work was done" in _fails([_run(1, "sigkill@3.0s", -9, "killed", progress=10), done])
+    chaos.check_runs([_run(1, "sigkill@3.0s", -9, "killed", progress=10), done], kills_mid_work=False)
+    assert "never completed" in _fails([_run(1, "none", 1, "failed")])
+
+
+def test_run_with_faults_records_progress_for_check_runs(tmp_path):
+    runs = chaos.run_with_faults(_cmd(tmp_path), crash_points=["after_intent:0"], random_kills=1,
+                                 kill_window=(0.5, 0.5), seed=1, env={"FAKE_WORK": "2"},
+                                 progress=lambda s: None, progress_probe=_probe(tmp_path))
+    assert [r.progress for r in runs] == [1, 2, 3]
+    chaos.check_runs(runs)

@@ -51,6 +51,9 @@ class Run:
     #: so an exit 137 from anything else (the OOM killer, a stray kill) is a failure.
     outcome: str = ""
     fired: list[str] = field(default_factory=list)  # "<point> <batch> <pid>" lines of the crash log
+    #: The ``progress_probe`` counter when the run ended (None without a probe): a SIGKILL that
+    #: landed mid-work ended its run below the count the completing run reached.
+    progress: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +157,51 @@ def _outcome(label: str, code: int | None, fired: list[str]) -> str:
     return "completed" if code == 0 else "failed"
 
 
+def check_runs(runs: Sequence[Run], *, executor_points: Iterable[str] = ("before_begin", "after_pre_commit"),
+               kills_mid_work: bool = True) -> None:
+    """Raise ``AssertionError`` unless every fault of ``runs`` (:func:`run_with_faults`) landed.
+
+    - A ``crash:POINT`` or ``crash:POINT:N`` run: its crash log names POINT (and batch N when
+      given), and nothing else made it exit: a crash point armed but never reached, or a run
+      that died of something else (a JVM that failed to start, a lost connection), is not a
+      fired crash, and the recovery a test names would never have run.  A point that fires in
+      executors (``executor_points``) does not kill the driver: its exit is then not the
+      crash point's 137.
+    - A ``sigkill@...`` run: the SIGKILL ended it (not an exit before the kill), and, with a
+      ``progress_probe``, before the work was done: its progress is below the completing run's.
+    - No run failed; the last one completed.
+    """
+    runs = list(runs)
+    show = [r.to_dict() for r in runs]
+    assert runs and runs[-1].completed, f"the driver never completed: {show}"
+    final = runs[-1].progress
+    for r in runs:
+        assert r.outcome != "failed", f"run {r.number} ({r.fault}) failed: {show}"
+        if r.fault.startswith("crash:"):
+            spec = r.fault.split(":", 1)[1]
+            for item in spec.split(","):
+                point, _, batch = item.partition(":")
+                assert r.outcome == "crash point fired", f"run {r.number}: {r.fault} did not fire: {show}"
+                hits = [line for line in r.fired if line.split(" ", 1)[0] == point]
+                assert hits, f"run {r.number}: {point} is not in its crash log {r.fired}: {show}"
+                if batch:
+                    assert all(line.split(" ")[1] == batch for line in hits), \
+                        f"run {r.number}: {point} fired at another batch than {batch}: {r.fired}"
+                if point in executor_points:
+                    assert r.exit_code != crash.EXIT_CODE or any(
+                        line.split(" ", 1)[0] not in executor_points for line in r.fired), \
+                        f"run {r.number}: the driver itself exited 137 at an executor point: {show}"
+                else:
+                    assert r.exit_code == crash.EXIT_CODE, \
+                        f"run {r.number}: {point} fired but the driver exited {r.exit_code}: {show}"
+        elif r.fault.startswith("sigkill"):
+            assert r.outcome == "killed", f"run {r.number} ({r.fault}) was not killed: {show}"
+            if kills_mid_work and r.progress is not None and final is not None:
+                assert r.progress < final, \
+                    f"run {r.number} ({r.fault}) was killed after the work was done " \
+                    f"(progress {r.progress} of {final}): {show}"
+
+
 def run_with_faults(cmd: Sequence[str], *, crash_points: Sequence[str] = (), random_kills: int = 0,
                     kill_window: tuple[float, float] = (5.0, 30.0), seed: int | None = None,
                     env: dict[str, str] | None = None, max_final_runs: int = 5, timeout: float = 600.0,
@@ -190,14 +238,16 @@ def run_with_faults(cmd: Sequence[str], *, crash_points: Sequence[str] = (), ran
             finally:
                 os.unlink(crash_log)
             outcome = _outcome(label, code, fired)
-            runs.append(Run(i, label, code, round(secs, 1), code == 0, outcome, fired))
+            runs.append(Run(i, label, code, round(secs, 1), code == 0, outcome, fired,
+                            progress_probe() if progress_probe else None))
             say(f"[run {i}/{total}+] {label}: exit {code} after {secs:.1f}s: {outcome}"
                 + (f" ({'; '.join(fired)})" if fired else ""))
         for _ in range(max_final_runs):
             n = len(runs) + 1
             say(f"[run {n}] no fault, until done ...")
             code, secs = run_once(cmd, env=env, timeout=timeout, log_file=log_file)
-            runs.append(Run(n, "none", code, round(secs, 1), code == 0, _outcome("none", code, [])))
+            runs.append(Run(n, "none", code, round(secs, 1), code == 0, _outcome("none", code, []), [],
+                            progress_probe() if progress_probe else None))
             say(f"[run {n}] no fault: exit {code} after {secs:.1f}s")
             if code == 0:
                 return runs
