@@ -18,11 +18,13 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "twophase.cli", *args], capture_output=True, text=True)
 
 
-def pending_log(tmp_path):
-    """A log as a crashed driver leaves it: batch 0 committed, 1 decided, 2 undecided with a leftover."""
+def pending_log(tmp_path, log_dir=None):
+    """A log as a crashed driver leaves it: batch 0 committed, 1 decided, 2 undecided with a leftover.
+    ``log_dir``: where the log goes (default ``tmp_path / "log"``)."""
     out = tmp_path / "out"
+    log_dir = log_dir or tmp_path / "log"
     sink = FileSink(str(out))
-    tlog = TransactionLog(str(tmp_path / "log"))
+    tlog = TransactionLog(str(log_dir))
     tlog.acquire("query-1", "app")
 
     intents = {b: sink.plan_batch("app", b, 2) for b in (0, 1, 2)}  # one execution (ballot) each
@@ -35,14 +37,15 @@ def pending_log(tmp_path):
     for b in (0, 1, 2):
         tlog.write(b, INTENT, {"intent": intents[b], "name": "app"})
     h0 = [prep(0, 0)]
-    tlog.write(0, PREPARED, {"handles": h0, "rows": 1})
+    tlog.write(0, PREPARED, {"handles": h0, "rows": 1, "source": {"sources": [{"events": {"0": 10}}]}})
     sink.commit(sink.decode_handle(h0[0]))
     tlog.write(0, COMMITTED, {})
-    tlog.write(1, PREPARED, {"handles": [prep(1, 0), prep(1, 1)], "rows": 2})
+    tlog.write(1, PREPARED, {"handles": [prep(1, 0), prep(1, 1)], "rows": 2,
+                             "source": {"sources": [{"events": {"0": 20}}]}})
     prep(2, 0)  # pre-committed, never decided: a leftover
     # Simulate the dead owner: a lease from a pid that does not exist on this host.
     lease = tlog.store.read("lease.json")
-    os.unlink(tmp_path / "log" / "lease.json")
+    os.unlink(log_dir / "lease.json")
     body = json.loads(lease)["body"]
     body["pid"] = 2 ** 22 + 12345
     from twophase.log import encode_record
@@ -92,6 +95,39 @@ def test_recover_commits_decided_and_aborts_undecided(tmp_path):
     rep2 = json.loads(run_cli("recover", str(tmp_path / "log"), "--sink-config", cfg, "--json").stdout)
     assert rep2["committed_batches"] == [] and rep2["handles_committed"] == 0
     assert not [p for p in (out / "_twophase").rglob("*") if p.is_file()]
+
+
+def test_offsets_is_refused_while_a_decided_batch_is_pending(tmp_path):
+    """Issue 46: offsets printed the last COMMITTED batch's end (batch 0) while batch 1 was decided;
+    a new query started there wrote batch 1's records again, and a later recover of the old log
+    committed them too."""
+    _, sink = pending_log(tmp_path)
+    log = str(tmp_path / "log")
+    r = run_cli("offsets", log)
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert "batch 1 (generation 1) is decided but not yet committed" in r.stderr
+    assert f"twophase recover {log} --sink-config CFG" in r.stderr
+    r = run_cli("recover", log, "--sink-config", json.dumps(sink.to_config()))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("offsets", log)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"events": {"0": 20}}  # where batch 1, now committed, ends
+    assert "warning" not in r.stderr  # batch 2's leftover was aborted too
+
+
+def test_offsets_warns_of_an_undecided_batch_and_prints_the_committed_end(tmp_path):
+    _, sink = pending_log(tmp_path)
+    log = str(tmp_path / "log")
+    # Batch 1 committed and batch 2's leftover aborted by recover; then a new execution opens batch 3.
+    assert run_cli("recover", log, "--sink-config", json.dumps(sink.to_config())).returncode == 0
+    w = TransactionLog(log)
+    w.acquire("query-1", "app", takeover=True)
+    w.write(3, INTENT, {"intent": sink.plan_batch("app", 3, 1), "name": "app"})
+    w.close()
+    r = run_cli("offsets", log)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"events": {"0": 20}}
+    assert "batch 3 (generation 1) is undecided" in r.stderr and "abort-lingering" in r.stderr
 
 
 def test_recover_is_refused_while_a_live_coordinator_owns_the_log(tmp_path):

@@ -111,6 +111,8 @@ def cmd_offsets(args) -> int:
         print(f"twophase: {args.log} holds no log generation", file=sys.stderr)
         return 1
     g = args.generation or int(gens[-1]["generation"])
+    if _pending_refusal(tlog, args.log):
+        return 1
     last = tlog.last_committed(generation=g)
     if last is None:
         print(f"twophase: generation {g} has no committed batch", file=sys.stderr)
@@ -131,6 +133,35 @@ def cmd_offsets(args) -> int:
         # The end offsets of the last committed batch, as Spark's Kafka source takes them for startingOffsets.
         print(json.dumps(sources[args.source], separators=(",", ":")))
     return 0
+
+
+def _pending_refusal(tlog, log_url: str) -> bool:
+    """Print why ``offsets`` refuses (a decided batch is pending) and warn of undecided ones.
+
+    A decided batch not yet committed is part of the results: the position after the last
+    *committed* batch would have a new query write it again, and a later ``twophase recover``
+    of this log would commit it too (a duplicate).  Undecided batches are not results: a new
+    query writes them again and recovery of this log aborts what they left.
+    """
+    from twophase.recovery import pending_batches
+
+    pending = [p for p in pending_batches(tlog) if not p.pruned]
+    decided = [p for p in pending if p.decided]
+    if decided:
+        which = ", ".join(p.label for p in decided)
+        verb = "is" if len(decided) == 1 else "are"
+        print(f"twophase: {which} {verb} decided but not yet committed: its records are part of the results, "
+              f"and a new query started at the last committed batch's offsets would write them again. "
+              f"Finish it first: twophase recover {log_url} --sink-config CFG; then run offsets again",
+              file=sys.stderr)
+        return True
+    for p in pending:
+        if p.ballots and all(b.outcome is not None for b in p.ballots):
+            continue  # every ballot closed: nothing of it is left open
+        print(f"twophase: warning: {p.label} is undecided: it is not part of the results (a new query "
+              f"writes it again); 'twophase abort-lingering {log_url} --sink-config CFG' aborts what it "
+              "left open", file=sys.stderr)
+    return False
 
 
 def cmd_demo(args) -> int:
@@ -171,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("offsets", help="print the source offsets of the last committed batch",
                         description="Print where the last committed batch's input ends, in the form Spark's "
-                                    "Kafka source takes as startingOffsets (for a restart from a new checkpoint).")
+                                    "Kafka source takes as startingOffsets (for a restart from a new checkpoint). "
+                                    "Refused (exit 1) while a decided batch is not yet committed: run "
+                                    "'twophase recover' first.")
     sp.add_argument("log", metavar="LOG_LOCATION")
     sp.add_argument("--storage-options", help="JSON fsspec storage options for the log URL")
     sp.add_argument("--generation", type=int, help="log generation (default: the latest)")
