@@ -14,7 +14,7 @@ import pytest
 
 from twophase import CommitResult, DataLossError, HandleError
 from twophase.coordinator import Coordinator
-from twophase.errors import CommitError, CorruptLogError
+from twophase.errors import CommitError, ConfigurationError, CorruptLogError
 from twophase.log import PREPARED, TransactionLog
 from twophase.sinks.files import FileSink
 
@@ -276,9 +276,10 @@ def test_speculation_is_refused(tmp_path):
     assert not (tmp_path / "out").exists() or output_ids(tmp_path / "out") == []
 
 
-def test_async_progress_tracking_is_refused(spark, tmp_path):
-    # Spark 4.3 itself refuses it for foreachBatch ("Sink ForeachBatchSink does not support async
-    # progress tracking"); the coordinator checks too, for versions or sinks that would let it through.
+def test_async_progress_tracking_is_refused_by_spark_for_foreach_batch(spark, tmp_path):
+    # Spark 4.x itself refuses it for foreachBatch ("Sink ForeachBatchSink does not support async
+    # progress tracking") before any batch runs: this shows Spark's refusal, the coordinator's own
+    # check is never reached here (the next test reaches it).
     src = tmp_path / "in"
     src.mkdir()
     (src / "a.json").write_text('{"id": 1}\n')
@@ -291,6 +292,40 @@ def test_async_progress_tracking_is_refused(spark, tmp_path):
         q.stop()
     assert "async progress tracking" in str(e.value).lower() or "asyncprogress" in str(e.value).lower()
     assert not (tmp_path / "out").exists() or output_ids(tmp_path / "out") == []
+
+
+def test_the_coordinators_own_async_progress_check_refuses_it(spark, tmp_path, monkeypatch):
+    """Issue 46: the test above passes on Spark's refusal, so the coordinator's check never ran.
+    A Spark that let async progress tracking through to foreachBatch would run the coordinator
+    under an ``AsyncProgressTrackingMicroBatchExecution``: here the query the coordinator finds is
+    one (a stand-in for the JVM object: the refusal above is this test's real-Spark twin), and its
+    check of the Spark session, which runs before a batch's INTENT, refuses it."""
+    import twophase.coordinator.coordinator as cmod
+
+    class JavaClass:
+        def getSimpleName(self):
+            return "AsyncProgressTrackingMicroBatchExecution"
+
+    class Execution:
+        def getClass(self):
+            return JavaClass()
+
+        def resolvedCheckpointRoot(self):
+            return str(tmp_path / "cp")
+
+    class Query:
+        class _jsq:  # noqa: N801 - pyspark's attribute name
+            @staticmethod
+            def streamingQuery():
+                return Execution()
+
+    monkeypatch.setattr(cmod, "_find_query", lambda spark, query_id: Query())
+    c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="a")
+    with pytest.raises(ConfigurationError, match="async progress tracking"):
+        c._check_spark(spark, "q-1", streaming=True)
+    # And with a plain micro-batch execution the same call passes: the check is the class, not the call.
+    JavaClass.getSimpleName = lambda self: "MicroBatchExecution"  # type: ignore[method-assign]
+    c._check_spark(spark, "q-1", streaming=True)
 
 
 def test_replayed_decided_batch_of_a_stateful_query(spark, tmp_path):
