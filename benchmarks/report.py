@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,23 @@ def _load(res: dict[str, Any]) -> str:
     return f"{la['start_1min']:.1f} at the start, {la['end_1min']:.1f} at the end" if la else "not recorded"
 
 
+def hardware() -> dict[str, Any]:
+    """This machine: its CPUs (``os.cpu_count()``) and physical memory in bytes (None where unknown)."""
+    try:
+        memory: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    return {"cpus": os.cpu_count(), "memory_bytes": memory}
+
+
+def _hardware(res: dict[str, Any]) -> str:
+    """The machine the run recorded (``res["hardware"]``; this one for results without it)."""
+    hw = res.get("hardware") or hardware()
+    cpus = f"{hw['cpus']} CPUs" if hw.get("cpus") else "an unknown number of CPUs"
+    mem = f"{hw['memory_bytes'] / 2**30:.1f} GiB of memory" if hw.get("memory_bytes") else "unknown memory"
+    return f"{cpus} and {mem}"
+
+
 def markdown(res: dict[str, Any]) -> str:
     p = res["params"]
     lines = [f"# twophase benchmark results ({'quick' if p['quick'] else 'full'} run)", "",
@@ -24,8 +42,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"rows={p['rows']}, row_size={p['row_size']} B, partitions={p['partitions']}, "
              f"reps={p['reps']} (+{p['warmup']} warm-up), trigger={p['trigger_interval']} s.", "",
              "Ratios are throughput ratios (baseline time / candidate time, medians of this run): "
-             "> 1 means the exactly-once sink is faster. The machine is a shared 2-core box "
-             f"(load average {_load(res)}): absolute numbers are noisy, the ratios are the point.", ""]
+             "> 1 means the exactly-once sink is faster. The machine has "
+             f"{_hardware(res)} (load average {_load(res)}, which counts other work on it too): absolute "
+             "numbers are noisy, the ratios are the point.", ""]
     sec = res["sections"]
     for key in ("kafka", "postgres"):
         if key in sec:
@@ -49,7 +68,7 @@ def markdown(res: dict[str, Any]) -> str:
                 lines.append(f"| {t} | {name} | {v['median_s']:.3f} | {_fmt(v['rows_per_s'])} | "
                              f"{v['mb_per_s']:.2f} | {cpu} |")
         lines += ["", "Server CPU s: CPU time the server's processes (the HDFS minicluster JVM, the moto "
-                  "S3 server) spent during the run (median), on the same 2 cores as the writers.", ""]
+                  "S3 server) spent during the run (median), on the same CPUs as the writers.", ""]
         for k, r in s["ratios"].items():
             lines.append(f"- **{k}: {r:.2f}x**")
         for t, c in s["commit_latency_ms"].items():
@@ -395,6 +414,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def write(res: dict[str, Any], out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
+    res.setdefault("hardware", hardware())  # the machine this run measured on
     paths["json"].write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
     paths["md"].write_text(markdown(res))
     streaming = {"latency": plot_latency, "datasource": plot_datasource}  # sections with plots of their own
