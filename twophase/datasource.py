@@ -518,6 +518,11 @@ class JdbcDataSource(TwoPhaseDataSource):
                             gid_prefix=self.options.get("twophase.gidprefix", "tp"))
 
 
+#: Producer settings KafkaSink owns that a by-name user sets with an option of its own.
+_BY_NAME = {"transaction.timeout.ms": "twophase.transactionTimeoutMs",
+            "transactional.id": "twophase.transactionalIdPrefix"}
+
+
 class KafkaDataSource(TwoPhaseDataSource):
     """``format("twophase-kafka")``: Kafka transactions, with the options of Spark's Kafka sink:
     ``kafka.bootstrap.servers``, ``topic`` (else a ``topic`` column), every other ``kafka.*``
@@ -546,6 +551,10 @@ class KafkaDataSource(TwoPhaseDataSource):
         if spark_only:
             raise ConfigurationError(f"twophase-kafka: kafka.{spark_only[0]} is not supported (as in Spark's "
                                      "Kafka sink, key and value are written as bytes)")
+        for key, option in _BY_NAME.items():  # KafkaSink's refusal names a constructor argument
+            if key in producer:
+                raise ConfigurationError(f"twophase-kafka: kafka.{key} is the sink's own setting; use "
+                                         f".option('{option}', ...) instead")
         producer = java_security_to_librdkafka(producer)
         prefix = self.options.get("twophase.transactionalidprefix")
         if not prefix:  # stable across restarts, one per query (or per log, for batch writes)
