@@ -6,7 +6,8 @@ The cluster (tests/services/hosts.py): drivers on the hosts ``driver-a`` and ``d
 its own network namespace, address, hostname and folder; Spark ``local[2]`` inside), the
 transaction log on MinIO on the host ``s3``, reached through a fault proxy (tests/netproxy.py)
 on the bridge's root address; the target a table on PostgreSQL on the host ``pg`` (``--sink
-postgres``, inserts; ``postgres-upsert``, upserts on the id), files on that MinIO, reached directly
+postgres``, inserts; ``postgres-upsert``, upserts on the id, the ids counted in a journal of every
+committed write, which a trigger fills), files on that MinIO, reached directly
 (``--sink files-s3``, FileSink's multipart uploads), files on HDFS on the host ``hdfs`` (``--sink
 files-hdfs``, FileSink's Arrow writer through WebHDFS: staged files renamed), or a topic on Kafka on the host ``kafka``
 (``--sink kafka``, read back ``read_committed``).  A
@@ -42,7 +43,8 @@ hits the executor of one of them; the driver is not deposed and must go on:
 
 - ``executor-kill``: SIGKILL of the executor JVM and its Python workers.  Its shuffle output is
   lost with it, so its task's retry fails to fetch it and the write stage is retried while the
-  other worker's task of the old stage attempt still runs: two attempts of one partition at once;
+  other worker's task of the old stage attempt still runs (held, after its wait, until the
+  retry's attempt of its partition has begun): two attempts of one partition at once;
 - ``executor-pause``: SIGSTOP of the executor and its Python workers past the driver's network
   timeout (its tasks run again elsewhere), then SIGCONT: a zombie executor;
 - ``executor-cut``: the worker's host loses the driver's address only (its heartbeats fail; its
@@ -56,7 +58,9 @@ batch during which the stop file appeared.
 The checker reads the history (faults with start and end, every driver's batches, exits) and
 the target, and gives a verdict per property: every id exactly once (read back from the target),
 no data loss reported, every takeover and every executor fault followed by a committed batch
-within a bound, progress resumed within a bound after the last heal, nothing left behind
+within a bound, each ``executor-kill`` followed by two attempts of one partition that both passed
+their rows on at once, each ``delay``'s decision delivered after the takeover and before the
+successor was done with its batch, progress resumed within a bound after the last heal, nothing left behind
 (no prepared transaction of the run's gid prefix; no open upload or staged object of the run's
 output), the pipeline finished.  It prints a verdict
 table, writes ``history.json`` and a timeline picture (``timeline.png``: faults as bands,
@@ -92,6 +96,9 @@ ALL_FAULTS = FAULTS + EXECUTOR_FAULTS
 #: With ``--cluster``: seconds an executor may be silent before its driver declares it lost, and
 #: seconds every write task waits after its mark (so that an executor fault finds one running).
 NETWORK_TIMEOUT, TASK_DELAY = 10.0, 4.0
+#: ``executor-kill``: seconds the surviving write task of the old stage attempt waits at most for
+#: the stage retry's attempt of its partition to start (see ``inject_executor``).
+RIVAL_WAIT = 30.0
 #: A slow write task's mark file (tests/drivers/ownership_pipeline.py ``--mark-dir``).
 MARK = re.compile(r"b(?P<batch>\d+)-p(?P<partition>\d+)-s\d+-t(?P<task>\d+)-a(?P<attempt>\d+)-(?P<host>.+)")
 DRIVER_HOSTS = ("driver-a", "driver-b")
@@ -111,6 +118,13 @@ class Fault:
     start: float
     end: float | None = None
     note: str = ""
+    #: An executor fault: the mark of the write task whose executor it hit (None: not injected).
+    mark: str | None = None
+    #: ``delay``: the batch whose decision was held, when the successor's epoch appeared in the
+    #: log store, and when the held PUT was let go (None: never held, or let go at the heal).
+    held_batch: int | None = None
+    took_over: float | None = None
+    delivered: float | None = None
 
 
 @dataclass
@@ -137,17 +151,21 @@ class History:
     finished: float | None = None
     #: Set when the pipeline stopped making progress (no batch without a fault): what stalled.
     stalled: str | None = None
-    #: The slow write tasks' marks (``--cluster``): batch, partition, task id, attempt, host, start.
+    #: The slow write tasks' marks (``--cluster``): batch, partition, task id, attempt, host, start
+    #: (``at``) and end (``end``: None for an attempt that died, or failed to fetch its input).
     tasks: list[dict[str, Any]] = field(default_factory=list)
 
-    def overlaps(self, within: float) -> list[tuple[int, int]]:
-        """(batch, partition) run by two task attempts at once: two attempts of it started less
-        than ``within`` (a slow task's wait) apart, so the first still ran when the second began."""
-        by: dict[tuple[int, int], list[float]] = {}
+    def overlaps(self, batch: int | None = None) -> list[tuple[int, int]]:
+        """(batch, partition) run by two task attempts at once (of ``batch`` only, if given): two
+        attempts that both passed all their rows on (an end in their marks) and whose times from
+        start to end intersect, so both were alive together.  A killed attempt, or one that failed
+        to fetch its shuffle input, has no end and never counts."""
+        by: dict[tuple[int, int], list[tuple[float, float]]] = {}
         for t in self.tasks:
-            by.setdefault((t["batch"], t["partition"]), []).append(t["at"])
-        return sorted(k for k, ats in by.items()
-                      if any(b - a < within for a, b in zip(sorted(ats), sorted(ats)[1:])))
+            if t.get("end") is not None and (batch is None or t["batch"] == batch):
+                by.setdefault((t["batch"], t["partition"]), []).append((t["at"], t["end"]))
+        return sorted(k for k, spans in by.items()
+                      if any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:]))
 
     def batches(self) -> list[tuple[float, str, int, str]]:
         """(time, driver, batch, action) of every batch a driver reported, by time."""
@@ -169,11 +187,45 @@ def _postgres_target(info: dict[str, Any]) -> Any:
 
 
 def _postgres_upsert_target(info: dict[str, Any]) -> Any:
-    """The same, upserting on ``id`` (a primary key): a duplicate cannot show in the table, a
-    zombie's prepared transaction that holds a row's lock stalls the successor's upsert of it."""
+    """The same, upserting on ``id`` (a primary key): a zombie's prepared transaction that holds a
+    row's lock stalls the successor's upsert of it.  A duplicate cannot show in the table (a second
+    commit of a row updates it), so the ids are read from a journal a trigger fills: one row per
+    row written, committed or rolled back with the transaction that wrote it."""
+    return journaled_upsert_target(info["postgres_host"])
+
+
+def journaled_upsert_target(info: dict[str, Any]) -> Any:
+    """A PostgreSQL upsert target (``PostgresTarget``, ``mode="upsert"``) on the server ``info``
+    whose ``ids()`` counts every committed write of an id, not the rows the table holds: an
+    ``AFTER INSERT OR UPDATE`` row trigger on the table appends the id to a journal table in the
+    writing transaction, so each prepared transaction that is committed adds its ids once, and
+    one committed twice, or two attempts' transactions of one partition both committed, count
+    twice where the upserted table shows one row."""
     from tests.test_ownership_processes import PostgresTarget
 
-    return PostgresTarget(None, None, info=info["postgres_host"], mode="upsert")
+    class JournaledUpsertTarget(PostgresTarget):
+        def __init__(self) -> None:
+            super().__init__(None, None, info=info, mode="upsert")
+            self.journal = f"{self.table}_w"
+            with self._conn() as c, c.cursor() as cur:
+                cur.execute(f'CREATE TABLE "{self.journal}" (id bigint NOT NULL, xid bigint DEFAULT txid_current())')
+                cur.execute(f'CREATE FUNCTION "{self.journal}"() RETURNS trigger LANGUAGE plpgsql AS $$ '
+                            f'BEGIN INSERT INTO "{self.journal}" (id) VALUES (NEW.id); RETURN NULL; END $$')
+                cur.execute(f'CREATE TRIGGER "{self.journal}" AFTER INSERT OR UPDATE ON "{self.table}" '
+                            f'FOR EACH ROW EXECUTE FUNCTION "{self.journal}"()')
+
+        def ids(self) -> Counter:
+            with self._conn() as c, c.cursor() as cur:
+                cur.execute(f'SELECT id FROM "{self.journal}"')
+                return Counter(r[0] for r in cur.fetchall())
+
+        def cleanup(self) -> None:
+            super().cleanup()  # rolls the run's prepared transactions back, drops the table (its trigger)
+            with self._conn() as c, c.cursor() as cur:
+                cur.execute(f'DROP TABLE IF EXISTS "{self.journal}"')
+                cur.execute(f'DROP FUNCTION IF EXISTS "{self.journal}"()')
+
+    return JournaledUpsertTarget()
 
 
 def _files_s3_target(info: dict[str, Any]) -> Any:
@@ -310,6 +362,9 @@ class Nemesis:
         self.marks = out / "marks"
         #: While this file exists, the drivers' write tasks are slow (an executor fault is coming).
         self.slow_file = out / "slow"
+        #: ``executor-kill`` writes the killed task's mark here: the slow write tasks of its batch wait,
+        #: after their wait, for their rivals (tests/drivers/ownership_pipeline.py ``--rival-file``).
+        self.rival_file = out / "rival"
         bad = [k for k in faults if k in EXECUTOR_FAULTS] if not cluster else []
         if bad:
             raise ValueError(f"executor faults {bad} need the cluster (cluster=True, --cluster)")
@@ -396,7 +451,8 @@ class Nemesis:
 
             args += ["--master", self.master_url, "--driver-host", hosts.host(host).address, "--shuffle",
                      "--network-timeout", str(NETWORK_TIMEOUT), "--task-delay", str(TASK_DELAY),
-                     "--mark-dir", str(self.marks), "--slow-file", str(self.slow_file)]
+                     "--mark-dir", str(self.marks), "--slow-file", str(self.slow_file),
+                     "--rival-file", str(self.rival_file), "--rival-wait", str(RIVAL_WAIT)]
             for name in self.target.env():  # the sink's secrets: executors on the worker hosts need them
                 args += ["--executor-env", name]
         d = Driver(label, host, self.out, args, self.env, self.package)
@@ -501,13 +557,15 @@ class Nemesis:
         """An executor fault on the worker host of one of ``driver``'s running write tasks, once a
         task of the batch runs on each worker: ``executor-kill`` SIGKILLs that executor (JVM,
         Python daemon and workers: its shuffle output is lost, so the write stage fails to fetch
-        it and is retried while the other worker's task of the old attempt runs on);
+        it and is retried while the other worker's task of the old attempt runs on, held until the
+        retry's attempt of its partition started: two attempts of it write at once);
         ``executor-pause`` stops it past the network timeout (its driver declares it lost and runs
         its tasks again) and resumes it: a zombie; ``executor-cut`` cuts its host from the driver
         only (its heartbeats fail, its task runs on and reaches the target) past the network
         timeout, then heals."""
         from tests.services import hosts
 
+        self.rival_file.unlink(missing_ok=True)  # an earlier executor-kill's
         self.slow_file.touch()
         try:
             found = self._running_task(driver)
@@ -520,12 +578,18 @@ class Nemesis:
             return f, None
         worker, mark = found
         pids = self._executor(driver, worker)
-        f.note = f"{worker}, during {mark}"
+        f.note, f.mark = f"{worker}, during {mark}", mark
         _log(f"FAULT {kind} on {driver.label}'s executor on {worker} (pids {pids[:1]}...; {mark})")
         if not pids:
-            f.end, f.note = f.start, f"{worker}: no executor of {driver.label} found: not injected"
+            f.end, f.note, f.mark = f.start, f"{worker}: no executor of {driver.label} found: not injected", None
             return f, None
         if kind == "executor-kill":
+            # The task of the other worker waits, once its own wait is over, until the stage
+            # retry's attempt of its partition has started, and the retry's attempt of the killed
+            # task's partition until both have passed their rows on (at most RIVAL_WAIT s each):
+            # two attempts of one partition write at once however long the loss of the executor
+            # takes to become a stage retry, and the job does not end (killing one) before.
+            self.rival_file.write_text(mark)
             for p in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
@@ -570,8 +634,14 @@ class Nemesis:
             f.note = "no decision to hold in 60 s"
             return lambda: victim.signal(signal.SIGCONT)
         f.note = held.first_line.decode(errors="replace").split(" ")[1].rsplit("/", 1)[-1] + " held"
+        batch = re.search(r"batch-0*(\d+)\.prepared", f.note)
+        f.held_batch = int(batch.group(1)) if batch else None
         lag = self.rng.uniform(0.0, 1.0)
-        watch = self._after_takeover(lag, held.release)
+
+        def deliver() -> None:
+            f.delivered = time.time()
+            held.release()
+        watch = self._after_takeover(lag, deliver, seen=lambda at: setattr(f, "took_over", at))
 
         def undo() -> None:
             if watch():
@@ -583,10 +653,10 @@ class Nemesis:
             victim.signal(signal.SIGCONT)
         return undo
 
-    def _after_takeover(self, lag: float, action: Any) -> Any:
+    def _after_takeover(self, lag: float, action: Any, seen: Any = None) -> Any:
         """Run ``action`` ``lag`` seconds after a successor takes the log over (a new epoch record
-        appears in the log store, read directly from the nemesis); returns ``watch()``, which
-        stops the watcher and tells whether ``action`` ran."""
+        appears in the log store, read directly from the nemesis; ``seen(time)`` is told when);
+        returns ``watch()``, which stops the watcher and tells whether ``action`` ran."""
         from tests.services.s3 import client
 
         s3, bucket, prefix = client(self.minio), self.minio["bucket"], f"{self.log_prefix}/epochs/"
@@ -601,6 +671,8 @@ class Nemesis:
             while not done.wait(0.05):
                 with contextlib.suppress(Exception):
                     if epochs() - before:
+                        if seen is not None:
+                            seen(time.time())
                         if not done.wait(lag):
                             action()
                             ran.set()
@@ -699,8 +771,13 @@ class Nemesis:
             for m in sorted(self.marks.iterdir()):
                 g = MARK.fullmatch(m.name)
                 if g:
+                    times: list[float] = []  # its start, then its end
+                    with contextlib.suppress(OSError, ValueError):
+                        times = [float(x) for x in m.read_text().split()]
                     self.history.tasks.append({**{k: int(g[k]) for k in ("batch", "partition", "task", "attempt")},
-                                               "host": g["host"], "at": m.stat().st_mtime})
+                                               "host": g["host"], "mark": m.name,
+                                               "at": times[0] if times else m.stat().st_mtime,
+                                               "end": times[1] if len(times) > 1 else None})
         with contextlib.suppress(Exception):
             hosts.heal()
         for d in self.drivers:
@@ -770,9 +847,10 @@ def check(history: History, target: Any, *, progress_bound: float) -> list[Verdi
                            worst is not None and worst <= progress_bound,
                            (f"max {worst:.1f} s; Spark: {sum(e.get('stage_retries', 0) for e in retried)} stage "
                             f"retries, {sum(e.get('failed_tasks', 0) for e in retried)} failed tasks, "
-                            f"{len(history.overlaps(TASK_DELAY))} partitions run by two attempts at once"
+                            f"{len(history.overlaps())} partitions run by two attempts at once"
                             if worst is not None else
                             f"{len(recoveries) - len(known)} executor fault(s) never followed by a batch")))
+    out += exercised(history)
     heals = [f.end for f in history.faults if f.end is not None]
     if heals:
         last_heal = max(heals)
@@ -785,6 +863,49 @@ def check(history: History, target: Any, *, progress_bound: float) -> list[Verdi
     left = target.leftovers()
     out.append(Verdict("nothing left behind", not left, f"{len(left)} left: {left[:3]}" if left
                        else f"nothing of the run's ({NOTHING_LEFT[history.sink]})"))
+    return out
+
+
+def exercised(history: History) -> list[Verdict]:
+    """Whether the faults made what they are there for (a run that did not is reported as such,
+    not passed): each ``executor-kill`` two attempts of one partition running at once in its batch
+    (its stage retry beside the old stage attempt's task); each ``delay`` its held decision
+    delivered after the successor took the log over and before the successor was done with that
+    batch (closing the victim's ballot, or running the batch again, its own decision to come)."""
+    out = []
+    kills = [f for f in history.faults if f.kind == "executor-kill"]
+    if kills:
+        seen, ok = [], True
+        for f in kills:
+            g = MARK.fullmatch(f.mark or "")
+            both = history.overlaps(int(g["batch"])) if g else []
+            ok = ok and bool(both)
+            seen.append(f"batch {g['batch']}: {f'partitions {[p for _, p in both]}' if both else 'none'}"
+                        if g else "not injected")
+        out.append(Verdict("executor-kill: 2 attempts of a partition at once", ok, "; ".join(seen)))
+    delays = [f for f in history.faults if f.kind == "delay"]
+    if delays:
+        seen, ok = [], True
+        for f in delays:
+            if f.held_batch is None:
+                seen.append(f"no decision held ({f.note})")
+                ok = False
+                continue
+            later = [(t, who, action) for t, who, b, action in history.batches()
+                     if b == f.held_batch and who != f.driver and t > f.start]
+            if f.delivered is None or f.took_over is None:
+                seen.append(f"batch {f.held_batch}: delivered at the heal, not during the takeover")
+                ok = False
+            elif not later or later[0][0] <= f.delivered:
+                seen.append(f"batch {f.held_batch}: delivered after the successor was done with it"
+                            if later else f"batch {f.held_batch}: no successor wrote it")
+                ok = False
+            else:
+                t, who, action = later[0]
+                seen.append(f"batch {f.held_batch}: delivered {f.delivered - f.took_over:.2f} s after the takeover, "
+                            f"{t - f.delivered:.2f} s before {who} {action} it "
+                            f"({'the late decision won' if action == 'recommitted' else 'it lost'})")
+        out.append(Verdict("delay: decision delivered in the takeover", ok, "; ".join(seen)))
     return out
 
 

@@ -2,7 +2,9 @@
 really are apart, then the history checker's verdict.  ``python -m tests.nemesis --cluster
 --minutes 30`` is the long run; these are the CI ones, per sink (PostgreSQL upserts, FileSink on S3
 and on HDFS, Kafka), the drivers' batches on the Spark cluster across the worker hosts, checked by
-unique id.  The fault kinds (driver: kill, pause past the lease, a decision held on the wire past a
+unique id (on PostgreSQL the ids of a journal of every committed write, which an upserted table
+cannot show twice), and each fault checked to have made what it is there for (a stage retry's
+two attempts of a partition at once, a decision delivered during the takeover).  The fault kinds (driver: kill, pause past the lease, a decision held on the wire past a
 takeover, the log store cut from the driver only, the driver's host isolated; executor: SIGKILL
 with its shuffle output (a stage retry beside the old attempt), SIGSTOP past the network timeout
 (a zombie), cut from the driver only) are shared out: four or five per sink instead of all
@@ -19,10 +21,17 @@ import pytest
 from tests import nemesis
 from tests.services import hosts
 
-pytestmark = [pytest.mark.nemesis, pytest.mark.hosts, pytest.mark.chaos, pytest.mark.s3,  # the log is on S3
-              pytest.mark.timeout(900),
-              pytest.mark.cluster,
-              pytest.mark.skipif(hosts.available() is not None, reason=f"test hosts: {hosts.available()}")]
+#: The marks of a nemesis run (the checker's own tests below need none of this).
+RUN_MARKS = [pytest.mark.nemesis, pytest.mark.hosts, pytest.mark.chaos, pytest.mark.s3,  # the log is on S3
+             pytest.mark.timeout(900),
+             pytest.mark.cluster,
+             pytest.mark.skipif(hosts.available() is not None, reason=f"test hosts: {hosts.available()}")]
+
+
+def _run_marks(f):
+    for m in RUN_MARKS:
+        f = m(f)
+    return f
 
 
 #: Each sink's schedule, played in order after a quiet spell each: every fault kind on two sinks,
@@ -40,8 +49,11 @@ assert all(_SEEN.count(k) >= 2 for k in nemesis.ALL_FAULTS) and len(_SEEN) == 17
     "every fault kind on two sinks' schedules at least, 17 faults"
 
 
-# PostgreSQL as upserts (the issue's schedule); its inserts meet the same faults in
-# tests/test_ownership_processes.py and the PostgreSQL kill tests.
+# PostgreSQL as upserts (the issue's schedule: a zombie's prepared transaction holds the locks of
+# rows the successor upserts), each id counted in a journal of committed writes (a trigger), so a
+# row committed twice counts twice as it would in an insert table; its inserts meet the same faults
+# in tests/test_ownership_processes.py and the PostgreSQL kill tests.
+@_run_marks
 @pytest.mark.parametrize("sink", [pytest.param("postgres-upsert", marks=pytest.mark.postgres), "files-s3",
                                   pytest.param("files-hdfs", marks=pytest.mark.hdfs),
                                   pytest.param("kafka", marks=pytest.mark.kafka)])
@@ -73,3 +85,68 @@ def test_short_schedule(sink, tmp_path):
                 assert d.exit in (1, 3) and last.get("event") == "error" and not last.get("data_loss"), \
                     (d.label, kinds[d.label], d.exit, last)
     n.target.cleanup()
+
+
+# ------------------------------------------------------------------------- the checker itself
+@pytest.mark.postgres
+def test_the_upsert_journal_counts_a_row_committed_twice(postgres_service):
+    """The PostgreSQL upsert target's ids are its journal's: an id two transactions committed is
+    one row of the table, and two of the journal, so "every id exactly once" fails; a write rolled
+    back leaves nothing."""
+    target = nemesis.journaled_upsert_target(postgres_service)
+    upsert = (f'INSERT INTO "{target.table}" (id, v) SELECT i, %s FROM unnest(%s::bigint[]) AS i '
+              'ON CONFLICT (id) DO UPDATE SET v = EXCLUDED.v')
+    history = nemesis.History("postgres-upsert", 0, 0.0, 6.0)
+    history.drivers.append(nemesis.DriverLife("d1", "driver-a", 0.0, exit=0, events=[{"event": "done", "last": 0}]))
+
+    def once() -> nemesis.Verdict:
+        return next(v for v in nemesis.check(history, target, progress_bound=60) if v.name == "every id exactly once")
+    try:
+        with target._conn() as c, c.cursor() as cur:
+            cur.execute(upsert, ("a", list(range(nemesis.ROWS))))
+            assert once().ok, once()
+            c.autocommit = False
+            cur.execute(upsert, ("rolled back", [3]))
+            c.rollback()
+            assert once().ok, once()
+            c.autocommit = True
+            cur.execute(upsert, ("b", [3]))  # a second attempt's transaction committed too
+            cur.execute(f'SELECT count(*), count(DISTINCT id) FROM "{target.table}"')
+            assert cur.fetchone() == (nemesis.ROWS, nemesis.ROWS)  # the table cannot show it
+        v = once()
+        assert not v.ok and "duplicated 1 [3]" in v.detail, v
+    finally:
+        target.cleanup()
+
+
+def test_each_executor_kill_must_overlap_and_each_delay_arrive_in_the_takeover():
+    """The verdicts on what the faults made: an executor-kill whose batch had no two attempts of a
+    partition alive at once (the killed attempt and one that failed its fetch have no end), or a
+    delay delivered at the heal, or after the successor was done with its batch, fails."""
+    mark = "b5-p1-s19-t27-a0-worker-2"
+    h = nemesis.History("postgres-upsert", 0, 0.0, 6.0)
+    h.faults.append(nemesis.Fault("executor-kill", "d1", 10.0, 10.0, mark=mark))
+    h.tasks = [{"batch": 5, "partition": 0, "task": 26, "attempt": 0, "at": 9.9, "end": 14.0},
+               {"batch": 5, "partition": 1, "task": 27, "attempt": 0, "at": 9.9, "end": None},  # killed
+               {"batch": 5, "partition": 1, "task": 28, "attempt": 1, "at": 11.0, "end": None},  # fetch failed
+               {"batch": 5, "partition": 0, "task": 30, "attempt": 0, "at": 14.5, "end": 18.6},  # after 26 ended
+               {"batch": 5, "partition": 1, "task": 31, "attempt": 0, "at": 14.5, "end": 18.6}]
+
+    def verdict(name: str) -> nemesis.Verdict:
+        return next(v for v in nemesis.exercised(h) if v.name.startswith(name))
+    assert not verdict("executor-kill").ok, verdict("executor-kill")
+    h.tasks[3]["at"] = 12.0  # the stage retry's attempt of partition 0 began while task 26 ran
+    assert verdict("executor-kill").ok and "batch 5: partitions [0]" in verdict("executor-kill").detail
+    h.tasks.append({"batch": 6, "partition": 1, "task": 40, "attempt": 0, "at": 12.5, "end": 16.0})
+    assert h.overlaps(6) == [] and h.overlaps(5) == [(5, 0)]
+
+    d = nemesis.Fault("delay", "d1", 20.0, 30.0, held_batch=9)
+    h.faults.append(d)
+    h.drivers.append(nemesis.DriverLife("d2", "driver-b", 0.0, events=[
+        {"event": "batch", "batch": 8, "action": "skipped", "at": 26.0},
+        {"event": "batch", "batch": 9, "action": "committed", "at": 27.0}]))
+    assert not verdict("delay").ok, verdict("delay")  # delivered at the heal
+    d.took_over, d.delivered = 25.0, 27.5
+    assert not verdict("delay").ok, verdict("delay")  # after the successor committed batch 9
+    d.delivered = 25.4
+    assert verdict("delay").ok and "it lost" in verdict("delay").detail, verdict("delay")

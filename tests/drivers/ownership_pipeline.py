@@ -33,7 +33,13 @@ takes map output with it: a fetch failure, and a stage retry whose new attempts 
 attempt's tasks still running), ``--task-delay S`` makes every write task wait S seconds before
 its first row (so that a fault finds it running; with ``--slow-file``, only the tasks of the
 batches that start while that file exists), after creating a mark file
-``<--mark-dir>/b<batch>-p<partition>-s<stage>-t<task id>-a<attempt>-<hostname>``.  Each batch
+``<--mark-dir>/b<batch>-p<partition>-s<stage>-t<task id>-a<attempt>-<hostname>`` holding the
+time it started; once the task passed its last row on, the time it ended is added as a second
+line (an attempt that died or failed to fetch its input has none).  If ``--rival-file`` exists
+when a slow task's wait is over and names the mark of a killed attempt of its batch, the task
+waits on (up to ``--rival-wait`` seconds, ``_wait_for_rivals``): the nemesis's ``executor-kill``
+makes the surviving task of the old stage attempt still run when the stage retry's attempt of
+its partition begins, and both pass their rows on before the job ends.  Each batch
 event then carries the Spark jobs' stage retries and failed tasks.
 
 Pause points (``TWOPHASE_PAUSE_AT``) and crash points (``TWOPHASE_CRASH_AT``) come from the
@@ -50,6 +56,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -81,20 +88,69 @@ def _warm_up(spark, sink, partitions: int) -> None:
     spark.range(0, partitions, numPartitions=partitions).mapInArrow(imports, "id long").collect()
 
 
-def _slow(batch: int, delay: float, mark_dir: str | None):
-    """A ``mapInArrow`` function: mark the task, wait ``delay`` seconds, pass the rows on."""
+def _wait_for_rivals(mark_dir: str, own: str, batch: int, partition: int, rival_file: str, wait: float) -> None:
+    """``rival_file`` names the mark of a killed task attempt (``b<batch>-p<partition>-...``).  A
+    task of that batch waits (up to ``wait`` seconds): of another partition, until another attempt
+    of its own partition has left its mark; of the killed one's partition, until every other
+    partition has two attempts that passed their rows on.  So the old stage attempt's task that
+    survived runs on until the stage retry's attempt of its partition begins, and the job ends
+    (Spark then kills the attempts still running) only after both passed their rows on."""
+    try:
+        with open(rival_file) as f:
+            killed = re.fullmatch(r"b(\d+)-p(\d+)-.*", f.read().strip())
+    except OSError:
+        return
+    if killed is None or int(killed[1]) != batch:
+        return
+
+    def ended(name: str) -> bool:
+        try:
+            with open(os.path.join(mark_dir, name)) as f:
+                return len(f.read().split()) > 1
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        others: dict[int, list[str]] = {}
+        for n in os.listdir(mark_dir):
+            m = re.fullmatch(r"b(\d+)-p(\d+)-.*", n)
+            if m and int(m[1]) == batch and n != own:
+                others.setdefault(int(m[2]), []).append(n)
+        if partition != int(killed[2]):
+            if others.get(partition):
+                return
+        elif [p for p in others if p != partition] and all(
+                sum(map(ended, names)) >= 2 for p, names in others.items() if p != partition):
+            return
+        time.sleep(0.1)
+
+
+def _slow(batch: int, delay: float, mark_dir: str | None, rival_file: str | None = None, rival_wait: float = 0.0):
+    """A ``mapInArrow`` function: mark the task, wait ``delay`` seconds, pass the rows on.  If
+    ``rival_file`` exists once the wait is over, wait on for a rival attempt (``_wait_for_rivals``)."""
     def slow(batches):
         import socket
 
         from pyspark import TaskContext
 
+        mark = None
         if mark_dir:
             tc = TaskContext.get()
-            name = (f"b{batch}-p{tc.partitionId()}-s{tc.stageId()}-t{tc.taskAttemptId()}-"
-                    f"a{tc.attemptNumber()}-{socket.gethostname()}")
-            open(os.path.join(mark_dir, name), "w").close()
+            mark = os.path.join(mark_dir, f"b{batch}-p{tc.partitionId()}-s{tc.stageId()}-t{tc.taskAttemptId()}-"
+                                          f"a{tc.attemptNumber()}-{socket.gethostname()}")
+            with open(mark, "w") as f:
+                f.write(f"{time.time()}\n")
         time.sleep(delay)
+        if mark_dir and mark and rival_file:
+            _wait_for_rivals(mark_dir, os.path.basename(mark), batch, TaskContext.get().partitionId(), rival_file,
+                             rival_wait)
         yield from batches
+        if mark:
+            # This attempt lived through its wait and passed every row of its input on (its
+            # shuffle fetch did not fail): its end, the second line.
+            with open(mark, "a") as f:
+                f.write(f"{time.time()}\n")
     return slow
 
 
@@ -160,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task-delay", type=float, default=0.0, help="seconds each write task waits")
     ap.add_argument("--slow-file", default=None, help="--task-delay only for batches started while this file exists")
     ap.add_argument("--mark-dir", default=None, help="where write tasks leave a mark file as they start")
+    ap.add_argument("--rival-file", default=None,
+                    help="a file naming a killed task attempt's mark: the slow write tasks of its batch wait, "
+                         "after their --task-delay, for a rival attempt (up to --rival-wait seconds)")
+    ap.add_argument("--rival-wait", type=float, default=30.0)
     args = ap.parse_args(argv)
     if args.master.startswith("spark://") and not args.driver_host:
         ap.error("--master spark://... needs --driver-host (the address executors reach the driver at)")
@@ -204,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.shuffle:
                 df = df.repartition(args.partitions)
             if args.task_delay and (args.slow_file is None or os.path.exists(args.slow_file)):
-                df = df.mapInArrow(_slow(n, args.task_delay, args.mark_dir), df.schema)
+                df = df.mapInArrow(_slow(n, args.task_delay, args.mark_dir, args.rival_file, args.rival_wait),
+                                   df.schema)
             df = df.selectExpr(*SHAPES[args.shape])
             group = f"twophase-batch-{n}"
             spark.sparkContext.setJobGroup(group, f"batch {n}")
