@@ -783,8 +783,12 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         landed earlier cannot be told from an abort by EndTxn: a zombie that initialised the id
         after the commit, or the id's expiry, look the same.  The handle's first offsets can
         (:meth:`_records_fate`): visible to read_committed readers -> ALREADY_COMMITTED; skipped
-        by them with the last stable offset past it -> LOST; not decided yet -> RETRY_LATER.
-        Handles without offsets (earlier versions) are LOST on those answers, as before.
+        by them with the last stable offset past it, on a topic that is not compacted -> LOST
+        with ``never_visible`` (the batch, if every handle is so, is void and runs again: the
+        broker's transaction timeout no longer loses a decided batch); deleted, or on a compacted
+        topic -> LOST (data loss: the record's fate cannot be proven); not decided yet ->
+        RETRY_LATER.  Handles without offsets (the executor's read of them is best effort) are
+        LOST on those answers.
         """
         from twophase.sinks import _kafka_protocol as kp
 
@@ -817,7 +821,13 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     "committed failed")
             lost = self._lost(handle, code, name)
             if verdict == "aborted":
-                return CommitResult.lost(f"{lost.reason}; {where}: read_committed readers never saw it")
+                # Proof that nothing of it was ever visible: its first record is still in the
+                # partition (not deleted), the topic is not compacted (so a committed record is
+                # never removed one by one), and read_committed readers, with the last stable
+                # offset past it, skip it: its transaction was aborted, everywhere (a transaction
+                # commits or aborts as a whole), and an aborted transaction never commits later.
+                return CommitResult.lost(f"{lost.reason}; {where}: read_committed readers never saw it",
+                                         never_visible=True)
             return CommitResult.lost(f"{lost.reason}; whether it had committed cannot be checked: {where}")
         return self._lost(handle, code, name)
 

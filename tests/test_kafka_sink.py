@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 
 from twophase.context import TransactionContext
-from twophase.errors import ConfigurationError, DataLossError
+from twophase.errors import ConfigurationError
 from twophase.sink import CommitOutcome
 from twophase.sinks import _kafka_protocol as kp
 from twophase.sinks.kafka import KafkaSink
@@ -356,6 +356,48 @@ def test_an_aborted_transaction_on_a_compacted_topic_is_lost_without_claiming_it
         time.sleep(0.2)
     assert res.outcome is CommitOutcome.LOST, res
     assert "is compacted (cleanup.policy=compact)" in res.reason and "never saw it" not in res.reason
+    assert not res.never_visible  # so the batch is data loss, never run again (issue 48)
+    sink.close()
+
+
+@pytest.mark.kafka
+def test_an_aborted_transaction_whose_first_record_was_deleted_is_lost_without_claiming_it_was_never_visible(
+        kafka_service):
+    """Issue 48: "never visible" needs the transaction's first record still in the partition.  Once
+    retention (here DeleteRecords) removed it, its fate cannot be read: the loss is reported with
+    the reason, and the batch is not run again."""
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, 1), f"del-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(bs, topic, prefix)
+    txn = sink.begin_transaction(_ctx(sink))
+    sink.write(txn, pa.RecordBatch.from_pydict({"value": [b"v1", b"v2"]}))
+    handle = sink.pre_commit(txn)
+    (tp, first), = handle["txn_start_offsets"].items()
+    client = sink._txn_client()
+    deadline = time.time() + 30
+    while client.init_producer_id(handle["transactional_id"], 60_000)[0] != kp.NONE:  # aborts it
+        assert time.time() < deadline
+        time.sleep(0.1)
+    admin = AdminClient({"bootstrap.servers": bs})
+    name, _, part = tp.rpartition(":")
+    deadline = time.time() + 30
+    while True:  # the abort's marker makes offset first + 1 deletable up to
+        try:
+            admin.delete_records([TopicPartition(name, int(part), first + 1)])[
+                TopicPartition(name, int(part), first + 1)].result(30)
+            break
+        except Exception:
+            assert time.time() < deadline
+            time.sleep(0.5)
+    deadline = time.time() + 30
+    while (res := sink.commit(handle)).outcome is CommitOutcome.RETRY_LATER:
+        assert time.time() < deadline, res
+        time.sleep(0.2)
+    assert res.outcome is CommitOutcome.LOST and not res.never_visible, res
+    assert f"offset {first}) was deleted (the partition now starts at" in res.reason, res.reason
     sink.close()
 
 
@@ -458,20 +500,25 @@ def test_spark_rows_shaped_like_the_kafka_sink(kafka_service, spark, tmp_path):
 
 @pytest.mark.kafka
 @pytest.mark.spark
-def test_expired_transaction_is_data_loss_unless_ignored(kafka_service, spark, tmp_path, caplog):
-    """A decided batch whose transaction the broker aborted (timeout) -> DataLossError via the coordinator."""
+def test_a_decided_batch_the_broker_timed_out_runs_again(kafka_service, spark, tmp_path):
+    """Issue 48: a batch decided, the driver dead until the broker's transaction timeout aborted
+    every transaction of it.  Before, every restart stopped with ``DataLossError ... PRODUCER_FENCED
+    ... it outlived transaction.timeout.ms`` and the batch could only be dropped.  Nothing of it was
+    ever visible (its first records are still in the topic, which is not compacted, and read as
+    aborted): the decision is void and the batch runs again, every row once."""
     from twophase.coordinator import Coordinator
 
     bs = kafka_service["bootstrap_servers"]
     topic = _topic(bs)
     prefix = f"exp-{uuid.uuid4().hex[:8]}"
     log_dir = tmp_path / "log"
+    rows = [f"e{i}" for i in range(20)]
     script = textwrap.dedent(f"""
         from twophase.coordinator import Coordinator
         from twophase.sinks.kafka import KafkaSink
         from twophase.spark import local_session
         spark = local_session("local[1]", "expire")
-        df = spark.createDataFrame([(f"e{{i}}",) for i in range(20)], "value string").coalesce(1)
+        df = spark.createDataFrame([(v,) for v in {rows!r}], "value string").coalesce(1)
         # No commit margin: the batch is decided with a transaction that then times out.
         Coordinator(KafkaSink({bs!r}, {topic!r}, {prefix!r}, transaction_timeout_ms=5000,
                               commit_margin_ms=0),
@@ -488,15 +535,13 @@ def test_expired_transaction_is_data_loss_unless_ignored(kafka_service, spark, t
         assert time.time() < deadline, "the broker did not abort the transaction"
         time.sleep(0.5)
     client.close()
-    df = spark.createDataFrame([("e0",)], "value string")
-    sink = KafkaSink(bs, topic, prefix, transaction_timeout_ms=5000)
-    with pytest.raises(DataLossError, match=rf"DATA LOSS: batch 0 .*{prefix}-0.*PRODUCER_FENCED"):
-        Coordinator(sink, log_location=str(log_dir), name="expire", takeover=True).write(df, batch_id=0)
-    with caplog.at_level("ERROR", logger="twophase.coordinator"):
-        Coordinator(sink, log_location=str(log_dir), name="expire", takeover=True,
-                    ignore_failures_after_transaction_timeout=True).write(df, batch_id=0)
-    assert any("DATA LOSS" in r.getMessage() and "ignored" in r.getMessage() for r in caplog.records)
     assert read_committed(bs, topic, idle=1.0) == []
+    df = spark.createDataFrame([(v,) for v in rows], "value string").coalesce(1)
+    sink = KafkaSink(bs, topic, prefix, transaction_timeout_ms=5000, commit_margin_ms=0)
+    Coordinator(sink, log_location=str(log_dir), name="expire", takeover=True).write(df, batch_id=0)
+    assert Counter(v.decode() for v in read_committed(bs, topic, idle=2.0)) == Counter(rows)
+    assert any(f.name.startswith("batch-000000000000.void") for f in log_dir.rglob("*.json")), \
+        sorted(f.name for f in log_dir.rglob("*.json"))  # the first decision, recorded void
 
 
 @pytest.mark.kafka

@@ -1,7 +1,11 @@
 """JSON files -> Spark -> ``format("twophase-...")``: the driver the data source kill tests start and kill.
 
 Usage: python -m tests.drivers.datasource_pipeline INPUT_DIR CHECKPOINT_DIR FORMAT [--schema DDL]
-[--option KEY=VALUE ...] [--path OUT] [--files-per-trigger N] [--cluster | --connect] [--no-register].
+[--option KEY=VALUE ...] [--path OUT] [--files-per-trigger N] [--cluster | --connect] [--no-register]
+[--coordinator].  ``--coordinator`` (FORMAT twophase-kafka only): the same query through
+``foreachBatch(Coordinator(KafkaSink(...)))`` built from the same options (``kafka.bootstrap.servers``,
+``topic``, ``twophase.transactionalIdPrefix``, ``twophase.transactionTimeoutMs``), for a test that
+runs one scenario through both forms.
 ``--cluster``: on the test Spark cluster (tests/cluster.py); ``--connect``: as a Spark Connect client
 of a local[2] server that pyspark starts in a JVM of this process's own; ``--no-register``: no
 ``register(spark)``, the formats must come from Spark's discovery of the ``pyspark_twophase_*``
@@ -57,6 +61,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--select", action="append", default=[], metavar="EXPR", help="selectExpr before the write")
     p.add_argument("--path")
     p.add_argument("--files-per-trigger", default="1")
+    p.add_argument("--coordinator", action="store_true", help="foreachBatch(Coordinator(KafkaSink)) instead")
     add_where_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -66,6 +71,20 @@ def main(argv: list[str]) -> int:
           .repartition(2))
     if args.select:
         df = df.selectExpr(*args.select)
+    if args.coordinator:
+        if args.format != "twophase-kafka":
+            raise SystemExit("--coordinator goes with twophase-kafka")
+        from twophase.coordinator import Coordinator
+        from twophase.sinks.kafka import KafkaSink
+
+        o = dict(kv.partition("=")[::2] for kv in args.option)
+        sink = KafkaSink(o["kafka.bootstrap.servers"], o["topic"], o["twophase.transactionalIdPrefix"],
+                         transaction_timeout_ms=int(o.get("twophase.transactionTimeoutMs", 900_000)))
+        q = (df.writeStream.foreachBatch(Coordinator(sink, checkpoint_location=args.checkpoint, name="pipeline"))
+             .option("checkpointLocation", args.checkpoint).trigger(availableNow=True).start())
+        q.awaitTermination()
+        spark.stop()
+        return 0
     w = df.writeStream.format(args.format).option("checkpointLocation", args.checkpoint)
     for kv in args.option:
         k, _, v = kv.partition("=")
