@@ -32,6 +32,7 @@ from tests.services.spark_cluster import (
     Daemon,
     alive_workers,
     descendants,
+    master_status,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,31 +213,81 @@ def restart_worker(which: int | str | Daemon, timeout: float = 60.0) -> dict[str
 
 # --------------------------------------------------------------------------- faults while batches flow
 
+def checkpoint_batches(checkpoint: str | os.PathLike[str]) -> int:
+    """A progress counter for kill tests (``run_with_faults(progress_probe=...)``, :class:`Saboteur`):
+    the batches a streaming query planned plus those it completed, from its Spark checkpoint's
+    ``offsets/`` and ``commits/`` logs.  It moves while batches flow and not otherwise: a run that
+    finds nothing left to do (or only starts its JVM, or takes a transaction log) leaves it as
+    it was, so a SIGKILL that ended a run below the completing run's count landed mid-work."""
+    root = Path(checkpoint)
+    n = 0
+    for sub in ("offsets", "commits"):
+        try:
+            n += sum(1 for f in (root / sub).iterdir() if f.name.isdigit())
+        except OSError:
+            pass
+    return n
+
+
+def _alive_or_raise(aimed: list[Executor], what: str) -> None:
+    """Refuse to count a kill of executors that already died on their own (a zombie too)."""
+    dead = [e.pid for e in aimed if not pid_alive(e.pid)]
+    if dead:
+        raise ServiceError(f"{what}: executor(s) {dead} died before the SIGKILL")
+
+
+def app_ids(name: str) -> set[str]:
+    """Ids of the running applications called ``name`` (``spark.app.name``), by the master."""
+    st = master_status() or {}
+    return {a["id"] for a in st.get("activeapps", []) if a.get("name") == name and "id" in a}
+
+
+@dataclass(frozen=True)
+class Strike:
+    """One fault of a :class:`Saboteur` that really struck: every process it aimed at was alive
+    when the signal went out and is gone now, among them an executor of the application under
+    test, and ``progress`` is the counter's value at that instant."""
+
+    fault: str  #: "executor" or "worker"
+    victim: str  #: "executor 3 of app-..." / "worker-2 (restarted)"
+    executors: tuple[int, ...]  #: pids of the application's executor JVMs it killed
+    progress: int
+
+    def __str__(self) -> str:
+        return f"{self.victim} at progress {self.progress}"
+
+
 class Saboteur:
     """A thread that injects cluster faults while a driver's batches flow.
 
     Each fault in ``faults`` waits until ``progress()`` (e.g. the number of transaction-log
-    records) moved, then a random 0.3-1.5 s so it lands mid-batch, then strikes:
+    records) moved and the application called ``app`` (the driver's ``spark.app.name``; any
+    application if None) has an executor, then a random 0.3-1.5 s so it lands mid-batch, then
+    strikes that application:
 
-    * ``"executor"``: SIGKILL one executor JVM with its Python workers (a lost container);
-      the worker forks a new executor for the application;
-    * ``"worker"``: SIGKILL one worker with its executors (a lost host), and start it again
-      ``down`` seconds later (the host comes back; the master gives the application a new
-      executor there).
+    * ``"executor"``: SIGKILL one of its executor JVMs with its Python workers (a lost
+      container); the worker forks a new executor for the application;
+    * ``"worker"``: SIGKILL a worker that runs one of its executors, with every process below it
+      (a lost host), and start it again ``down`` seconds later (the host comes back; the master
+      gives the application a new executor there).
 
-    Between faults it waits ``gap`` seconds.  ``done`` lists what struck, as
-    ``"executor 3 of app-..."`` / ``"worker-2 (restarted)"``.  Use as a context manager; on exit
+    A fault counts as struck (:attr:`struck`, a :class:`Strike`) only if the executor it aimed
+    at was alive when the SIGKILL went out (not one that died on its own meanwhile, e.g. with
+    its driver at a crash point) and is gone afterwards; anything else is recorded in ``done``
+    as missed.  Between faults it waits ``gap`` seconds.  Use as a context manager; on exit
     every worker is back and registered.
     """
 
     def __init__(self, progress: Callable[[], int], faults: Sequence[str], *, seed: int,
-                 gap: float = 15.0, down: float = 4.0):
+                 gap: float = 15.0, down: float = 4.0, app: str | None = None):
         unknown = set(faults) - {"executor", "worker"}
         if unknown:
             raise ValueError(f"unknown fault(s) {sorted(unknown)}: use 'executor' or 'worker'")
         self.progress, self.faults, self.gap, self.down = progress, list(faults), gap, down
+        self.app = app
         self.rng = random.Random(seed)
         self.done: list[str] = []
+        self.strikes: list[Strike] = []
         self.stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="saboteur", daemon=True)
 
@@ -252,53 +303,76 @@ class Saboteur:
                 restart_worker(d)
         wait_for_workers()
 
+    def targets(self) -> list[Executor]:
+        """The live executors of the application under test."""
+        if self.app is None:
+            return executors()
+        ids = app_ids(self.app)
+        return [e for e in executors() if e.app_id in ids]
+
     def _run(self) -> None:
         for fault in self.faults:
             seen = self.progress()
-            while not self.stop.is_set() and (self.progress() <= seen or not executors()):
+            while not self.stop.is_set() and (self.progress() <= seen or not self.targets()):
                 self.stop.wait(0.2)
             if self.stop.wait(self.rng.uniform(0.3, 1.5)):
                 return
             try:
-                if fault == "executor":
-                    victim = self.rng.choice(executors())
-                    kill_executor(victim)
-                    self.done.append(f"executor {victim.executor_id} of {victim.app_id}")
-                else:
-                    d = self.rng.choice(WORKERS)
-                    kill_worker(d)
-                    self.stop.wait(self.down)
-                    restart_worker(d)
-                    self.done.append(f"{d.name} (restarted)")
+                self._strike(fault)
             except Exception as e:  # noqa: BLE001 - it died on its own meanwhile; try the next
                 self.done.append(f"{fault}: missed ({type(e).__name__}: {e})")
             if self.stop.wait(self.gap):
                 return
 
+    def _strike(self, fault: str) -> None:
+        aimed = self.targets()
+        if not aimed:
+            raise ServiceError(f"no executor of {self.app or 'any application'} left to strike")
+        if fault == "executor":
+            victim = self.rng.choice(aimed)
+            hit = [victim]
+            what = f"executor {victim.executor_id} of {victim.app_id}"
+            progress = self.progress()
+            _alive_or_raise(hit, what)
+            kill_executor(victim)  # SIGKILL (JVM and Python workers), returns once all are gone
+        else:
+            d = worker(self.rng.choice(sorted({e.worker for e in aimed})))
+            hit = [e for e in aimed if e.worker == d.name]
+            what = f"{d.name} (restarted)"
+            progress = self.progress()
+            _alive_or_raise(hit, what)
+            kill_worker(d)  # with every process below it, all gone on return
+        survivors = [e.pid for e in hit if pid_alive(e.pid)]
+        if survivors:
+            raise ServiceError(f"{what}: executor(s) {survivors} survived")
+        self.strikes.append(Strike(fault, what, tuple(e.pid for e in hit), progress))
+        self.done.append(f"{what} at progress {progress}")
+        if fault == "worker":
+            self.stop.wait(self.down)
+            restart_worker(d)
+
     @property
-    def struck(self) -> list[str]:
+    def struck(self) -> list[Strike]:
         """The faults that really struck (not missed)."""
-        return [d for d in self.done if ": missed" not in d]
+        return list(self.strikes)
 
 
 def check_fault_runs(runs: list[Any], saboteur: Saboteur) -> None:
-    """What every cluster kill test asserts of its runs (``twophase.chaos.Run``): each
-    ``crash:POINT:N`` run really died there (``after_pre_commit`` inside executors: its crash
-    log lists only that point and the driver itself did not exit 137), no run failed for
-    another reason, the last one completed, and the saboteur's faults struck."""
-    from twophase import crash
+    """What every cluster kill test asserts of its runs (``twophase.chaos.Run``) and its saboteur:
+    every fault landed where and when it was aimed (:func:`twophase.chaos.check_runs`: each
+    ``crash:POINT:N`` run died there, ``after_pre_commit`` inside executors, whose crash log
+    lists only that point at that batch, while the driver itself did not exit 137; no run failed
+    for another reason; the last one completed), at least one of the saboteur's faults struck,
+    and every one that struck killed an executor of the application while batches still flowed:
+    the progress counter at the strike is below its final count (the completing run's)."""
+    from twophase import chaos
 
     print(f"faults: {saboteur.done}; runs: {[r.to_dict() for r in runs]}")
-    for r in runs:
-        if not r.fault.startswith("crash:"):
-            continue
-        assert r.outcome == "crash point fired", runs
-        point, batch = r.fault.split(":")[1:3]
-        if point == "after_pre_commit":
-            assert r.exit_code != crash.EXIT_CODE, runs
-            assert all(line.startswith(f"after_pre_commit {batch} ") for line in r.fired), r.fired
-    assert runs[-1].completed and not any(r.outcome == "failed" for r in runs), runs
+    chaos.check_runs(runs)
     assert saboteur.struck, f"no executor or worker died while batches flowed: {saboteur.done}"
+    final = runs[-1].progress if runs[-1].progress is not None else saboteur.progress()
+    late = [s for s in saboteur.struck if s.progress >= final]
+    assert not late, f"faults struck after the work was done (progress {final}): {late}; {saboteur.done}"
 
 
 # --------------------------------------------------------------------------- drivers

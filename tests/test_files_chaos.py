@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from twophase import crash
+from twophase import chaos, crash
 
 pytestmark = [pytest.mark.chaos, pytest.mark.spark]
 
@@ -29,16 +29,16 @@ def test_every_crash_point_and_random_sigkills_lose_and_duplicate_nothing(tmp_pa
         capture_output=True, text=True, timeout=1500)
     assert r.returncode in (0, 1), r.stderr[-3000:]
     verdict = json.loads(r.stdout)
-    faults = [run["fault"] for run in verdict["runs"]]
-    # Every named crash point was armed for its own batch, and the driver really died there.
-    for i, point in enumerate(crash.POINTS):
-        run = verdict["runs"][i]
-        assert run["fault"] == f"crash:{point}:{i}"
-        # An executor's Python worker dies at these two: the job, then the driver, fails (exit 1).
-        expected_exit = 1 if point in ("before_begin", "after_pre_commit") else crash.EXIT_CODE
-        assert run["exit_code"] == expected_exit, (point, run)
-    assert sum(1 for f in faults if f.startswith("sigkill")) == 1
-    assert verdict["runs"][-1]["completed"]
+    runs = [chaos.Run(**run) for run in verdict["runs"]]
+    # Every named crash point was armed for its own batch...
+    assert [r.fault for r in runs[:len(crash.POINTS)]] == [f"crash:{p}:{i}" for i, p in enumerate(crash.POINTS)]
+    assert sum(r.fault.startswith("sigkill") for r in runs) == 1, verdict["runs"]
+    # ...and fired there, in the process it is aimed at (the crash log names point and batch):
+    # before_begin and after_pre_commit in an executor's Python worker (the job, then the driver,
+    # fails), the others in the driver, which exits 137.  The SIGKILL ended a run (timed from the
+    # demo's progress probe, the transaction log's records) below the completing run's count:
+    # mid-work.  No run failed otherwise; the last one completed.
+    chaos.check_runs(runs)
     assert verdict["records_in"] == (len(crash.POINTS) + 2) * 200
     assert verdict["lost"] == 0, verdict["lost_sample"]
     assert verdict["duplicated"] == 0, verdict["duplicated_sample"]

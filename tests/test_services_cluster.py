@@ -239,3 +239,44 @@ def test_start_brings_back_a_worker_sigkilled_a_moment_ago(spark_cluster_service
     assert new is not None and new != old
     assert SERVICE.ready()
     assert {w["port"] for w in alive_workers()} == {w.port for w in WORKERS}
+
+
+def test_a_saboteur_counts_only_live_executors_it_killed_while_batches_still_flowed(monkeypatch):
+    """Issue 46: a fault "struck" only if the executor it aimed at was alive at the SIGKILL and is
+    gone after it, and check_fault_runs refuses a strike at or after the completing run's
+    progress (the work was done).  Stand-ins for the executors; no cluster needed."""
+    import subprocess
+
+    from twophase import chaos
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "120"])
+    try:
+        saboteur = cluster.Saboteur(lambda: 5, ["executor"], seed=1, app="twophase-stand-in")
+        monkeypatch.setattr(saboteur, "targets",
+                            lambda: [cluster.Executor(dead.pid, "app-stand-in", "0", WORKERS[0].name)])
+        with pytest.raises(Exception, match="died before the SIGKILL"):
+            saboteur._strike("executor")
+        assert saboteur.struck == []
+        monkeypatch.setattr(saboteur, "targets",
+                            lambda: [cluster.Executor(live.pid, "app-stand-in", "0", WORKERS[0].name)])
+        saboteur._strike("executor")
+        assert live.poll() == -9
+        assert [(s.executors, s.progress) for s in saboteur.struck] == [((live.pid,), 5)]
+    finally:
+        live.kill()
+        live.wait()
+
+    def runs(final: int) -> list[chaos.Run]:
+        return [chaos.Run(1, "crash:mid_commit:1", 137, 1.0, False, "crash point fired", ["mid_commit 1 7"], 3),
+                chaos.Run(2, "none", 0, 1.0, True, "completed", [], final)]
+
+    cluster.check_fault_runs(runs(6), saboteur)  # struck at 5 of 6: batches still flowed
+    with pytest.raises(AssertionError, match="after the work was done"):
+        cluster.check_fault_runs(runs(5), saboteur)
+    with pytest.raises(AssertionError, match="no executor or worker died"):
+        cluster.check_fault_runs(runs(6), cluster.Saboteur(lambda: 5, ["executor"], seed=1))
+    with pytest.raises(AssertionError, match=r"crash:mid_commit:1\) failed"):
+        cluster.check_fault_runs([chaos.Run(1, "crash:mid_commit:1", 1, 1.0, False, "failed", [], 3),
+                                  *runs(6)[1:]], saboteur)
