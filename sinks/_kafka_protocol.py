@@ -533,6 +533,65 @@ class TxnClient:
                     int(st.transaction_start_time_ms), parts)
         return out
 
+    def transaction_marker(self, partition: str, first_offset: int, producer_id: int,
+                           max_fetches: int = 64, max_bytes: int = 1 << 20) -> str | None:
+        """How the transaction of ``producer_id`` whose first record on ``partition``
+        (``"topic:partition"``) is at ``first_offset`` ended there: ``"commit"`` or ``"abort"``, read
+        from its transaction marker (a control batch), or None when that cannot be told.
+
+        Read uncommitted (Fetch, isolation level 0), so the partition's last stable offset, which
+        any other open transaction holds back, does not matter.  The answer counts only when the
+        fetch from ``first_offset`` starts with a data batch of ``producer_id`` holding that offset
+        (the transaction's records are still there, so its marker is too: the log cleaner removes a
+        marker only after every record of its transaction); the marker is then the first control
+        batch of ``producer_id`` after it, since a producer runs one transaction at a time.  None:
+        the record is gone (retention, compaction) or not the producer's, no marker up to the high
+        watermark (still open), or the read failed.
+        """
+        from kafka import TopicPartition
+        from kafka.protocol.consumer import FetchRequest
+        from kafka.record import MemoryRecords
+
+        topic, _, part = partition.rpartition(":")
+        tp = TopicPartition(topic, int(part))
+        leader = dict((t, node) for node, group in self._run(self._admin._async_get_leader_for_partitions, [tp]).items()
+                      for t in group).get(tp)
+        if leader is None:
+            return None
+        offset, seen_first = int(first_offset), False
+        for _ in range(max_fetches):
+            fp = FetchRequest.FetchTopic.FetchPartition(
+                partition=tp.partition, current_leader_epoch=-1, fetch_offset=offset, last_fetched_epoch=-1,
+                log_start_offset=-1, partition_max_bytes=max_bytes)
+            req = FetchRequest(replica_id=-1, max_wait_ms=0, min_bytes=0, max_bytes=max_bytes, isolation_level=0,
+                               session_id=0, session_epoch=-1,
+                               topics=[FetchRequest.FetchTopic(topic=topic, partitions=[fp])],
+                               forgotten_topics_data=[], rack_id="", max_version=12)
+            resp = self._send(req, leader)
+            data = resp.responses[0].partitions[0]
+            if int(data.error_code) != NONE or not data.records:
+                return None
+            records = MemoryRecords(bytes(data.records))
+            last = None
+            while (batch := records.next_batch()) is not None:
+                last = batch
+                if batch.producer_id != producer_id:
+                    if not seen_first:
+                        return None  # the first record is not the producer's (compacted away?)
+                    continue
+                if not seen_first:
+                    if batch.is_control_batch or not batch.base_offset <= first_offset <= batch.last_offset:
+                        return None
+                    seen_first = True
+                    continue
+                if batch.is_control_batch:
+                    for rec in batch:
+                        return "commit" if rec.type == 1 else "abort"
+            if last is None or last.next_offset >= int(data.high_watermark):
+                return None
+            offset = last.next_offset
+        return None
+
     def describe_producers(self, partitions: list[str]) -> dict[str, list[ProducerEntry]]:
         """DescribeProducers for ``"topic:partition"`` names, asked of each partition's leader.
 

@@ -806,7 +806,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     kp.INVALID_PRODUCER_ID_MAPPING) and handle.get("txn_start_offsets"):
             # The id moved on (re-initialised, expired): EndTxn cannot tell a commit that landed
             # earlier from an abort.  The transaction's own records can.
-            verdict, where = self._records_fate(handle["txn_start_offsets"])
+            verdict, where = self._records_fate(handle["txn_start_offsets"], pid)
             if verdict == "committed":
                 return CommitResult.already_committed(
                     f"EndTxn answered {name} for {tid} (producer id {pid}, epoch {epoch}): the id was "
@@ -881,7 +881,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                             f"(cleanup.policy={policy}), which may have removed it after a commit")
         return "aborted", aborted
 
-    def _records_fate(self, offsets: dict[str, int]) -> tuple[str, str]:
+    def _records_fate(self, offsets: dict[str, int], producer_id: int | None = None) -> tuple[str, str]:
         """What became of a transaction whose first records are at ``offsets`` (driver).
 
         ("committed", where): a read_committed consumer gets the record at that offset.
@@ -889,7 +889,11 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         next record it gets is later, or it reaches the end) on a topic that is not compacted.
         A transaction commits or aborts as a whole, so one topic partition answers.
         ("pending", where): the last stable offset is not past it yet (a transaction still open
-        before or at it).  ("gone", where): the record was deleted (retention), or is absent
+        before or at it) and, with ``producer_id``, the transaction's own marker cannot be read
+        either (:meth:`TxnClient.transaction_marker`: read uncommitted, so another open
+        transaction holding the last stable offset back does not hide it; a marker answers only
+        while the transaction's first record is still there; an abort marker on a compacted topic
+        is "gone", as for a skipped record).  ("gone", where): the record was deleted (retention), or is absent
         from a compacted topic.  ("unknown", where): reading it failed.
         """
         ck = require("confluent_kafka", "KafkaSink")
@@ -910,7 +914,22 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     verdict, where = "gone", f"{where} was deleted (the partition now starts at {low})"
                     continue
                 if stable <= offset:
-                    return "pending", f"the last stable offset of {name} ({stable}) passes {offset}"
+                    pending = f"the last stable offset of {name} ({stable}) passes {offset}"
+                    marker = None
+                    if producer_id is not None:
+                        try:
+                            marker = self._txn_client().transaction_marker(name, offset, int(producer_id))
+                        except Exception as e:  # noqa: BLE001 - then the last stable offset decides
+                            log.debug("reading the transaction marker after %s failed: %s", where, e)
+                    if marker == "commit":
+                        return "committed", f"{where} (its transaction's commit marker)"
+                    if marker == "abort":
+                        verdict, where = self._absent(topic, f"{where} was aborted (its transaction's abort "
+                                                             f"marker, read uncommitted; {pending} yet)")
+                        if verdict == "aborted":
+                            return verdict, where
+                        continue
+                    return "pending", pending
                 consumer.assign([ck.TopicPartition(topic, int(part), offset)])
                 deadline = time.monotonic() + self.request_timeout_s
                 while time.monotonic() < deadline:

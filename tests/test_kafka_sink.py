@@ -361,6 +361,42 @@ def test_an_aborted_transaction_on_a_compacted_topic_is_lost_without_claiming_it
 
 
 @pytest.mark.kafka
+def test_a_transactions_fate_is_read_from_its_marker_while_another_open_transaction_holds_the_lso(kafka_service):
+    """Issue 48: a commit that finds its id moved on reads its first record's fate; read_committed
+    cannot while an older open transaction holds the partition's last stable offset back (it said
+    "pending" until that one ended: 15 minutes for a decided batch's other transaction).  The
+    transaction's own marker, read uncommitted, tells: an abort is never visible, a commit is
+    ALREADY_COMMITTED."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, 1), f"mk-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(bs, topic, prefix)
+
+    def pre_committed(p):
+        txn = sink.begin_transaction(_ctx(sink, partition=p, n=3))
+        sink.write(txn, pa.RecordBatch.from_pydict({"value": [b"p%d" % p]}))
+        return sink.pre_commit(txn)
+
+    holder, aborted, committed = pre_committed(0), pre_committed(1), pre_committed(2)  # holder's first
+    client = sink._txn_client()
+    (tp, first), = holder["txn_start_offsets"].items()
+    assert client.transaction_marker(tp, first, holder["producer_id"]) is None  # still open
+    assert sink.commit(committed).outcome is CommitOutcome.COMMITTED
+    for h in (aborted, committed):  # a zombie's claim: the id moves on (aborting `aborted`)
+        deadline = time.time() + 30
+        while client.init_producer_id(h["transactional_id"], 60_000)[0] != kp.NONE:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    res = sink.commit(aborted)
+    assert res.outcome is CommitOutcome.LOST and res.never_visible, res
+    assert "abort marker" in res.reason, res.reason
+    res = sink.commit(committed)
+    assert res.outcome is CommitOutcome.ALREADY_COMMITTED and "commit marker" in res.reason, res
+    assert sink.commit(holder).outcome is CommitOutcome.COMMITTED
+    assert Counter(read_committed(bs, topic)) == Counter({b"p0": 1, b"p2": 1})
+    sink.close()
+
+
+@pytest.mark.kafka
 def test_an_aborted_transaction_whose_first_record_was_deleted_is_lost_without_claiming_it_was_never_visible(
         kafka_service):
     """Issue 48: "never visible" needs the transaction's first record still in the partition.  Once

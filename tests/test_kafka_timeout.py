@@ -1,4 +1,5 @@
-"""Issue 48: a Kafka driver down longer than the transaction timeout loses no decided batch.
+"""Issue 48: a Kafka driver down longer than the transaction timeout loses no decided batch, nor
+does one whose first transaction a zombie's claim aborted before the commit.
 
 The scenario of the issue, on the real broker: JSON files -> Spark -> Kafka (8 batches of 100 ids),
 the driver killed at ``after_prepared_logged`` of batch 2 (decided, nothing committed), then down
@@ -8,6 +9,14 @@ transaction.timeout.ms`` and 600 of 800 ids were never written.  Nothing of batc
 visible (its first records are still in the topic, which is not compacted, and read as aborted):
 its decision is recorded void and the batch runs again from Spark's replay, in both forms.  Then a
 read_committed reader finds every id once, and no transaction of the query is left open.
+
+The ``zombie`` case: while the driver is down (the default timeout, so nothing times out), another
+actor's claim from a stale look (``InitProducerId`` on the transactional id) aborts the first
+transaction of the decided batch.  Before, the restart committed the other one and stopped with
+``DataLossError`` (half the batch visible).  Now the committer commits the first transaction
+alone; found aborted and never visible (its abort marker, read uncommitted: the other transaction,
+still open, holds the partitions' last stable offset back), it aborts the others, and the batch is
+void and runs again.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import pytest
 from tests.test_datasource import _inputs, _log_records, _path
 from tests.test_kafka_sink import _topic, read_committed
 from twophase import chaos, crash
+from twophase.sinks import _kafka_protocol as kp
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -36,8 +46,9 @@ def _handles(log_dir: Path, batch: int) -> list[dict]:
             for h in json.loads(f.read_text())["body"]["handles"]]
 
 
-@pytest.mark.parametrize("form", ["coordinator", "datasource"])
-def test_a_driver_down_past_the_transaction_timeout_loses_no_decided_batch(kafka_service, tmp_path, form):
+@pytest.mark.parametrize("form,fault", [("coordinator", "timeout"), ("datasource", "timeout"),
+                                        ("datasource", "zombie")])
+def test_a_decided_batch_whose_transactions_the_broker_aborted_runs_again(kafka_service, tmp_path, form, fault):
     from twophase.sinks.kafka import KafkaSink
 
     bs = kafka_service["bootstrap_servers"]
@@ -48,8 +59,9 @@ def test_a_driver_down_past_the_transaction_timeout_loses_no_decided_batch(kafka
     cmd = [sys.executable, "-m", "tests.drivers.datasource_pipeline", str(tmp_path / "in"), str(ck), "twophase-kafka",
            "--select", "id AS key", "--select", "id AS value",
            "--option", f"kafka.bootstrap.servers={bs}", "--option", f"topic={dst}",
-           "--option", f"twophase.transactionalIdPrefix={prefix}",
-           "--option", f"twophase.transactionTimeoutMs={TIMEOUT_MS}"]
+           "--option", f"twophase.transactionalIdPrefix={prefix}"]
+    if fault == "timeout":
+        cmd += ["--option", f"twophase.transactionTimeoutMs={TIMEOUT_MS}"]
     if form == "coordinator":
         cmd.append("--coordinator")
     env = {"PYTHONPATH": _path(REPO)}
@@ -65,15 +77,25 @@ def test_a_driver_down_past_the_transaction_timeout_loses_no_decided_batch(kafka
         handles = _handles(ck / "twophase", 2)
         assert handles and all(h.get("txn_start_offsets") for h in handles), handles
         # Down until the broker aborted every transaction of the decided batch (its timeout, plus
-        # up to the broker's 10 s abort sweep).
+        # up to the broker's 10 s abort sweep), or the zombie's claim aborted the first one.
         sink = KafkaSink(bs, dst, prefix)
         try:
             client = sink._txn_client()
+            if fault == "zombie":
+                assert len(handles) == 2, handles
+                deadline = time.time() + 30
+                while client.init_producer_id(handles[0]["transactional_id"], 60_000)[0] != kp.NONE:
+                    assert time.time() < deadline
+                    time.sleep(0.2)
+                second = handles[1]["transactional_id"]
+                assert client.describe_transactions([second])[second].state == "Ongoing"
+                handles = handles[:1]  # the one to see aborted before the restart
             tids = [h["transactional_id"] for h in handles]
             deadline = time.time() + TIMEOUT_MS / 1000 + 60
             while True:
                 states = client.describe_transactions(tids)
-                if all(states[t].state == "CompleteAbort" and states[t].producer_epoch > h["producer_epoch"]
+                # CompleteAbort after a timeout; Empty after a claim's InitProducerId (its abort done).
+                if all(states[t].state in ("CompleteAbort", "Empty") and states[t].producer_epoch > h["producer_epoch"]
                        for t, h in zip(tids, handles)):
                     break
                 assert time.time() < deadline, {t: states[t].state for t in tids}

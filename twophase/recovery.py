@@ -148,9 +148,10 @@ class Committer:
     """Commits a decided batch's handles as the coordinator does: ``parallelism`` at once, each
     retried ``retries`` times with exponential backoff; a handle the sink reports LOST is data loss.
 
-    Runs on the driver (or in ``twophase recover``).  Every handle is tried even when another
-    one fails, so that as much of a decided batch as possible becomes visible; then the first
-    failure is raised: :class:`~twophase.errors.DataLossError` for a lost handle (unless
+    Runs on the driver (or in ``twophase recover``).  The first handle is committed alone, then
+    the others (see :meth:`commit`); once it succeeded (or is lost for good), every other handle
+    is tried even when another one fails, so that as much of the batch as possible becomes
+    visible; then the first failure is raised: :class:`~twophase.errors.DataLossError` for a lost handle (unless
     ``ignore_lost``, which reports it in the results and goes on), else
     :class:`~twophase.errors.CommitError` (the decision stays logged: a replay commits again).
     """
@@ -178,9 +179,27 @@ class Committer:
         workers = 1 if crash.planned("mid_commit", batch_id) else min(self.parallelism, len(handles))
         results: list[CommitResult | None] = [None] * len(handles)
         errors: list[tuple[int, BaseException]] = []
-        done = 0
+        # The first handle alone, then the others in parallel.  Until a commit succeeds nothing of
+        # the batch is committed by this committer, so a first transaction the target shows gone
+        # and never visible (aborted: a timeout while the driver was down, another actor's claim
+        # between the decision's check and the commit) proves the batch can never be whole: the
+        # others are aborted too and the batch is void (it runs again) instead of half visible.
+        # A first commit that fails otherwise (retries spent, its fate not readable yet) commits
+        # nothing else: the decision stays logged and the next try starts again with it.
+        try:
+            results[0] = self.commit_one(batch_id, handles[0], recovering)
+        except DataLossError as e:  # lost for good: the others are still committed (below)
+            errors.append((0, e))
+        first = results[0]
+        if first is not None and first.outcome is CommitOutcome.LOST and first.never_visible:
+            if len(handles) > 1:
+                self._abort_rest(batch_id, handles[1:], first)
+        elif first is not None and len(handles) > 1:
+            crash.crash_point("mid_commit", batch_id)
+        done = 1
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="twophase-commit") as pool:
-            futures = {pool.submit(self.commit_one, batch_id, h, recovering): i for i, h in enumerate(handles)}
+            futures = {pool.submit(self.commit_one, batch_id, h, recovering): i
+                       for i, h in enumerate(handles) if i > 0}
             for fut in as_completed(futures):
                 try:
                     results[futures[fut]] = fut.result()
@@ -217,6 +236,21 @@ class Committer:
                 raise DataLossError(msg, batch_id=batch_id, handle=what, reason=reason)
             log.error("%s (ignored: ignore_failures_after_transaction_timeout)", msg)
         return [r for r in results if r is not None]
+
+    def _abort_rest(self, batch_id: int, rest: list[Any], first: CommitResult) -> None:
+        """The first transaction of a decided batch is gone and never was visible, and this committer
+        committed nothing of the batch: abort the others (best effort), so that the batch is void
+        as a whole rather than half visible.  One that another committer already committed stays
+        committed (its commit below reads ALREADY_COMMITTED, and the batch is data loss)."""
+        log.warning("%s: batch %d: its first transaction is gone and was never visible (%s); nothing of the "
+                    "batch is committed, so its %d other transaction(s) are aborted and the batch runs again",
+                    self.name, batch_id, first.reason, len(rest))
+        for h in rest:
+            try:
+                self.sink.recover_and_abort(h)
+            except Exception as e:  # noqa: BLE001 - its commit below tells what became of it
+                log.warning("%s: batch %d: aborting %s failed: %s", self.name, batch_id,
+                            self.sink.describe_handle(h), e)
 
     def commit_one(self, batch_id: int, handle: Any, recovering: bool) -> CommitResult:
         sink = self.sink
