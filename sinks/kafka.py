@@ -64,8 +64,13 @@ from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 log = logging.getLogger("twophase.sinks.kafka")
 _rdlog = logging.getLogger("twophase.sinks.kafka.librdkafka")
 
-#: Default transaction timeout: the broker's default ``transaction.max.timeout.ms`` (15 min).
-DEFAULT_TRANSACTION_TIMEOUT_MS = 900_000
+#: Default transaction timeout: 5 minutes, a third of the broker's default maximum
+#: (``transaction.max.timeout.ms``, 15 min).  It bounds how long a dead driver that nobody
+#: restarts holds back ``read_committed`` readers (the timeout plus the broker's abort sweep,
+#: ``benchmarks/lso.py``), and no longer loses a decided batch (a batch whose transactions all
+#: timed out is proven never visible and runs again).  A batch's prepare phase may take it minus
+#: ``commit_margin_ms``.
+DEFAULT_TRANSACTION_TIMEOUT_MS = 300_000
 #: How long a Python worker trusts that a topic it checked exists (seconds).  The check only
 #: gives a clear error before anything is written; a topic deleted meanwhile still fails the
 #: batch, at the produce.
@@ -87,7 +92,8 @@ _TASK_CLIENTS: dict[str, Any] = {}
 _TASK_CLIENTS_LOCK = threading.Lock()
 
 #: Default part of the timeout kept for the commit and a driver restart (see ``commit_margin_ms``):
-#: 5 minutes, or a third of ``transaction_timeout_ms`` when that is shorter than 15 minutes.
+#: 5 minutes, or a third of ``transaction_timeout_ms`` when that is shorter than 15 minutes (100 s
+#: with the default timeout).
 DEFAULT_COMMIT_MARGIN_MS = 300_000
 
 _PREFIX_OK = re.compile(r"^[A-Za-z0-9._-]{1,200}$")

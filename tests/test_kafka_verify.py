@@ -35,7 +35,8 @@ def _state(sink: KafkaSink, tid: str) -> kp.TxnDescription:
 
 # ---------------------------------------------------------------------------- unit
 def test_commit_margin_defaults_and_bounds():
-    assert KafkaSink("b:9092", "t", "p").commit_margin_ms == 300_000          # 15 min timeout
+    assert KafkaSink("b:9092", "t", "p").commit_margin_ms == 100_000          # 5 min timeout
+    assert KafkaSink("b:9092", "t", "p", transaction_timeout_ms=900_000).commit_margin_ms == 300_000
     assert KafkaSink("b:9092", "t", "p", transaction_timeout_ms=60_000).commit_margin_ms == 20_000
     assert KafkaSink("b:9092", "t", "p", commit_margin_ms=0).commit_margin_ms == 0
     for bad in (-1, 60_000, 90_000):

@@ -78,8 +78,9 @@ def main(argv: list[str]) -> int:
         from twophase.sinks.kafka import KafkaSink
 
         o = dict(kv.partition("=")[::2] for kv in args.option)
-        sink = KafkaSink(o["kafka.bootstrap.servers"], o["topic"], o["twophase.transactionalIdPrefix"],
-                         transaction_timeout_ms=int(o.get("twophase.transactionTimeoutMs", 900_000)))
+        timeout = {"transaction_timeout_ms": int(o["twophase.transactionTimeoutMs"])} \
+            if "twophase.transactionTimeoutMs" in o else {}
+        sink = KafkaSink(o["kafka.bootstrap.servers"], o["topic"], o["twophase.transactionalIdPrefix"], **timeout)
         q = (df.writeStream.foreachBatch(Coordinator(sink, checkpoint_location=args.checkpoint, name="pipeline"))
              .option("checkpointLocation", args.checkpoint).trigger(availableNow=True).start())
         q.awaitTermination()

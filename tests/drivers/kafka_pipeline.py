@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
            .load())
     # Same shape as for .format("kafka"): key and value.
     out = src.selectExpr("key", "value")
-    # The default timeout (15 min): pending transactions must outlive driver restarts, which take
+    # The default timeout (5 min): pending transactions should outlive driver restarts, which take
     # 1-2 minutes each on a loaded 2-core machine (120 s was too short: DataLossError, as designed).
     sink = KafkaSink(bootstrap, out_topic, prefix)
     coordinator = Coordinator(sink, checkpoint_location=checkpoint, name="kafka-pipeline")
