@@ -534,7 +534,7 @@ class TxnClient:
         return out
 
     def transaction_marker(self, partition: str, first_offset: int, producer_id: int,
-                           max_fetches: int = 64, max_bytes: int = 1 << 20) -> str | None:
+                           timeout_s: float = 120.0, max_bytes: int = 1 << 20) -> str | None:
         """How the transaction of ``producer_id`` whose first record on ``partition``
         (``"topic:partition"``) is at ``first_offset`` ended there: ``"commit"`` or ``"abort"``, read
         from its transaction marker (a control batch), or None when that cannot be told.
@@ -544,9 +544,10 @@ class TxnClient:
         fetch from ``first_offset`` starts with a data batch of ``producer_id`` holding that offset
         (the transaction's records are still there, so its marker is too: the log cleaner removes a
         marker only after every record of its transaction); the marker is then the first control
-        batch of ``producer_id`` after it, since a producer runs one transaction at a time.  None:
-        the record is gone (retention, compaction) or not the producer's, no marker up to the high
-        watermark (still open), or the read failed.
+        batch of ``producer_id`` after it, since a producer runs one transaction at a time.  It reads
+        up to the high watermark, however far that is (a big batch, a busy shared topic), for at
+        most ``timeout_s``.  None: the record is gone (retention, compaction) or not the
+        producer's, no marker up to the high watermark (still open), out of time, or the read failed.
         """
         from kafka import TopicPartition
         from kafka.protocol.consumer import FetchRequest
@@ -559,7 +560,8 @@ class TxnClient:
         if leader is None:
             return None
         offset, seen_first = int(first_offset), False
-        for _ in range(max_fetches):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             fp = FetchRequest.FetchTopic.FetchPartition(
                 partition=tp.partition, current_leader_epoch=-1, fetch_offset=offset, last_fetched_epoch=-1,
                 log_start_offset=-1, partition_max_bytes=max_bytes)

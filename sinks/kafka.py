@@ -905,6 +905,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         ck = require("confluent_kafka", "KafkaSink")
         consumer = ck.Consumer(self._consumer_config())
         verdict, where = "unknown", "no topic partition to read"
+        held: str | None = None  # a partition whose last stable offset is held back, its marker unread
         # An absent record proves an abort only where records are not deleted one by one: see _absent.
         try:
             for name, offset in sorted(offsets.items()):
@@ -935,7 +936,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                         if verdict == "aborted":
                             return verdict, where
                         continue
-                    return "pending", pending
+                    held = held or pending  # another partition of the transaction may answer
+                    continue
                 consumer.assign([ck.TopicPartition(topic, int(part), offset)])
                 deadline = time.monotonic() + self.request_timeout_s
                 while time.monotonic() < deadline:
@@ -957,6 +959,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     break  # a compacted topic: another partition's record may still tell
                 else:
                     verdict, where = "unknown", f"{where}: no answer within {self.request_timeout_s:.0f}s"
+            if held is not None:
+                return "pending", held
             return verdict, where
         finally:
             consumer.close()
@@ -997,13 +1001,12 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         return res
 
     def recover_and_abort(self, handle: dict) -> None:
-        """Abort a pre-committed transaction by EndTxn(abort) (driver; best effort)."""
-        from twophase.sinks import _kafka_protocol as kp
-
-        code = self._txn_client().end_txn(handle["transactional_id"], int(handle["producer_id"]),
-                                          int(handle["producer_epoch"]), commit=False)
-        if code not in (kp.NONE, kp.INVALID_PRODUCER_EPOCH, kp.PRODUCER_FENCED):
-            log.warning("aborting %s: %s", self.describe_handle(handle), kp.error_name(code))
+        """Abort a pre-committed transaction by EndTxn(abort) under its exact producer id and epoch
+        (driver).  Returns once the broker confirmed it: aborted now, or no longer open under that
+        epoch (ended before, or the id moved on); transient errors are retried for a minute, then
+        (and on any other answer) it raises: the transaction may still be open."""
+        self._abort_open(self._txn_client(), handle["transactional_id"], int(handle["producer_id"]),
+                         int(handle["producer_epoch"]), f"aborting {self.describe_handle(handle)}")
 
     def describe_handle(self, handle: dict) -> str:
         # "topics" since delivery reports stopped naming partitions; older handles have "partitions"

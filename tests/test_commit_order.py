@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from twophase.errors import BatchVanishedError, DataLossError
+from twophase.errors import BatchVanishedError, CommitError, DataLossError
 from twophase.recovery import Committer
 from twophase.sink import CommitResult, TwoPhaseCommitSink
 
@@ -24,10 +24,13 @@ class StateSink(TwoPhaseCommitSink):
     def __init__(self, states: dict[str, str]):
         self.states = dict(states)
         self.calls: list[tuple[str, str]] = []
+        self.unreachable: set[str] = set()
 
     def commit(self, handle):
         k = handle["txn"]
         self.calls.append(("commit", k))
+        if self.states[k] == "pending":  # its fate not readable (yet)
+            return CommitResult.retry_later(f"{k}: not known yet")
         if self.states[k] == "aborted":
             return CommitResult.lost(f"{k} was aborted", never_visible=True)
         if self.states[k] == "committed":
@@ -38,6 +41,8 @@ class StateSink(TwoPhaseCommitSink):
     def recover_and_abort(self, handle):
         k = handle["txn"]
         self.calls.append(("abort", k))
+        if k in self.unreachable:
+            raise ConnectionError(f"{k}: the target did not answer")
         if self.states[k] == "staged":
             self.states[k] = "aborted"
 
@@ -80,3 +85,28 @@ def test_a_transaction_another_committer_already_committed_is_not_aborted_and_th
     with pytest.raises(DataLossError, match="can no longer be committed"):
         Committer(sink, retries=0).commit(7, HANDLES, recovering=False)
     assert sink.states["b"] == "committed" and sink.states["c"] == "aborted"
+
+
+def test_an_abort_of_the_others_that_fails_commits_nothing_and_keeps_the_decision():
+    """The review's finding: an abort that did not land, followed by the commit of that same
+    transaction, made the batch half visible.  Now nothing is committed; the next try aborts again."""
+    sink = StateSink({"a": "aborted", "b": "staged", "c": "staged"})
+    sink.unreachable = {"b"}
+    with pytest.raises(CommitError, match="aborting 1 of its other transactions failed"):
+        Committer(sink, retries=0).commit(7, HANDLES, recovering=True)
+    assert sink.states == {"a": "aborted", "b": "staged", "c": "aborted"}
+    assert [c for c in sink.calls if c[0] == "commit"] == [("commit", "a")]
+    sink.unreachable = set()  # the next try
+    with pytest.raises(BatchVanishedError):
+        Committer(sink, retries=0).commit(7, HANDLES, recovering=True)
+    assert set(sink.states.values()) == {"aborted"}
+
+
+def test_a_first_commit_whose_fate_is_not_readable_does_not_hold_the_others_back():
+    """The review's finding: holding the others back while the first one's fate was unreadable
+    deadlocked on Kafka (an open transaction of the batch held the partition's last stable offset
+    back, which kept the first one's fate unreadable) until the broker aborted them: data loss."""
+    sink = StateSink({"a": "pending", "b": "staged", "c": "staged"})
+    with pytest.raises(CommitError, match="committing .*a"):
+        Committer(sink, retries=1, backoff=0.01).commit(7, HANDLES, recovering=False)
+    assert sink.states == {"a": "pending", "b": "committed", "c": "committed"}

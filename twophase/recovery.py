@@ -184,11 +184,12 @@ class Committer:
         # and never visible (aborted: a timeout while the driver was down, another actor's claim
         # between the decision's check and the commit) proves the batch can never be whole: the
         # others are aborted too and the batch is void (it runs again) instead of half visible.
-        # A first commit that fails otherwise (retries spent, its fate not readable yet) commits
-        # nothing else: the decision stays logged and the next try starts again with it.
+        # A first commit that fails otherwise (retries spent, its fate not readable) does not hold the
+        # others back: they may be what keeps its fate from being read (a Kafka transaction open
+        # before it holds the partition's last stable offset back), and they would time out.
         try:
             results[0] = self.commit_one(batch_id, handles[0], recovering)
-        except DataLossError as e:  # lost for good: the others are still committed (below)
+        except Exception as e:  # noqa: BLE001 - raised below, after the others were tried
             errors.append((0, e))
         first = results[0]
         if first is not None and first.outcome is CommitOutcome.LOST and first.never_visible:
@@ -239,18 +240,27 @@ class Committer:
 
     def _abort_rest(self, batch_id: int, rest: list[Any], first: CommitResult) -> None:
         """The first transaction of a decided batch is gone and never was visible, and this committer
-        committed nothing of the batch: abort the others (best effort), so that the batch is void
-        as a whole rather than half visible.  One that another committer already committed stays
-        committed (its commit below reads ALREADY_COMMITTED, and the batch is data loss)."""
+        committed nothing of the batch: abort the others, so that the batch is void as a whole
+        rather than half visible.  Each abort must be confirmed (``recover_and_abort`` returns):
+        if one fails, nothing is committed (a commit after an abort that did not land would make
+        the batch half visible) and :class:`~twophase.errors.CommitError` keeps the decision for
+        the next try, which aborts again.  Then each handle's commit only reads its fate: aborted
+        (never visible), or committed by another committer (the batch is data loss)."""
         log.warning("%s: batch %d: its first transaction is gone and was never visible (%s); nothing of the "
                     "batch is committed, so its %d other transaction(s) are aborted and the batch runs again",
                     self.name, batch_id, first.reason, len(rest))
+        failed = []
         for h in rest:
             try:
                 self.sink.recover_and_abort(h)
-            except Exception as e:  # noqa: BLE001 - its commit below tells what became of it
-                log.warning("%s: batch %d: aborting %s failed: %s", self.name, batch_id,
-                            self.sink.describe_handle(h), e)
+            except Exception as e:  # noqa: BLE001 - reported below
+                failed.append(f"{self.sink.describe_handle(h)}: {type(e).__name__}: {e}")
+        if failed:
+            raise CommitError(
+                f"batch {batch_id}: its first transaction is gone and was never visible, so the batch is to run "
+                f"again, but aborting {len(failed)} of its other transactions failed ({'; '.join(failed[:3])}). "
+                "Nothing of the batch was committed; the decision stays logged and the next try (a restart, "
+                "'twophase recover') aborts them again.")
 
     def commit_one(self, batch_id: int, handle: Any, recovering: bool) -> CommitResult:
         sink = self.sink
