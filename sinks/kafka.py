@@ -1058,6 +1058,10 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             "statistics.interval.ms": 1000,
         })
         conf.setdefault("allow.auto.create.topics", self.auto_create_topics)
+        # The Java client's partitioner (murmur2 of the key; Spark's Kafka sink, Kafka Streams and
+        # every Java producer use it), not librdkafka's default CRC32: a key lands on the partition
+        # it lands on from them, so per-key order, compaction and co-partitioning hold across them.
+        conf.setdefault("partitioner", "murmur2_random")
         conf.setdefault("linger.ms", 5)
         conf.setdefault("client.id", f"twophase-{tid}")
         # A producer lives for one transaction.  With sparse connections (librdkafka's default)

@@ -47,8 +47,10 @@ from pyspark.sql.datasource import (  # noqa: E402 - after the line that names t
 log = logging.getLogger("twophase.datasource")
 
 #: Options every twophase data source reads (lower case: Spark hands options over lower-cased).
+#: ``queryname``: Spark hands a streaming query's ``.queryName(...)`` to its sink as an option; it
+#: names the query in Spark's UI and metrics and changes nothing here.
 _COMMON = {"checkpointlocation", "path", "twophase.name", "twophase.loglocation", "twophase.maxpartitions",
-           "twophase.batchid"}
+           "twophase.batchid", "queryname"}
 
 
 @dataclass
