@@ -20,6 +20,7 @@ the log, and a deposed run's late writes lose on the ballots' slots as a deposed
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import re
@@ -50,7 +51,7 @@ log = logging.getLogger("twophase.datasource")
 #: ``queryname``: Spark hands a streaming query's ``.queryName(...)`` to its sink as an option; it
 #: names the query in Spark's UI and metrics and changes nothing here.
 _COMMON = {"checkpointlocation", "path", "twophase.name", "twophase.loglocation", "twophase.maxpartitions",
-           "twophase.batchid", "queryname"}
+           "twophase.batchid", "queryname", "twophase.partitionby"}
 
 
 @dataclass
@@ -456,8 +457,9 @@ class FilesDataSource(TwoPhaseDataSource):
         fmt = {"json": "jsonl"}.get(self.options.get("format", "parquet").lower(),
                                     self.options.get("format", "parquet").lower())
         header = str(self.options.get("header", "false")).lower() == "true"
+        cols = [c.strip() for c in str(self.options.get("twophase.partitionby") or "").split(",") if c.strip()]
         return _sink("files", _local(path), format=fmt, compression=self.options.get("compression"), header=header,
-                        prefix=self.options.get("prefix", "part"), writer="arrow")
+                     prefix=self.options.get("prefix", "part"), writer="arrow", partition_by=cols or None)
 
 
 def jdbc_to_dsn(url: str) -> str:
@@ -503,6 +505,10 @@ class JdbcDataSource(TwoPhaseDataSource):
 
     def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
         url, table = self.options.get("url"), self.options.get("dbtable")
+        if self.options.get("twophase.partitionby"):
+            raise ConfigurationError(
+                f"twophase-jdbc: partitionBy({self.options['twophase.partitionby']}) has no meaning for a table "
+                "(Spark's JDBC writer has no partitioned output either): drop it; nothing was written")
         if not url or not table:
             raise ConfigurationError("twophase-jdbc needs .option('url', 'jdbc:postgresql://host:port/db') and "
                                      ".option('dbtable', 'schema.table')")
@@ -636,6 +642,63 @@ SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource
 
 
 def register(spark) -> None:
-    """Register the twophase data sources with ``spark`` (a classic or Spark Connect session)."""
+    """Register the twophase data sources with ``spark`` (a classic or Spark Connect session), and
+    make this process's streaming writers carry ``.partitionBy(...)`` to them (see
+    :func:`carry_partition_by`)."""
     for cls in SOURCES:
         spark.dataSource.register(cls)
+    carry_partition_by()
+
+
+#: The option a streaming writer's ``.partitionBy(...)`` columns reach a twophase format as.
+PARTITION_BY_OPTION = "twophase.partitionBy"
+_CARRIED: set[Any] = set()
+
+
+def carry_partition_by() -> None:
+    """Spark drops a streaming writer's ``.partitionBy(...)`` before a Python data source sees it
+    (pyspark 4.x hands it no partitioning): ``twophase-files`` would silently write unpartitioned.
+    Wrap ``DataStreamWriter.format``/``partitionBy``/``start``/``toTable`` (classic and Spark
+    Connect) so that a query started on a ``twophase-*`` format with partition columns also gets
+    them as the option ``twophase.partitionBy`` (comma-separated).  Other formats are untouched.
+    Idempotent; :func:`register` calls it."""
+    import functools
+
+    classes: list[Any] = []
+    for mod in ("pyspark.sql.streaming.readwriter", "pyspark.sql.connect.streaming.readwriter"):
+        try:
+            classes.append(importlib.import_module(mod).DataStreamWriter)
+        except Exception:  # noqa: BLE001 - e.g. Connect's extra not installed
+            continue
+    for cls in classes:
+        if cls in _CARRIED:
+            continue
+        _CARRIED.add(cls)
+        orig_format, orig_partition_by = cls.format, cls.partitionBy
+
+        @functools.wraps(orig_format)
+        def fmt(self, source, _orig=orig_format):
+            self._twophase_format = source
+            return _orig(self, source)
+
+        @functools.wraps(orig_partition_by)
+        def partition_by(self, *cols, _orig=orig_partition_by):
+            self._twophase_partition_by = list(cols[0] if len(cols) == 1 and isinstance(cols[0], (list, tuple))
+                                               else cols)
+            return _orig(self, *cols)
+
+        cls.format, cls.partitionBy = fmt, partition_by
+        for name in ("start", "toTable"):
+            orig = getattr(cls, name)
+
+            @functools.wraps(orig)
+            def starting(self, *args, _orig=orig, **kwargs):
+                fmt_ = kwargs.get("format") or getattr(self, "_twophase_format", None)
+                cols = kwargs.get("partitionBy")
+                cols = [cols] if isinstance(cols, str) else cols
+                cols = cols if cols is not None else getattr(self, "_twophase_partition_by", None)
+                if fmt_ and str(fmt_).lower().startswith("twophase-") and cols:
+                    self.option(PARTITION_BY_OPTION, ",".join(str(c) for c in cols))
+                return _orig(self, *args, **kwargs)
+
+            setattr(cls, name, starting)
