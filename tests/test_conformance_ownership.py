@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from tests.harness_reach import (
     files_target,
     load_old_sink,
 )
+from twophase.errors import TwoPhaseError
+from twophase.protocol import TwoPhaseProtocol
 from twophase.testing import ConformanceError
 from twophase.testing.conformance import default_settings
 from twophase.testing.ownership import DEFAULT_EXAMPLES, DEFAULT_STEPS, run_ownership_conformance
@@ -145,3 +148,46 @@ def test_scenarios_4_and_6_old_postgres_sink_is_caught(postgres_service):
         t.close()
     msg = str(e.value)
     assert "still open" in msg or "DATA LOSS" in msg or "missing although" in msg, msg
+
+
+# ---------------------------------------------------------------------------- the harness' own checks
+
+
+class DeposedBugProtocol(TwoPhaseProtocol):
+    """Today's protocol, except that a deposed coordinator, where it stops (fenced, its ballot lost),
+    trips over a bug of its own: a KeyError instead of the TwoPhaseError it was stopping with."""
+
+    def run_batch(self, *a: Any, **kw: Any) -> Any:
+        try:
+            return super().run_batch(*a, **kw)
+        except TwoPhaseError as e:
+            if threading.current_thread().name == "deposed-coordinator":
+                raise KeyError(f"bookkeeping of the lost ballot: {e}") from e
+            raise
+
+
+def test_a_deposed_coordinators_unexpected_error_fails_the_example(out_dir):
+    """Issue 46: what a deposed coordinator ends with, other than a TwoPhaseError, is reported (it
+    was only noted, and the run passed)."""
+    with pytest.raises(ConformanceError, match=r"the deposed coordinator A, its actions landing \w+ \(deposed "
+                                               r"\w+\), ended with KeyError: .bookkeeping of the lost ballot"):
+        run_ownership_conformance(**files_target(str(out_dir / "out")), protocol_factory=DeposedBugProtocol,
+                                  settings=FIND, max_examples=4, seed=1)
+
+
+def test_an_ownership_run_without_takeovers_is_degenerate(out_dir, monkeypatch):
+    """Every example's first step is a takeover, so a working run plays one in every example; the
+    check fails a run that does not (here: the harness' takeovers replaced by plain batches)."""
+    from twophase.testing.ownership import OwnershipMachine
+
+    def plain_batch(self: Any, data: Any, pauses: Any) -> None:
+        bid, ids = self.current or self._new_batch(data)
+        self._run_owned(data, bid, ids)
+
+    stats = run_ownership_conformance(**files_target(str(out_dir / "good")), settings=FIND, max_examples=4, steps=1,
+                                      seed=1)
+    assert stats["examples"] == stats["examples_with_takeover"] == stats["examples_with_committed_rows"] == 4, stats
+    monkeypatch.setattr(OwnershipMachine, "_takeover", plain_batch)
+    with pytest.raises(ConformanceError, match=r"the ownership run was degenerate: 0 of 4 examples played a "
+                                               r"takeover"):
+        run_ownership_conformance(**files_target(str(out_dir / "out")), settings=FIND, max_examples=4, seed=1)

@@ -206,4 +206,5 @@ def test_a_broken_sink_fails_replayed_and_shrunk(where):
     assert "exactly-once violated" in msg and "did not happen again" not in msg, msg
     steps = [n for n in getattr(info.value, "__notes__", []) if n.startswith("state.")]
     assert steps[0] == "state.start_query(data=data(...))" and steps[-1] == "state.teardown()", steps
-    assert 3 <= len(steps) <= 5, steps  # shrunk: a batch (and its recovery), not the 4 steps x 60 examples
+    # Shrunk: the first step's batch (and its recovery), maybe a step more, not the 4 steps x 60 examples.
+    assert 2 <= len(steps) <= 5, steps

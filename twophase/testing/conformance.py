@@ -16,11 +16,13 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import pickle
 import random
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -83,6 +85,10 @@ CRASH_POINTS = ("after_intent", "after_pre_commit", "before_prepared_logged", "a
 #: before the decision in 1, each after it in 2 (a decided batch recovered by a new driver's sink
 #: object is where sinks' bugs hide: commit paths that lean on state only the deciding driver had).
 _CRASH_MIX = (None,) * 4 + CRASH_POINTS + CRASH_POINTS[3:]
+#: What the first batch of every example draws: the same points without "no crash", so that every
+#: example reaches a driver crash and a new driver's recovery (or, if its tasks fail 4 times before
+#: the crash point, a failed job and its replay) by construction, however few steps it has.
+_FIRST_CRASH_MIX = CRASH_POINTS + CRASH_POINTS[3:]
 
 
 class ConformanceError(AssertionError):
@@ -91,6 +97,25 @@ class ConformanceError(AssertionError):
 
 class _DriverDied(BaseException):
     """Raised inside a commit to stop the driver there (a crash point); never caught as an error."""
+
+
+class ConformanceWarning(UserWarning):
+    """The run passed but did not drive the path the sink takes in a query (e.g. its ``prepare_batch``
+    wants a Spark DataFrame and no ``make_frame`` was given): what was proven is named in the message."""
+
+
+class _FrameNeeded(Exception):
+    """Raised by :class:`_NoFrame` when the sink's ``prepare_batch`` uses the DataFrame it was given."""
+
+
+class _NoFrame:
+    """What the harness hands ``prepare_batch`` when it has no ``make_frame``: any use of it raises
+    :class:`_FrameNeeded`, which tells the harness that the sink writes batches from the driver."""
+
+    def _used(self, *_: Any, **__: Any) -> Any:
+        raise _FrameNeeded("prepare_batch used the DataFrame")
+
+    __getattr__ = __iter__ = __len__ = __bool__ = __getitem__ = _used
 
 
 def default_make_batch(ids: list[int]) -> pa.RecordBatch:
@@ -308,6 +333,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
     _run_token: str = ""
     _examples: itertools.count
     _id_floor: int | None = None
+    _frame_probed: bool = False
     stats: Counter
     failures: list[str]
     first_story: list[str]
@@ -323,6 +349,8 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         self.life = 0
         self.crashes_left = 0
         self.committed_rows = False
+        self.faulted = False       # a driver crash was recovered, or a failed job replayed, in this example
+        self.first_batch = False   # the batch being run is the example's first (it draws a crash for sure)
 
     # ================================================================ set-up
     @initialize(data=st.data())
@@ -342,6 +370,12 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         self.sink.open()
         note(f"query {self.query_name}: sink {self._sink_name()} opened; row ids from {self.id_base}; "
              f"up to {self.crashes_left} driver crash(es)")
+        # The example's first batch runs here, in the step hypothesis always runs (it also ends
+        # examples after this one step, or with every rule turned off by its swarm testing): it has
+        # rows, and the driver dies in it (_FIRST_CRASH_MIX), so that every example, however short,
+        # commits rows of its own and goes through a crash and a recovery (or a failed job and its
+        # replay), which the run's check in run_sink_conformance counts.
+        self._run_batch(data, first=True)
 
     @property
     def sink(self) -> TwoPhaseCommitSink:
@@ -381,11 +415,15 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
     def run_batch(self, data: Any) -> None:
         """A micro-batch as the coordinator runs it: INTENT, tasks (failing and retried), decision,
         concurrent commits, COMMITTED; a drawn crash point may stop the driver anywhere inside."""
-        empty = self.max_rows == 0 or self._draw(data, st.sampled_from((False,) * 7 + (True,)), "empty batch",
-                                                  False)
+        self._run_batch(data)
+
+    def _run_batch(self, data: Any, first: bool = False) -> None:
+        empty = self.max_rows == 0 or (not first and self._draw(
+            data, st.sampled_from((False,) * 7 + (True,)), "empty batch", False))
         rows = 0 if empty else self._draw(data, st.integers(1, self.max_rows), "rows", 1)
         # Most batches have several tasks (shrinking goes to two): what siblings do to each other matters.
         choices = sorted(range(1, self.max_partitions + 1), key=lambda k: (k != 2, k))
+        self.first_batch = first
         self._new_batch(data, rows, self._draw(data, st.sampled_from(choices), "partitions", choices[0]))
         self._restart(data)
 
@@ -445,7 +483,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
              + "; ".join(f"p{p}={_span(v)}" for p, v in sorted(assignment.items())))
         crash_at = None
         if self.crashes_left > 0 and b.ids:  # a crash in an empty batch rarely shows anything: ration them
-            crash_at = self._draw(data, st.sampled_from(_CRASH_MIX), "driver dies at", None)
+            crash_at = self._draw(data, st.sampled_from(_FIRST_CRASH_MIX if self.first_batch else _CRASH_MIX),
+                                  "driver dies at", None)
+        self.first_batch = False
         if crash_at == "after_intent":
             return self._crash(f"after_intent of batch {b.batch_id}")
         if self.make_frame is not None:
@@ -453,6 +493,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             whole = self.sink.prepare_batch(self.make_frame(b.ids, parts), ctx)
             if whole is not None:
                 return self._prepared_whole(b, data, whole, run, crash_at)
+        elif not type(self)._frame_probed:
+            type(self)._frame_probed = True
+            self._probe_prepare_batch(BatchContext(self.query_name, b.batch_id, json.loads(b.intent_json), run))
 
         shipped = _dumps_sink(self.sink)  # what Spark serialises into the job, once per job
         todo = [p for p in range(parts) if assignment[p]]  # an empty partition opens no transaction
@@ -487,6 +530,31 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
                 if outcome != PRE_COMMIT and attempts[p] >= MAX_TASK_ATTEMPTS:
                     return self._job_failed(b, p)
         return self._decide(b, data, results, assignment, crash_at)
+
+    def _probe_prepare_batch(self, ctx: BatchContext) -> None:
+        """Without ``make_frame``, whether the sink writes its batches from the driver in a query
+        (its ``prepare_batch`` takes them over), a path this run then does not drive: asked once per
+        run, with a DataFrame stand-in that raises when used.  If it is used, the run warns
+        (:class:`ConformanceWarning`) and its statistics say so (``prepare_batch not driven``)."""
+        if type(self.sink).prepare_batch is TwoPhaseCommitSink.prepare_batch:
+            return  # per-task transactions only: the path the harness drives
+        try:
+            whole = self.sink.prepare_batch(_NoFrame(), ctx)
+        except Exception as e:  # noqa: BLE001 - _FrameNeeded, or whatever it failed with on the stand-in
+            why = "it used the DataFrame" if isinstance(e, _FrameNeeded) else f"it raised {type(e).__name__}: {e}"
+        else:
+            if whole is None:
+                return  # this sink, so configured, runs per-task transactions: the path driven here
+            why = "it returned handles without reading the DataFrame"
+        self.stats["prepare_batch not driven"] += 1
+        msg = (f"{self._sink_name()}.prepare_batch takes batches over in a query ({why}), but no make_frame "
+               "was given: this run drove the per-task transactions (begin_transaction ... pre_commit) "
+               "only, not the path the sink writes with. Pass make_frame=(ids, partitions) -> a Spark "
+               "DataFrame to drive prepare_batch, or configure the sink for per-task transactions "
+               "(FileSink: writer='arrow') to say that this is the path under test.")
+        note(msg)
+        _log.warning("%s", msg)
+        warnings.warn(ConformanceWarning(msg), stacklevel=2)
 
     def _prepared_whole(self, b: BatchModel, data: Any, whole: Any, run: str, crash_at: str | None) -> None:
         """The sink prepared the whole batch with one Spark job of its own (``prepare_batch``).
@@ -622,6 +690,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         self.stats["job_failures"] += 1
         why = (f"partition {partition} failed {MAX_TASK_ATTEMPTS} times" if partition is not None
                else "verify_prepared refused it")
+        self.faulted = True  # replayed later: by a replay_batch step or at the end of the example
         note(f"batch {b.batch_id}: the JOB FAILED ({why}); abort_lingering(keep=[]) aborted {n}; undecided")
         self._check(f"after batch {b.batch_id}'s job failed", exact=True)
 
@@ -738,6 +807,7 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         committer.flush()
         note(f"  recovery aborted leftovers: {report.aborted or 'none'}")
         self.crashed = False
+        self.faulted = True
         self._check(f"after recovery from the crash at {self.crash_point}", exact=True)
         if self.current is not None and self.current.committed_logged:
             self.current = None
@@ -771,6 +841,8 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             self.stats["examples"] += 1  # valid examples (hypothesis discards some it stops half-way)
             if self.committed_rows:  # by its own batches (recovered ones too), before the closing batch
                 self.stats["examples_with_committed_rows"] += 1
+            if self.faulted:
+                self.stats["examples_with_crash_or_job_failure"] += 1
             if not self.crashed and self.current is None and self.next_batch < self.last_batch:
                 self._new_batch(None, max(1, self.max_rows // 2), self.max_partitions)
             if self.crashed or self.current is not None:
@@ -1031,6 +1103,7 @@ def make_state_machine(
         "_run_token": f"{random.getrandbits(24):06x}",
         "_examples": itertools.count(1),
         "_id_floor": None,
+        "_frame_probed": False,
         "stats": Counter(),
         "failures": [],
         "first_story": [],
@@ -1091,9 +1164,21 @@ def run_sink_conformance(
 
     Returns the run's statistics (examples, batches, task failures and retries,
     crashes by point, recoveries, concurrent commits ...), also logged on
-    ``twophase.testing``.  Fails if fewer than ``min_useful_share`` of the examples
-    committed a batch with rows of their own (directly or by recovery) before the
-    closing batch every example ends with (a degenerate mix tests little).
+    ``twophase.testing``.  Every example's first step runs a batch with rows in which the
+    driver dies (or, if a task fails 4 times first, whose job fails); the ownership machine's
+    first step is a takeover.  At any number of examples, the run fails as degenerate if fewer
+    than ``ceil(min_useful_share * examples)`` of its examples committed a batch with rows of
+    their own (directly, by recovery or by the replay that finishes the example) before the
+    closing batch every example ends with, or fewer went through a driver crash and recovery or a
+    failed job and its replay (the ownership machine: committed rows, a takeover); by
+    construction a run whose sink works reaches both in every example, so this fails runs
+    that cannot exercise the sink (``max_rows=0``; a harness change that loses the guarantee).
+
+    A sink whose ``prepare_batch`` takes batches over (``FileSink(writer="spark")``, the default on
+    ``hdfs://``) is written by one Spark job per batch in a query; without ``make_frame`` the
+    harness drives its per-task transactions instead, and says so with a
+    :class:`ConformanceWarning` (and ``prepare_batch not driven`` in the statistics).  With
+    ``make_frame``, a run in which ``prepare_batch`` never took a batch over warns too.
 
     ``sink_factory()`` returns a new sink on the same storage (called at the start
     of each example and after crashes; recovery also rebuilds sinks through
@@ -1168,13 +1253,17 @@ def run_sink_conformance(
         raise err from e
     stats = dict(machine.stats)
     _log.info("conformance run of %s: %s", machine.query_prefix, _format_stats(stats))
-    examples = stats.get("examples", 0)
-    useful = stats.get("examples_with_committed_rows", 0)
-    if examples >= 10 and useful < min_useful_share * examples:
-        raise ConformanceError(
-            f"the run was degenerate: only {useful} of {examples} examples committed a batch with rows "
-            f"of their own ({_format_stats(stats)}). Raise steps=... or max_rows=..., or check "
-            "that the sink's batches are not failing (see the run's notes).")
+    check_reach(stats, min_useful_share, {
+        "examples_with_committed_rows": "committed a batch with rows of their own",
+        "examples_with_crash_or_job_failure": "went through a driver crash and a new driver's recovery, "
+                                              "or a failed job and its replay",
+    }, "Raise max_rows=... (every example's first batch has 1 to max_rows rows), or check that the "
+       "sink's batches are not failing (see the run's notes).")
+    if make_frame is not None and not stats.get("whole-batch jobs"):
+        msg = ("make_frame was given, but the sink's prepare_batch never took a batch over (it returned "
+               "None every time): this run drove the per-task transactions only")
+        _log.warning("%s", msg)
+        warnings.warn(ConformanceWarning(msg), stacklevel=2)
     if ownership and make_frame is None:
         # The second half: the real protocol (protocol_factory) with two coordinators on one log,
         # late and duplicate task attempts and a second pipeline on the same target.
@@ -1195,13 +1284,30 @@ def run_sink_conformance(
             seed=seed, make_batch=make_batch, id_of=id_of, reset=reset, pending=pending, max_rows=max_rows,
             max_partitions=max_partitions, settle_timeout=settle_timeout, commit_retries=commit_retries,
             commit_parallelism=commit_parallelism, query_prefix=f"{query_prefix}-own",
-            rebuild_from_config=rebuild_from_config)
+            rebuild_from_config=rebuild_from_config, min_useful_share=min_useful_share)
         stats.update({f"ownership: {k}": v for k, v in own.items()})
     return stats
 
 
 def _format_stats(stats: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(stats.items()))
+
+
+def check_reach(stats: dict[str, int], share: float, counts: dict[str, str], hint: str, half: str = "") -> None:
+    """Fail a degenerate run: one with no valid example, or in which fewer than ``ceil(share *
+    examples)`` examples reached each of ``counts`` (a statistic -> what it means), at any number of
+    examples.  Both machines reach every one of them in every example by construction (the first
+    step of an example does it), so a shortfall is a run that could not exercise the sink."""
+    examples = stats.get("examples", 0)
+    need = math.ceil(share * examples)
+    short = [f"{stats.get(key, 0)} of {examples} examples {what}" for key, what in counts.items()
+             if stats.get(key, 0) < need]
+    if examples == 0 or short:
+        raise ConformanceError(
+            f"the {half + ' ' if half else ''}run was degenerate: "
+            + ("no example ran to its end" if examples == 0 else
+               "; ".join(short) + f" (at least {need} must: min_useful_share={share})")
+            + f" ({_format_stats(stats)}). {hint}")
 
 
 class SinkConformanceTests:
