@@ -411,7 +411,21 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         """Check, before anything is decided, that the target can take this sink's commits
         (driver): local disk, writable and able to publish a staged file without overwriting (a
         hard link, else a no-replace rename; a probe file); S3, the probe upload of
-        docs/files.md ("S3: what is checked at open()"); HDFS, reachable and writable."""
+        docs/files.md ("S3: what is checked at open()"); HDFS, reachable and writable.  And that
+        the folder is no output of Spark's streaming file sink: its readers list only the files
+        its ``_spark_metadata`` log names, so this sink's files would be invisible to them."""
+        try:  # before check(), which leaves a probe's folder behind on local disk
+            spark_log = self._backend.spark_metadata()
+        except Exception:  # noqa: BLE001 - unreachable, no bucket...: check() says it clearly
+            self._backend.check()
+            raise
+        if spark_log:
+            raise ConfigurationError(
+                f"FileSink target {re.sub(r'://[^/@]*@', '://', self.url)}: it holds _spark_metadata, the log of Spark's streaming file "
+                "sink, and Spark's readers of this folder list only the files that log names: the files "
+                "this sink writes would be invisible to spark.read. Write to a new folder (readers of the "
+                "old one keep its files), or, if nothing reads it through that log any more, remove "
+                "_spark_metadata (Spark then lists the folder, and sees both). Nothing was written.")
         self._backend.check()
 
     def open_for_commit(self) -> None:

@@ -71,3 +71,59 @@ def test_partition_by_on_twophase_jdbc_is_refused_with_a_line_naming_it():
     with pytest.raises(ConfigurationError, match=r"partitionBy\(day\) has no meaning for a table"):
         JdbcDataSource({"url": "jdbc:postgresql://h/db", "dbtable": "t", "checkpointlocation": "/tmp/ck",
                         "twophase.partitionby": "day"}).build_sink()
+
+
+def test_switching_a_folder_written_by_sparks_parquet_sink_to_twophase_files_is_refused(spark, tmp_path):
+    """Before: every file twophase-files wrote there was invisible to ``spark.read.parquet(path)``,
+    which lists only the files Spark's ``_spark_metadata`` log names.  Now the first batch is
+    refused with a line naming the log and what to do; nothing is written."""
+    _input(tmp_path / "in")
+    out = tmp_path / "out"
+    _stream(spark, tmp_path / "in", "parquet", out, tmp_path / "ck1")
+    before = sorted(p.name for p in out.iterdir())
+    assert "_spark_metadata" in before
+    with pytest.raises(Exception, match="holds _spark_metadata, the log of Spark's streaming file sink"):
+        _stream(spark, tmp_path / "in", "twophase-files", out, tmp_path / "ck2")
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+@pytest.mark.hdfs
+def test_an_hdfs_folder_with_sparks_file_sink_log_is_refused_at_open(hdfs_service):
+    import uuid
+
+    from hdfs import InsecureClient
+
+    from twophase.sinks.files import FileSink
+
+    client = InsecureClient(hdfs_service["webhdfs_url"], user=hdfs_service["user"])
+    path = f"/twophase-test/{uuid.uuid4().hex[:10]}"
+    opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
+    try:
+        FileSink(f"{hdfs_service['namenode']}{path}", storage_options=opts).open()  # a plain folder: fine
+        client.write(f"{path}/_spark_metadata/0", b"v1\n")
+        with pytest.raises(ConfigurationError, match="holds _spark_metadata"):
+            FileSink(f"{hdfs_service['namenode']}{path}", storage_options=opts).open()
+    finally:
+        client.delete(path, recursive=True)
+
+
+@pytest.mark.s3
+def test_an_s3_prefix_with_sparks_file_sink_log_is_refused_at_open(s3_service):
+    import uuid
+
+    from tests.services.s3 import client
+    from twophase.sinks.files import FileSink
+
+    s3, bucket = client(s3_service), s3_service["bucket"]
+    prefix = f"twophase-test/{uuid.uuid4().hex[:10]}"
+    opts = {"key": s3_service["key"], "secret": s3_service["secret"], "endpoint_url": s3_service["endpoint_url"],
+            "region_name": s3_service["region"]}
+    try:
+        FileSink(f"s3://{bucket}/{prefix}", storage_options=opts).open()
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/_spark_metadata/0", Body=b"v1\n")
+        with pytest.raises(ConfigurationError, match="holds _spark_metadata") as e:
+            FileSink(f"s3://{bucket}/{prefix}", storage_options=opts).open()
+        assert s3_service["secret"] not in str(e.value)
+    finally:
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=o["Key"])

@@ -531,6 +531,9 @@ class HdfsPartFiles(StagedPartFiles):
     def user(self) -> str:
         return self.storage.user
 
+    def spark_metadata(self) -> bool:
+        return self.storage.status(self.join(self.root, "_spark_metadata")) is not None
+
     def check(self) -> None:
         try:
             self.storage.makedirs(self.join(self.root, STAGING_DIR))

@@ -474,6 +474,9 @@ class LocalPartFiles(StagedPartFiles):
     def from_url(cls, url, storage_options, *, fsync=True, **_):
         return cls(LocalStorage(url, storage_options, fsync=fsync))
 
+    def spark_metadata(self) -> bool:
+        return os.path.isdir(os.path.join(self.root, "_spark_metadata"))
+
     def check(self) -> None:
         """The target is writable, and a staged file can be published into it the way commits
         do it (a hard link, or a rename that never replaces): proved now, before anything is

@@ -82,6 +82,11 @@ class PartFiles:
     # driver
     def check(self) -> None: ...
 
+    def spark_metadata(self) -> bool:
+        """Whether the root holds ``_spark_metadata``: the log of Spark's streaming file sink,
+        through which Spark's readers list the folder (only the files named there)."""
+        return False
+
     def batch_staging(self, query_name: str, batch_id: int) -> str:
         return self.join(self.root, STAGING_DIR, safe_name(query_name), f"b{batch_id:08d}")
 

@@ -775,6 +775,9 @@ class S3PartFiles(PartFiles):
     ):
         return cls(S3Storage(url, storage_options), part_size, etags, if_none_match)
 
+    def spark_metadata(self) -> bool:
+        return bool(self.storage.list_names(self.storage.prefix + "_spark_metadata/"))
+
     def check(self) -> None:
         st = self.storage
         where = f"s3://{self.bucket}/{self.root}"
