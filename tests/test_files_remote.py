@@ -787,7 +787,9 @@ def test_conformance_on_hdfs(hdfs_service, hdfs, hroot):
         hdfs.delete(path, recursive=True)
         hdfs.makedirs(path)
 
-    run_sink_conformance(lambda: FileSink(url, storage_options=opts), read, reset=reset,
+    # The per-task Arrow writer; HDFS's default, Spark's writer (a frame from the driver), is
+    # tests/test_conformance_hdfs.py's.
+    run_sink_conformance(lambda: FileSink(url, storage_options=opts, writer="arrow"), read, reset=reset,
                          pending=lambda: hstaged(hdfs, path), max_examples=6, steps=15)
 
 
