@@ -60,3 +60,77 @@ def test_the_by_name_options_reach_the_kafka_sink():
     sink = KafkaDataSource(dict(KAFKA, **{"twophase.transactiontimeoutms": "60000",
                                           "twophase.transactionalidprefix": "mine"})).build_sink()
     assert (sink.transaction_timeout_ms, sink.transactional_id_prefix) == (60000, "mine")
+
+
+def test_kafka_settings_that_agree_with_the_sinks_own_are_accepted_and_others_refused_by_name():
+    """Issue 47: a job written for Spark's Kafka sink often sets kafka.acks=all and
+    kafka.enable.idempotence=true, which the transactions need anyway: accepted (before: refused)."""
+    sink = KafkaDataSource(dict(KAFKA, **{"kafka.acks": "all", "kafka.enable.idempotence": "true",
+                                          "kafka.linger.ms": "5"})).build_sink()
+    assert sink.producer_config == {"linger.ms": "5"}
+    KafkaDataSource(dict(KAFKA, **{"kafka.acks": "-1"})).build_sink()
+    for setting, value in (("acks", "1"), ("enable.idempotence", "false")):
+        with pytest.raises(ConfigurationError, match=rf"kafka\.{setting}={value} cannot be"):
+            KafkaDataSource(dict(KAFKA, **{f"kafka.{setting}": value})).build_sink()
+
+
+def test_the_kafka_format_writes_tombstones_and_lets_allow_auto_create_topics_create_as_sparks_sink():
+    """Spark's sink writes a null value as a tombstone, and a producer allowed to create topics
+    creates a missing one: the by-name form does the same (before: the batch failed, naming
+    KafkaSink arguments no option reaches)."""
+    sink = KafkaDataSource(dict(KAFKA)).build_sink()
+    assert sink.tombstones and not sink.auto_create_topics
+    sink = KafkaDataSource(dict(KAFKA, **{"kafka.allow.auto.create.topics": "true"})).build_sink()
+    assert sink.auto_create_topics and sink.producer_config == {"allow.auto.create.topics": "true"}
+
+
+def test_include_headers_is_accepted_as_sparks_kafka_sink_ignores_it():
+    KafkaDataSource(dict(KAFKA, includeheaders="true"))._check_options()
+    with pytest.raises(ConfigurationError, match="unknown option"):
+        FilesDataSource({"path": "/tmp/x", "includeheaders": "true"})._check_options()
+
+
+JDBC = {"url": "jdbc:postgresql://db1:5432,db2:5433/shop?ssl=true&currentSchema=sales&ApplicationName=etl"
+               "&reWriteBatchedInserts=true", "dbtable": "public.Events", "checkpointlocation": "/tmp/ck"}
+
+
+def test_the_jdbc_url_is_read_as_pgjdbc_reads_it_by_the_sinks_own_reader():
+    """Issue 47: a second, naive translator refused ?ssl=true, currentSchema, ApplicationName,
+    reWriteBatchedInserts and multi-host URLs (or raised a raw ValueError); the sink's own reader
+    handles them, and names a property it refuses."""
+    sink = JdbcDataSource(dict(JDBC, user="writer")).build_sink()
+    assert sink.target() == "postgres database shop table public.events"
+    p = sink.params
+    assert (p["host"], p["port"], p["user"], p["sslmode"], p["application_name"]) == (
+        "db1,db2", "5432,5433", "writer", "verify-full", "etl")
+    assert p["options"] == "-c search_path=sales"
+    with pytest.raises(ConfigurationError, match="'loginTimeoutX'"):
+        JdbcDataSource(dict(JDBC, url="jdbc:postgresql://db/shop?loginTimeoutX=3")).build_sink()
+    with pytest.raises(ConfigurationError, match="not in the url") as e:
+        JdbcDataSource(dict(JDBC, url="jdbc:postgresql://db/shop?password=s3cret")).build_sink()
+    assert "s3cret" not in str(e.value)
+
+
+def test_dbtable_is_folded_as_postgresql_folds_an_unquoted_name():
+    from twophase.datasource import jdbc_table
+
+    assert jdbc_table("public.Events") == ("public", "events")
+    assert jdbc_table('"Sales"."Events"') == ("Sales", "Events")
+    assert jdbc_table("Events") == (None, "events")
+    with pytest.raises(ConfigurationError, match=r"\[schema\.\]table"):
+        jdbc_table("a.b.c")
+
+
+@pytest.mark.parametrize("option,value,accepted", [
+    ("batchsize", "5000", True), ("isolationlevel", "READ_COMMITTED", True), ("isolationlevel", "NONE", True),
+    ("isolationlevel", "SERIALIZABLE", False), ("querytimeout", "0", True), ("querytimeout", "30", False),
+    ("numpartitions", "8", False)])
+def test_sparks_jdbc_writer_options_have_their_meaning_or_a_line_naming_them(option, value, accepted):
+    ds = JdbcDataSource(dict(JDBC, **{option: value}))
+    ds._check_options()
+    if accepted:
+        ds.build_sink()
+    else:
+        with pytest.raises(ConfigurationError, match=option.replace("level", "Level").replace("timeout", "Timeout")
+                           .replace("partitions", "Partitions")):
+            ds.build_sink()

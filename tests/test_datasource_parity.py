@@ -127,3 +127,40 @@ def test_an_s3_prefix_with_sparks_file_sink_log_is_refused_at_open(s3_service):
     finally:
         for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
             s3.delete_object(Bucket=bucket, Key=o["Key"])
+
+
+@pytest.mark.kafka
+def test_complete_mode_and_null_values_on_twophase_kafka_write_as_sparks_kafka_sink(spark, kafka_service, tmp_path):
+    """Spark's Kafka sink writes every row of the result each batch in Complete mode, and a null
+    value as a tombstone.  Before: twophase-kafka refused Complete mode ("would replace the target's
+    contents", untrue of Kafka) and failed a batch with a null value."""
+    import twophase.datasource
+    from tests.test_kafka_sink import _topic
+
+    twophase.datasource.register(spark)
+    bs = kafka_service["bootstrap_servers"]
+    topic = _topic(bs, 1)
+    _input(tmp_path / "in")
+    counts = (spark.readStream.schema("id STRING, day STRING, n LONG").json(str(tmp_path / "in"))
+              .groupBy("day").count()
+              .selectExpr("day AS key", "CASE WHEN day = '2026-11-22' THEN NULL ELSE CAST(count AS STRING) END "
+                          "AS value"))
+    q = (counts.writeStream.format("twophase-kafka").outputMode("complete")
+         .option("kafka.bootstrap.servers", bs).option("topic", topic)
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q.awaitTermination(300)
+    assert q.exception() is None, q.exception()
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": bs, "group.id": f"complete-{topic}", "isolation.level": "read_committed",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    got, idle = {}, 0
+    while len(got) < 3 and idle < 100:
+        m = c.poll(0.2)
+        if m is None or m.error() is not None:
+            idle += 1
+            continue
+        got[m.key().decode()] = m.value()
+    c.close()
+    assert got == {"2026-11-20": b"20", "2026-11-21": b"20", "2026-11-22": None}

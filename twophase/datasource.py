@@ -391,6 +391,10 @@ class TwoPhaseDataSource(DataSource):
     passed_prefixes: ClassVar[tuple[str, ...]] = ()
     #: Transactions a batch's plan allows, unless twophase.maxPartitions says otherwise.
     default_max_partitions: ClassVar[int] = 200
+    #: Complete output mode (Spark hands the writer ``overwrite=True``) appends every row of the
+    #: result each batch, as Spark's Kafka sink does; the others refuse it (it would replace the
+    #: target's contents).
+    appends_in_complete_mode: ClassVar[bool] = False
 
     def __init__(self, options):
         super().__init__(options)
@@ -419,7 +423,7 @@ class TwoPhaseDataSource(DataSource):
 
     def streamWriter(self, schema, overwrite):  # noqa: N802 - Spark's name
         self._check_options()
-        if overwrite:
+        if overwrite and not self.appends_in_complete_mode:
             raise ConfigurationError(
                 f"twophase-{self.kind} writes in Append output mode only (Complete would replace the "
                 "target's contents each batch); use outputMode('append')")
@@ -462,32 +466,39 @@ class FilesDataSource(TwoPhaseDataSource):
                      prefix=self.options.get("prefix", "part"), writer="arrow", partition_by=cols or None)
 
 
-def jdbc_to_dsn(url: str) -> str:
-    """``jdbc:postgresql://host:port/db?sslmode=require`` as a libpq DSN (no password in it)."""
-    from urllib.parse import parse_qsl, unquote, urlsplit
+def jdbc_url_for_sink(url: str, user: str | None) -> str:
+    """Spark's ``url`` option as PostgresSink's dsn: the JDBC URL itself, which the sink reads as
+    pgjdbc does (multi-host, ``ssl=true``, ``currentSchema``, ``ApplicationName``, ...; a property
+    with no libpq meaning is refused by name), with the ``user`` option added.  A password in the
+    URL is refused without showing it (it belongs in ``.option('password', ...)``)."""
+    from urllib.parse import parse_qsl, quote_plus
 
     if not url.lower().startswith("jdbc:postgresql:"):
         raise ConfigurationError(
             "twophase-jdbc writes to PostgreSQL (prepared transactions): url must start with "
             f"jdbc:postgresql://, got {':'.join(url.split(':')[:2])}:...")
-    rest = url[len("jdbc:postgresql:"):]
-    if not rest.startswith("//"):
-        rest = "///" + rest  # jdbc:postgresql:database
-    u = urlsplit("postgresql:" + rest)
-    parts = []
-    if u.hostname:
-        parts.append(f"host={u.hostname}")
-    if u.port:
-        parts.append(f"port={u.port}")
-    if u.path.strip("/"):
-        parts.append(f"dbname={unquote(u.path.strip('/'))}")
-    for k, v in parse_qsl(u.query):
-        if k.lower() == "password":
-            raise ConfigurationError("twophase-jdbc: give the password as .option('password', ...), not in the url")
-        if k.lower() == "user":
-            k = "user"
-        parts.append(f"{k}={v}")
-    return " ".join(parts)
+    query = url.partition("?")[2]
+    keys = {k.lower() for k, _ in parse_qsl(query, keep_blank_values=True)}
+    if "password" in keys:
+        raise ConfigurationError("twophase-jdbc: give the password as .option('password', ...), not in the url "
+                                 "(the url is not shown)")
+    if user:
+        if "user" in keys:
+            raise ConfigurationError("twophase-jdbc: the role is given twice, as .option('user', ...) and in the "
+                                     "url's user=: give it once")
+        url += ("&" if query else "?") + "user=" + quote_plus(user)
+    return url
+
+
+def jdbc_table(dbtable: str) -> tuple[str | None, str]:
+    """``dbtable`` as Spark's JDBC writer means it, which puts it into its SQL as written: an
+    unquoted name is folded to lower case by PostgreSQL (``public.Events`` is ``public.events``),
+    a double-quoted one is exact (``"Events"``).  (schema or None, table)."""
+    parts = re.findall(r'"((?:[^"]|"")*)"|([^."]+)', dbtable.strip())
+    names = [q.replace('""', '"') if q else u.strip().lower() for q, u in parts]
+    if not 1 <= len(names) <= 2 or not all(names):
+        raise ConfigurationError(f"twophase-jdbc: dbtable must be [schema.]table, got {dbtable!r}")
+    return (names[0] if len(names) == 2 else None), names[-1]
 
 
 class JdbcDataSource(TwoPhaseDataSource):
@@ -497,7 +508,8 @@ class JdbcDataSource(TwoPhaseDataSource):
 
     kind = "jdbc"
     known_options = frozenset({"url", "dbtable", "user", "password", "driver", "twophase.mode",
-                               "twophase.keycolumns", "twophase.gidprefix"})
+                               "twophase.keycolumns", "twophase.gidprefix", "batchsize", "isolationlevel",
+                               "querytimeout", "numpartitions"})
 
     @classmethod
     def name(cls) -> str:
@@ -515,16 +527,31 @@ class JdbcDataSource(TwoPhaseDataSource):
         driver = self.options.get("driver")
         if driver and driver != "org.postgresql.Driver":
             raise ConfigurationError(f"twophase-jdbc writes to PostgreSQL only; driver {driver!r} is not its")
-        dsn = jdbc_to_dsn(url)
-        if self.options.get("user"):
-            dsn += f" user={self.options['user']}"
-        schema, _, name = table.rpartition(".")
+        level = str(self.options.get("isolationlevel") or "READ_UNCOMMITTED").upper()
+        if level not in ("NONE", "READ_UNCOMMITTED", "READ_COMMITTED"):
+            raise ConfigurationError(
+                f"twophase-jdbc: isolationLevel={level} is not supported: the sink's transactions run at "
+                "PostgreSQL's READ COMMITTED (what Spark's default READ_UNCOMMITTED means in PostgreSQL)")
+        if str(self.options.get("querytimeout") or "0").strip() != "0":
+            raise ConfigurationError(
+                "twophase-jdbc: queryTimeout is not supported (a statement cancelled mid-batch fails the "
+                "batch, which then runs again); drop it")
+        if self.options.get("numpartitions"):
+            raise ConfigurationError(
+                "twophase-jdbc: numPartitions is not supported: Spark's JDBC writer coalesces the rows to that "
+                "many partitions, which a Python data source cannot do; give df.coalesce(N) before the write")
+        dsn = jdbc_url_for_sink(url, self.options.get("user"))
+        schema, name = jdbc_table(table)
         keys = [k.strip() for k in (self.options.get("twophase.keycolumns") or "").split(",") if k.strip()]
-        return _sink("postgres", dsn, name.strip('"'), schema=schema.strip('"') or None,
+        return _sink("postgres", dsn, name, schema=schema,
                             mode=self.options.get("twophase.mode", "insert"), key_columns=keys or None,
                             password=self.options.get("password"),
                             gid_prefix=self.options.get("twophase.gidprefix", "tp"))
 
+
+#: Producer settings KafkaSink owns, with the values it sets itself (lower case): given so, accepted.
+_AGREEING = {"acks": ("all", {"all", "-1"}), "request.required.acks": ("all", {"all", "-1"}),
+             "enable.idempotence": ("true", {"true"})}
 
 #: Producer settings KafkaSink owns that a by-name user sets with an option of its own.
 _BY_NAME = {"transaction.timeout.ms": "twophase.transactionTimeoutMs",
@@ -540,8 +567,12 @@ class KafkaDataSource(TwoPhaseDataSource):
     across restarts and unique per query)."""
 
     kind = "kafka"
-    known_options = frozenset({"topic", "twophase.transactionalidprefix", "twophase.transactiontimeoutms"})
+    #: ``includeheaders``: Spark's Kafka *source* option, which its sink ignores (a ``headers``
+    #: column is written when the rows have one); so does this one.
+    known_options = frozenset({"topic", "twophase.transactionalidprefix", "twophase.transactiontimeoutms",
+                               "includeheaders"})
     passed_prefixes = ("kafka.",)
+    appends_in_complete_mode = True
     #: Each planned partition is a few pooled transactional ids described at every plan.
     default_max_partitions = 64
 
@@ -563,6 +594,18 @@ class KafkaDataSource(TwoPhaseDataSource):
             if key in producer:
                 raise ConfigurationError(f"twophase-kafka: kafka.{key} is the sink's own setting; use "
                                          f".option('{option}', ...) instead")
+        # Settings the sink owns, given with the value the sink sets anyway (a job that set them for
+        # Spark's sink): the same meaning, so accepted.  Another value is refused, naming the option.
+        for key, (value, agree) in _AGREEING.items():
+            if key in producer:
+                if str(producer[key]).strip().lower() not in agree:
+                    raise ConfigurationError(
+                        f"twophase-kafka: kafka.{key}={producer[key]} cannot be: Kafka transactions need "
+                        f"{key}={value}, which the sink sets itself; drop the option")
+                del producer[key]
+        # Spark's sink writes a null value as a tombstone; kafka.allow.auto.create.topics=true lets the
+        # producer create a missing topic, so the sink's own missing-topic check is lifted with it.
+        auto_create = str(producer.get("allow.auto.create.topics", "false")).strip().lower() == "true"
         producer = java_security_to_librdkafka(producer)
         prefix = self.options.get("twophase.transactionalidprefix")
         if not prefix:  # stable across restarts, one per query (or per log, for batch writes)
@@ -575,7 +618,8 @@ class KafkaDataSource(TwoPhaseDataSource):
                 extra["transaction_timeout_ms"] = int(timeout)
             except ValueError:
                 raise ConfigurationError(f"twophase.transactionTimeoutMs must be milliseconds, got {timeout!r}") from None
-        return _sink("kafka", servers, self.options.get("topic"), prefix, producer_config=producer or None, **extra)
+        return _sink("kafka", servers, self.options.get("topic"), prefix, producer_config=producer or None,
+                     tombstones=True, auto_create_topics=auto_create, **extra)
 
 
 _JAAS_VALUE = re.compile(r'(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"')
