@@ -24,7 +24,7 @@ def test_every_crash_point_and_random_sigkills_lose_and_duplicate_nothing(tmp_pa
     workdir = tmp_path / "demo"
     r = subprocess.run(
         [sys.executable, "-m", "twophase.cli", "demo", "--workdir", str(workdir), "--files",
-         str(len(crash.POINTS) + 2), "--records", "200", "--kills", "1", "--seed", "20261122",
+         str(len(crash.POINTS) + 8), "--records", "200", "--kills", "1", "--seed", "20261122",
          "--format", fmt, "--task-input", "rows", "--json"],
         capture_output=True, text=True, timeout=1500)
     assert r.returncode in (0, 1), r.stderr[-3000:]
@@ -39,7 +39,7 @@ def test_every_crash_point_and_random_sigkills_lose_and_duplicate_nothing(tmp_pa
     # demo's progress probe, the transaction log's records) below the completing run's count:
     # mid-work.  No run failed otherwise; the last one completed.
     chaos.check_runs(runs)
-    assert verdict["records_in"] == (len(crash.POINTS) + 2) * 200
+    assert verdict["records_in"] == (len(crash.POINTS) + 8) * 200
     assert verdict["lost"] == 0, verdict["lost_sample"]
     assert verdict["duplicated"] == 0, verdict["duplicated_sample"]
     assert verdict["unexpected"] == 0
