@@ -59,6 +59,24 @@ def db(postgres_service):
 
 
 @pytest.fixture(scope="session")
+def mariadb_service() -> dict:
+    """MariaDB from Debian's package (tests/services/mariadb.py): host, port, database, user, password."""
+    return _service("mariadb")
+
+
+@pytest.fixture
+def mdb(mariadb_service):
+    """An autocommit PyMySQL connection to the test database as the ``twophase`` user (MySQL tests)."""
+    import pymysql
+
+    s = mariadb_service
+    c = pymysql.connect(host=s["host"], port=s["port"], user=s["user"], password=s["password"],
+                        database=s["database"], autocommit=True)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
 def hdfs_service() -> dict:
     return _service("hdfs")
 

@@ -25,7 +25,7 @@ STATE_DIR = Path(os.environ.get("TWOPHASE_SERVICES_DIR", Path.home() / ".cache" 
 #: Where downloaded jars are cached (outside the repository; never committed).
 JAR_CACHE = Path(os.environ.get("TWOPHASE_JAR_CACHE", Path.home() / ".cache" / "twophase" / "jars"))
 
-NAMES = ("hosts", "kafka", "kafka_host", "postgres", "postgres_host", "hdfs", "hdfs_host", "s3", "minio", "minio_host",
+NAMES = ("hosts", "kafka", "kafka_host", "postgres", "postgres_host", "mariadb", "hdfs", "hdfs_host", "s3", "minio", "minio_host",
          "spark_cluster", "spark_hosts", "spark_connect")
 
 
