@@ -1250,7 +1250,11 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         return [g for g in gids if g in won]
 
     def _map_columns(self, txn: PostgresTransaction, schema: pa.Schema) -> list[_Column]:
-        """Match the batch's columns to the table's, by exact name; errors name the column."""
+        """Match the batch's columns to the table's, as Spark's JDBC writer does (its default
+        ``spark.sql.caseSensitive=false``): by exact name, else case-insensitively (a DataFrame
+        column ``ID`` goes into the table column ``id``).  A name that matches several table columns
+        only case-insensitively, or two DataFrame columns that land in one table column, are
+        refused: which one was meant cannot be told.  Errors name the column."""
         label = f"{txn.ctx.label} (gid {txn.gid}, table {self.target_name})"
         cols = txn.columns
         mapped: list[_Column] = []
@@ -1258,18 +1262,31 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             col = cols.get(f.name)
             if col is None:
                 close = [c for c in cols if c.lower() == f.name.lower()]
-                hint = f" (did you mean {close[0]!r}? names are case-sensitive)" if close else ""
-                raise PostgresWriteError(f"{label}: the DataFrame column {f.name!r} is not a column of "
-                                         f"the table{hint}; table columns: {', '.join(cols)}", column=f.name)
+                if len(close) > 1:
+                    raise PostgresWriteError(
+                        f"{label}: the DataFrame column {f.name!r} matches the table columns "
+                        f"{', '.join(repr(c) for c in close)} when case is ignored (as Spark's JDBC writer "
+                        "matches names) and none of them exactly: rename it to the one meant", column=f.name)
+                if not close:
+                    raise PostgresWriteError(f"{label}: the DataFrame column {f.name!r} is not a column of "
+                                             f"the table; table columns: {', '.join(cols)}", column=f.name)
+                col = cols[close[0]]
             if col.generated:
-                raise PostgresWriteError(f"{label}: column {f.name!r} is a generated column and cannot be "
-                                         "written; drop it from the DataFrame", column=f.name)
+                raise PostgresWriteError(f"{label}: column {col.name!r} is a generated column and cannot be "
+                                         "written; drop it from the DataFrame", column=col.name)
             if not _arrow_fits(f.type, col):
                 raise PostgresWriteError(
-                    f"{label}: column {f.name!r} is {col.sqltype} in the table but {f.type} in the "
-                    f"DataFrame; cast it in Spark first (e.g. F.col({f.name!r}).cast(...))", column=f.name)
+                    f"{label}: column {col.name!r} is {col.sqltype} in the table but {f.type} in the "
+                    f"DataFrame; cast it in Spark first (e.g. F.col({f.name!r}).cast(...))", column=col.name)
             mapped.append(col)
-        present = set(schema.names)
+        twice = sorted({c.name for c in mapped if sum(m.name == c.name for m in mapped) > 1})
+        if twice:
+            same = [f.name for f, c in zip(schema, mapped) if c.name == twice[0]]
+            raise PostgresWriteError(f"{label}: the DataFrame columns {', '.join(repr(n) for n in same)} all go "
+                                     f"into the table column {twice[0]!r} (names match ignoring case, as in "
+                                     "Spark's JDBC writer): drop or rename all but one",
+                                     column=next((n for n in same if n != twice[0]), same[-1]))
+        present = {c.name for c in mapped}
         for c in cols.values():
             if c.name not in present and c.not_null and not c.has_default and not c.generated:
                 raise PostgresWriteError(f"{label}: the table's column {c.name!r} is NOT NULL without a "
@@ -1292,11 +1309,12 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             return
         if txn.copy_columns is None:
             mapped = self._map_columns(txn, batch.schema)
-            txn.copy_columns = list(batch.schema.names)
+            txn.copy_columns = [c.name for c in mapped]  # the table's names (matched ignoring case)
             txn.extra["mapped"] = mapped
-        elif list(batch.schema.names) != txn.copy_columns:
+            txn.extra["names"] = list(batch.schema.names)
+        elif list(batch.schema.names) != txn.extra["names"]:
             raise PostgresWriteError(f"{txn.ctx.label}: Arrow batches of one partition changed columns "
-                                     f"({txn.copy_columns} then {batch.schema.names})")
+                                     f"({txn.extra['names']} then {batch.schema.names})")
         if self.mode == "upsert":
             self._refuse_null_keys(txn, batch)
         col_list = sql.SQL(", ").join(sql.Identifier(c) for c in txn.copy_columns)
@@ -1325,13 +1343,14 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         """
         import pyarrow.compute as pc
 
+        index = {c: i for i, c in enumerate(txn.copy_columns or [])}  # table name -> batch column
         for k in self.key_columns:
-            col = batch.column(batch.schema.get_field_index(k))
+            col = batch.column(index[k])
             if not col.null_count:
                 continue
             i = pc.index(col.is_null(), True).as_py()
             others = ", ".join(
-                f"{o}={batch.column(batch.schema.get_field_index(o))[i].as_py()!r}"[:80]
+                f"{o}={batch.column(index[o])[i].as_py()!r}"[:80]
                 for o in self.key_columns if o != k)
             raise PostgresWriteError(
                 f"{txn.ctx.label} (gid {txn.gid}): upsert key column {k!r} is NULL in row "
