@@ -118,6 +118,72 @@ _OWNED = {
 }
 
 
+#: Producer settings of Kafka's Java client (which Spark's Kafka sink runs) that librdkafka, this
+#: sink's producers' client, does not know: librdkafka's setting of the same meaning, or why there
+#: is none.  Refused naming the setting (librdkafka's own message would not say it is a Java one).
+JAVA_ONLY: dict[str, str] = {
+    "buffer.memory": "use {p}queue.buffering.max.kbytes (in KiB, not bytes)",
+    "max.block.ms": "librdkafka has none: its produce() never blocks (a full queue fails at once, and the "
+                    "sink waits for room itself)",
+    "max.request.size": "use {p}message.max.bytes",
+    "send.buffer.bytes": "use {p}socket.send.buffer.bytes",
+    "receive.buffer.bytes": "use {p}socket.receive.buffer.bytes",
+    "partitioner.class": "librdkafka takes no Java class; it has {p}partitioner (a built-in name), and the sink "
+                         "already uses murmur2_random, the Java client's default placement of keys",
+    "partitioner.ignore.keys": "librdkafka has none (its partitioner setting picks how keys are placed)",
+    "partitioner.adaptive.partitioning.enable": "librdkafka has none",
+    "partitioner.availability.timeout.ms": "librdkafka has none",
+    "interceptor.classes": "librdkafka has none (Java classes)",
+    "metric.reporters": "librdkafka has none (Java classes); it reports statistics, which the sink reads",
+    "metrics.num.samples": "librdkafka has none",
+    "metrics.recording.level": "librdkafka has none",
+    "metrics.sample.window.ms": "librdkafka has none",
+    "auto.include.jmx.reporter": "librdkafka has none (no JMX)",
+    "security.providers": "librdkafka has none (Java security providers)",
+    "sasl.login.class": "librdkafka has none (Java classes)",
+    "sasl.login.callback.handler.class": "librdkafka has none (Java classes); for OAUTHBEARER it has "
+                                         "{p}sasl.oauthbearer.method and {p}sasl.oauthbearer.*",
+    "sasl.client.callback.handler.class": "librdkafka has none (Java classes)",
+    "ssl.protocol": "librdkafka has none: it negotiates TLS with OpenSSL's defaults",
+    "ssl.enabled.protocols": "librdkafka has none: it negotiates TLS with OpenSSL's defaults",
+    "ssl.keymanager.algorithm": "librdkafka has none (OpenSSL, not Java's key managers)",
+    "ssl.trustmanager.algorithm": "librdkafka has none (OpenSSL, not Java's trust managers)",
+    "ssl.secure.random.implementation": "librdkafka has none",
+    "ssl.engine.factory.class": "librdkafka has none (Java classes); it has {p}ssl.engine.location",
+    "ssl.truststore.password": "librdkafka reads no truststore: give PEM CA certificates as {p}ssl.ca.location",
+    "metadata.max.idle.ms": "librdkafka has none (it has {p}metadata.max.age.ms)",
+    "socket.connection.setup.timeout.max.ms": "librdkafka has none (it has {p}socket.connection.setup.timeout.ms)",
+}
+
+
+def check_producer_settings(config: dict[str, Any], *, option_prefix: str = "") -> None:
+    """Refuse, naming it (as ``option_prefix`` + name: ``kafka.`` for the data source's options), a
+    producer setting librdkafka does not know: a Java client's one (:data:`JAVA_ONLY`, with
+    librdkafka's equivalent where there is one) or another unknown name (librdkafka's own
+    check, run on a client made for nothing but the check: it opens no connection)."""
+    for k in config:
+        if k in JAVA_ONLY:
+            raise ConfigurationError(
+                f"{option_prefix}{k} is a setting of Kafka's Java client (Spark's Kafka sink's); this sink's "
+                f"producers are librdkafka's, which does not know it: {JAVA_ONLY[k].format(p=option_prefix)}")
+    try:
+        import confluent_kafka as ck
+    except ImportError:  # the sink's open() says what to install
+        return
+    for k, v in config.items():
+        try:
+            ck.Producer({k: v if isinstance(v, (str, int, float, bool)) else "", "log_level": 0})
+        except ck.KafkaException as e:
+            err = e.args[0].str() if e.args and hasattr(e.args[0], "str") else str(e)
+            if err.startswith("No such configuration property"):
+                raise ConfigurationError(
+                    f"{option_prefix}{k} is not a producer setting of librdkafka, the client of this sink's "
+                    "producers (a setting of Kafka's Java client, which Spark's Kafka sink runs, may have "
+                    "another name there: librdkafka's CONFIGURATION.md lists its settings)") from None
+        except Exception:  # noqa: BLE001 - a value librdkafka refuses: the producer names it later
+            continue
+
+
 class _LibrdkafkaLog(logging.Handler):
     """Receives one producer's librdkafka log lines: keeps 'Acquired PID' and forwards warnings."""
 
@@ -194,6 +260,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
     """
 
     kind = "kafka"
+    #: The settings check, for callers that name the settings otherwise (the data source: ``kafka.*``).
+    check_producer_settings = staticmethod(check_producer_settings)
     supports_speculation = False
 
     def __init__(self, bootstrap_servers: str, topic: str | None = None,
@@ -218,6 +286,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 raise ConfigurationError(f"KafkaSink does not accept producer setting {k!r}: {_OWNED[k]}")
         if "bootstrap.servers" in producer_config:
             raise ConfigurationError("give bootstrap_servers=... instead of producer_config['bootstrap.servers']")
+        check_producer_settings(producer_config)
         if not (1000 <= int(transaction_timeout_ms) <= 2**31 - 1):
             raise ConfigurationError(f"transaction_timeout_ms must be >= 1000, got {transaction_timeout_ms}")
         if not 0 < warn_age_fraction < 1:

@@ -134,3 +134,48 @@ def test_sparks_jdbc_writer_options_have_their_meaning_or_a_line_naming_them(opt
         with pytest.raises(ConfigurationError, match=option.replace("level", "Level").replace("timeout", "Timeout")
                            .replace("partitions", "Partitions")):
             ds.build_sink()
+
+
+@pytest.mark.parametrize("setting,advice", [
+    ("buffer.memory", "use kafka.queue.buffering.max.kbytes (in KiB, not bytes)"),
+    ("max.block.ms", "librdkafka has none"),
+    ("max.request.size", "use kafka.message.max.bytes"),
+    ("partitioner.class", "kafka.partitioner (a built-in name)"),
+    ("ssl.truststore.password", "kafka.ssl.ca.location")])
+def test_a_java_client_only_kafka_setting_is_refused_naming_the_option_and_librdkafkas_equivalent(setting, advice):
+    """Issue 47: before, these failed at the first batch with librdkafka's 'No such configuration
+    property' and without the option's name."""
+    with pytest.raises(ConfigurationError) as e:
+        KafkaDataSource(dict(KAFKA, **{f"kafka.{setting}": "1000"})).build_sink()
+    assert str(e.value).startswith(f"twophase-kafka: kafka.{setting} is a setting of Kafka's Java client")
+    assert advice in str(e.value)
+
+
+def test_an_unknown_kafka_setting_is_refused_naming_the_option_and_librdkafkas_known_ones_pass():
+    with pytest.raises(ConfigurationError, match=r"^twophase-kafka: kafka\.no\.such\.thing is not a producer "
+                                                 r"setting of librdkafka"):
+        KafkaDataSource(dict(KAFKA, **{"kafka.no.such.thing": "1"})).build_sink()
+    # Settings both clients know by one name go on (the Java client's batch.size, linger.ms, ...).
+    common = {"batch.size": "16384", "linger.ms": "5", "retries": "3", "compression.type": "lz4",
+              "request.timeout.ms": "30000", "client.id": "etl", "delivery.timeout.ms": "120000",
+              "max.in.flight.requests.per.connection": "5", "queue.buffering.max.kbytes": "1024"}
+    sink = KafkaDataSource(dict(KAFKA, **{f"kafka.{k}": v for k, v in common.items()})).build_sink()
+    assert sink.producer_config == common
+
+
+def test_the_java_only_table_holds_only_names_librdkafka_lacks_and_its_advice_names_settings_it_has():
+    """The table is checked against librdkafka itself: a name it does know would be refused
+    wrongly, an equivalent it does not know would be wrong advice."""
+    ck = pytest.importorskip("confluent_kafka")
+    from twophase.sinks.kafka import JAVA_ONLY
+
+    def known(name: str) -> bool:
+        try:
+            ck.Producer({name: "1", "log_level": 0})
+        except ck.KafkaException as e:
+            return not e.args[0].str().startswith("No such configuration property")
+        return True
+
+    assert [k for k in JAVA_ONLY if known(k)] == []
+    advised = {m for v in JAVA_ONLY.values() for m in re.findall(r"\{p\}([a-z][a-z.]*[a-z](?:\.\*)?)", v)}
+    assert advised and [a for a in sorted(advised) if not a.endswith(".*") and not known(a)] == []

@@ -607,6 +607,10 @@ class KafkaDataSource(TwoPhaseDataSource):
         # producer create a missing topic, so the sink's own missing-topic check is lifted with it.
         auto_create = str(producer.get("allow.auto.create.topics", "false")).strip().lower() == "true"
         producer = java_security_to_librdkafka(producer)
+        try:  # librdkafka's own message would not name the option, nor say it is a Java client's setting
+            sink_class("kafka").check_producer_settings(producer, option_prefix="kafka.")
+        except ConfigurationError as e:
+            raise ConfigurationError(f"twophase-kafka: {e}") from None
         prefix = self.options.get("twophase.transactionalidprefix")
         if not prefix:  # stable across restarts, one per query (or per log, for batch writes)
             where = _local(self.options.get("checkpointlocation") or self.options.get("twophase.loglocation") or "")
