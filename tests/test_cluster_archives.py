@@ -1,9 +1,10 @@
 """Issue 17: twophase reaches executors in a packed virtualenv shipped as ``spark.archives``.
 
-README "On a cluster" gives the commands: a venv with twophase's wheel (pyarrow, fsspec) and
-venv-pack, packed to ``env.tar.gz``, then ``spark-submit --archives env.tar.gz#env --conf
-spark.pyspark.python=./env/bin/python`` with the driver on its own Python.  The cluster tests
-below read those commands from the README and run them on the test cluster (adding only the
+docs/clusters.md, "On a cluster" (the README's until issue 47), gives the commands: a venv with
+twophase's wheel (pyarrow, fsspec) and venv-pack, packed to ``env.tar.gz``, then ``spark-submit
+--archives env.tar.gz#env --conf spark.pyspark.python=./env/bin/python`` with the driver on its
+own Python.  The cluster tests
+below read those commands from that page and run them on the test cluster (adding only the
 cluster's sizing confs and a smaller input on a tmp path every worker sees): the executors run
 ``./env/bin/python`` unpacked from the archive, which has no other way to twophase, and every
 input line is in the output exactly once.  Without ``--archives`` the same job stops at the
@@ -28,20 +29,20 @@ from tests import cluster
 
 REPO = cluster.REPO
 SITE = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
-#: What the test cluster adds to the README's spark-submit (as the --py-files README test does).
+#: What the test cluster adds to the documented spark-submit (as the --py-files test does).
 SIZING = ["--conf", "spark.executor.cores=1", "--conf", "spark.executor.memory=512m",
           "--conf", "spark.cores.max=2", "--conf", "spark.driver.host=127.0.0.1"]
 ARCHIVE_ARGS = ["--archives", "env.tar.gz#env"]
 
 
 def readme_archive_commands() -> list[str]:
-    """The README's packed-environment commands ("On a cluster", the bash block that has
+    """The packed-environment commands of docs/clusters.md ("On a cluster", the bash block that has
     ``--archives``): one string per command, continuation lines joined, comments dropped."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "clusters.md").read_text()
     section = text.split("\n## On a cluster\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     block = [b for b in blocks if "--archives" in b]
-    assert len(block) == 1, f"README 'On a cluster' has {len(block)} bash blocks with --archives"
+    assert len(block) == 1, f"docs/clusters.md 'On a cluster' has {len(block)} bash blocks with --archives"
     commands = []
     for cmd in block[0].replace("\\\n", " ").splitlines():
         cmd = re.sub(r"\s+#\s.*$", "", cmd)  # a comment (env.tar.gz#env is not one)
@@ -60,7 +61,7 @@ def _split(commands: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _tool_env() -> dict[str, str]:
-    """This venv's ``python``/``pip``/``spark-submit`` first on the PATH (the README's shell);
+    """This venv's ``python``/``pip``/``spark-submit`` first on the PATH (the documented shell);
     no PYSPARK_* variable, so only the command's confs choose the Pythons."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PYSPARK_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -70,7 +71,7 @@ def _tool_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def packed_env(tmp_path_factory) -> Path:
-    """A directory with ``env.tar.gz`` built by the README's commands (once per session): the
+    """A directory with ``env.tar.gz`` built by the documented commands (once per session): the
     wheel of this checkout, then a venv without pip holding it, its dependencies and venv-pack
     (pip's own cache makes this a few seconds), packed."""
     work = tmp_path_factory.mktemp("packed-env")
@@ -87,7 +88,7 @@ def packed_env(tmp_path_factory) -> Path:
 
 
 def _submit(words: list[str], data: Path, archive_dir: Path | None) -> subprocess.CompletedProcess:
-    """Run the README's spark-submit (its words after ``spark-submit``) from the repository, the
+    """Run the documented spark-submit (its words after ``spark-submit``) from the repository, the
     archive taken from ``archive_dir``, ``/shared/`` paths in ``data``, the sizing confs added."""
     args = []
     for w in words:
@@ -167,7 +168,7 @@ def test_the_readme_packed_environment_runs_on_the_cluster(spark_cluster_service
 @pytest.mark.services
 @pytest.mark.cluster
 def test_the_readme_job_without_the_archive_is_refused(spark_cluster_service, tmp_path):
-    """The README's spark-submit without ``--archives``: ``./env/bin/python`` does not exist on
+    """The documented spark-submit without ``--archives``: ``./env/bin/python`` does not exist on
     the executors, and the coordinator's probe says so before the first batch logs anything."""
     _, words = _split(readme_archive_commands())
     i = words.index("--archives")

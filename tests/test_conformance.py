@@ -59,7 +59,7 @@ def fast_path(tmp_path):
 
 
 class TestSQLiteExampleConformance(SinkConformanceTests):
-    """The README's custom sink, through the pytest mixin form."""
+    """docs/conformance.md's custom sink (examples/sqlite_sink.py), through the pytest mixin form."""
 
     max_examples = 40
     ownership = False  # wiring of the mixin; the ownership machine runs in test_filesink_local_conformance

@@ -206,7 +206,7 @@ def test_over_spark_connect_batch_writes_work_and_a_query_without_the_checkpoint
 
 
 def test_the_spark_connect_example_writes_every_id_once(tmp_path):
-    """examples/spark_connect.py, as the README's "Spark Connect" section runs it."""
+    """examples/spark_connect.py, as docs/clusters.md's "Spark Connect" section runs it."""
     inp = tmp_path / "in"
     inp.mkdir()
     for f in range(3):

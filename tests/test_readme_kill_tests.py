@@ -1,5 +1,6 @@
-"""README.md's table of kill tests ("Tests"): every test it cites exists, and a row that says CI
-runs a test cites no test that only ``TWOPHASE_FULL_CHAOS=1`` runs, and the other way round."""
+"""The table of kill tests (docs/testing.md, "Tests"; README.md's until issue 47 made the README a
+landing page): every test it cites exists, and a row that says CI runs a test cites no test that
+only ``TWOPHASE_FULL_CHAOS=1`` runs, and the other way round."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CI, FULL_ONLY = "CI", "`TWOPHASE_FULL_CHAOS=1` only"
+PAGE = REPO / "docs" / "testing.md"
 
 
 def _rows() -> list[tuple[str, str]]:
     """(tests cell, run-by cell) of each row of the table whose header is ``| claim | test | run by |``."""
-    lines = (REPO / "README.md").read_text().splitlines()
+    lines = PAGE.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "| claim | test | run by |")
     rows = []
     for line in lines[start + 2:]:
@@ -40,7 +42,7 @@ def _refs(cell: str, current: str | None) -> tuple[list[tuple[str, str]], str | 
 def _function(path: str, prefix: str) -> ast.FunctionDef:
     tree = ast.parse((REPO / path).read_text())
     found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith(prefix)]
-    assert len(found) == 1, f"README cites {path}::{prefix}, which names {[n.name for n in found]}"
+    assert len(found) == 1, f"docs/testing.md cites {path}::{prefix}, which names {[n.name for n in found]}"
     return found[0]
 
 
@@ -67,10 +69,10 @@ def test_the_readme_kill_test_table_says_which_tests_ci_runs():
             for path, name in refs:
                 fn = _function(path, name)
                 if verdict == CI:
-                    assert not _full_only(fn), f"README says CI runs {path}::{fn.name}; only TWOPHASE_FULL_CHAOS=1 does"
+                    assert not _full_only(fn), f"docs/testing.md says CI runs {path}::{fn.name}; only TWOPHASE_FULL_CHAOS=1 does"
                     checked += 1
                 elif verdict == FULL_ONLY:
-                    assert _full_only(fn), f"README says only TWOPHASE_FULL_CHAOS=1 runs {path}::{fn.name}; CI does"
+                    assert _full_only(fn), f"docs/testing.md says only TWOPHASE_FULL_CHAOS=1 runs {path}::{fn.name}; CI does"
                     checked += 1
         assert cited, tests
     assert checked >= 10

@@ -1,8 +1,9 @@
-"""The README's operator commands, run as written against a real log (issue 46).
+"""The documented operator commands, run as written against a real log (issue 46).
 
-The "Operator tools" block of README.md is read, its placeholders (``CHECKPOINT``, ``CFG``) filled
-in and each command run through a shell with the installed ``twophase`` command, in the order an
-operator meets them after a crash: a decided batch and an undecided one are pending.  What each
+The "Operator tools" block of docs/operations.md (README.md's until issue 47) is read, its
+placeholders (``CHECKPOINT``, ``CFG``) filled in and each command run through a shell with the
+installed ``twophase`` command, in the order an operator meets them after a crash: a decided batch
+and an undecided one are pending.  What each
 command's comment promises is checked: ``status`` lists the states, ``offsets`` refuses while the
 decided batch is pending (its end would have a new query write it again), ``abort-lingering``
 refuses too (it would abort a decided batch's transactions), ``recover`` commits it and aborts the
@@ -23,13 +24,13 @@ from tests.test_cli import pending_log
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_operator_commands() -> dict[str, str]:
+def documented_operator_commands() -> dict[str, str]:
     """``{"status": "twophase status CHECKPOINT/twophase [--json] [--sink-config CFG]", ...}``."""
-    with open(os.path.join(REPO, "README.md")) as f:
+    with open(os.path.join(REPO, "docs", "operations.md")) as f:
         text = f.read()
     section = text.split("\n## Operator tools\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "README's Operator tools section has no bash block"
+    assert block, "docs/operations.md's Operator tools section has no bash block"
     out = {}
     for line in block.group(1).splitlines():
         cmd = line.split("#", 1)[0].strip()
@@ -46,7 +47,7 @@ def _variants(cmd: str) -> list[str]:
 
 
 def test_the_readmes_operator_commands_as_written(tmp_path):
-    commands = readme_operator_commands()
+    commands = documented_operator_commands()
     assert set(commands) == {"status", "recover", "abort-lingering", "offsets"}, commands
     checkpoint = tmp_path / "ck"
     out, sink = pending_log(tmp_path, log_dir=checkpoint / "twophase")
@@ -60,7 +61,7 @@ def test_the_readmes_operator_commands_as_written(tmp_path):
     def visible() -> list[str]:
         return sorted(p.name for p in out.iterdir() if not p.name.startswith("_"))
 
-    # status, in every form the README gives: read-only, the decided batch shown as such.
+    # status, in every form the page gives: read-only, the decided batch shown as such.
     for cmd in _variants(commands["status"]):
         r = run(cmd)
         assert r.returncode == 0, (cmd, r.stderr)

@@ -176,7 +176,7 @@ def test_coordinator_checks_executors_before_the_first_batch_on_a_cluster(cluste
 
 
 def test_the_readme_spark_submit_command_runs_on_the_cluster(spark_cluster_service, tmp_path):
-    """README "On a cluster": spark-submit with twophase's wheel as --py-files, executors whose
+    """docs/clusters.md, "On a cluster": spark-submit with twophase's wheel as --py-files, executors whose
     Python lacks twophase, the file-copy example on a path both workers mount; every input line
     is then in the output exactly once."""
     import os
@@ -187,7 +187,7 @@ def test_the_readme_spark_submit_command_runs_on_the_cluster(spark_cluster_servi
 
     repo = Path(cluster.REPO)
     # A wheel is a zip with the packages at its root, but Spark puts only .zip/.egg/.jar
-    # py-files on the executors' sys.path: the README copies it to a .zip.
+    # py-files on the executors' sys.path: docs/clusters.md copies it to a .zip.
     wheel = cluster.build_wheel(tmp_path / "dist")
     shipped = tmp_path / "twophase.zip"
     shutil.copy(wheel, shipped)
