@@ -15,6 +15,7 @@ import json
 import math
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -27,6 +28,28 @@ EXT = {"parquet": "parquet", "jsonl": "jsonl", "csv": "csv"}
 #: Parquet codecs (inside the file) and stream codecs for text formats (whole file, with a suffix).
 PARQUET_CODECS = {"snappy", "gzip", "zstd", "lz4", "brotli", "none"}
 TEXT_CODECS = {"gzip": ".gz", "gz": ".gz", "bz2": ".bz2", "zstd": ".zst"}
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """The options of Spark's CSV and JSON writers that these writers honour, with Spark's
+    defaults (its option names in the comments).  Written as Spark writes them; checked against
+    Spark's own writer by tests/test_datasource_parity.py."""
+
+    sep: str = ","  # sep / delimiter (csv): one character
+    quote: str = '"'  # quote (csv): one character
+    escape: str = "\\"  # escape (csv): one character, inside quoted values
+    null_value: str = ""  # nullValue (csv)
+    empty_value: str = '""'  # emptyValue (csv), written as it is
+    quote_all: bool = False  # quoteAll (csv)
+    escape_quotes: bool = True  # escapeQuotes (csv): a value holding the quote char is quoted
+    ignore_leading: bool = True  # ignoreLeadingWhiteSpace (csv, written)
+    ignore_trailing: bool = True  # ignoreTrailingWhiteSpace (csv, written)
+    line_sep: str = "\n"  # lineSep (csv: one character; json)
+    ignore_null_fields: bool = True  # ignoreNullFields (json): null fields left out
+
+
+DEFAULT_TEXT = TextOptions()
 
 
 class _NoClose(io.RawIOBase):
@@ -63,8 +86,9 @@ class FormatWriter:
     ROW_GROUP_BYTES = 64 * MIB
     ROW_GROUP_ROWS = 1 << 20
 
-    def __init__(self, fmt: str, f: Any, compression: str | None, header: bool = False):
-        self.fmt, self.compression, self.header = fmt, compression, header
+    def __init__(self, fmt: str, f: Any, compression: str | None, header: bool = False,
+                 text: TextOptions = DEFAULT_TEXT):
+        self.fmt, self.compression, self.header, self.text = fmt, compression, header, text
         self._writer: Any = None
         self._compressed: Any = None
         self._pending: list[pa.RecordBatch] = []
@@ -95,10 +119,11 @@ class FormatWriter:
             ):
                 self.flush_row_group()
         elif self.fmt == "csv":
-            self.f.write(csv_lines(batch, header=self.header and not self._header_written).encode())
+            self.f.write(csv_lines(batch, header=self.header and not self._header_written, options=self.text)
+                         .encode())
             self._header_written = True
         else:
-            self.f.write(json_lines(batch).encode())
+            self.f.write(json_lines(batch, self.text).encode())
 
     @property
     def pending_bytes(self) -> int:
@@ -178,8 +203,9 @@ def _string(v: str) -> str:
     return json.dumps(v, ensure_ascii=False)
 
 
-def json_encoder(t: pa.DataType) -> Encoder:
-    """The JSON text of one non-null value of Arrow type ``t`` (from ``to_pylist``), as Spark writes it."""
+def json_encoder(t: pa.DataType, nulls: bool = False) -> Encoder:
+    """The JSON text of one non-null value of Arrow type ``t`` (from ``to_pylist``), as Spark writes it
+    (``nulls``: a struct's null fields written as ``null``, Spark's ``ignoreNullFields=false``)."""
     if pa.types.is_null(t):
         return lambda v: "null"  # never called: null fields are left out
     if pa.types.is_boolean(t):
@@ -201,40 +227,44 @@ def json_encoder(t: pa.DataType) -> Encoder:
     if pa.types.is_timestamp(t):
         return _timestamp(t.tz)
     if pa.types.is_struct(t):
-        fields = [(f.name, _string(f.name), json_encoder(f.type)) for f in t]
-        return lambda v: _object((k, enc, v[name]) for name, k, enc in fields)
+        fields = [(f.name, _string(f.name), json_encoder(f.type, nulls)) for f in t]
+        return lambda v: _object(((k, enc, v[name]) for name, k, enc in fields), nulls)
     if pa.types.is_map(t):
-        kenc, venc = json_encoder(t.key_type), json_encoder(t.item_type)
+        kenc, venc = json_encoder(t.key_type, nulls), json_encoder(t.item_type, nulls)
         as_key = (lambda k: _string(k)) if pa.types.is_string(t.key_type) else (lambda k: _string(kenc(k)))
         return lambda v: "{" + ",".join(f"{as_key(k)}:{'null' if x is None else venc(x)}" for k, x in v) + "}"
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        enc = json_encoder(t.value_type)
+        enc = json_encoder(t.value_type, nulls)
         return lambda v: "[" + ",".join("null" if x is None else enc(x) for x in v) + "]"
     raise TypeError(f"cannot write Arrow type {t} as JSON")
 
 
-def _object(items) -> str:
+def _object(items, nulls: bool = False) -> str:
+    if nulls:
+        return "{" + ",".join(f"{k}:{'null' if v is None else enc(v)}" for k, enc, v in items) + "}"
     return "{" + ",".join(f"{k}:{enc(v)}" for k, enc, v in items if v is not None) + "}"
 
 
-def _json_fields(schema: pa.Schema) -> list[tuple[str, Encoder]]:
+def _json_fields(schema: pa.Schema, nulls: bool = False) -> list[tuple[str, Encoder]]:
     fields = []
     for f in schema:
         try:
-            fields.append((_string(f.name), json_encoder(f.type)))
+            fields.append((_string(f.name), json_encoder(f.type, nulls)))
         except TypeError as e:
             raise TypeError(f"column {f.name!r}: {e}; cast it (e.g. to string) before writing jsonl") from None
     return fields
 
 
-def json_lines(batch: pa.RecordBatch) -> str:
-    """The rows of ``batch`` as JSON lines (each ending in a newline), as Spark's JSON writer writes them."""
-    fields = _json_fields(batch.schema)
+def json_lines(batch: pa.RecordBatch, options: TextOptions = DEFAULT_TEXT) -> str:
+    """The rows of ``batch`` as JSON lines (each ending in ``lineSep``), as Spark's JSON writer writes them."""
+    nulls = not options.ignore_null_fields
+    fields = _json_fields(batch.schema, nulls)
     cols = [c.to_pylist() for c in batch.columns]
     out = []
     for i in range(batch.num_rows):
-        out.append(_object((k, enc, col[i]) for (k, enc), col in zip(fields, cols)))
-    return "\n".join(out) + "\n" if out else ""
+        out.append(_object(((k, enc, col[i]) for (k, enc), col in zip(fields, cols)), nulls))
+    sep = options.line_sep
+    return sep.join(out) + sep if out else ""
 
 
 # ---------------------------------------------------------------- CSV, as Spark writes it
@@ -251,14 +281,27 @@ _CSV_BLANK = "".join(chr(i) for i in range(33))
 _CSV_QUOTE_IF = frozenset(',"\n\r')
 
 
-def csv_field(v: str, first: bool = False) -> str:
+def csv_field(v: str, first: bool = False, o: TextOptions = DEFAULT_TEXT) -> str:
     """One string value as a field of Spark's CSV writer (``first``: in the first column)."""
-    lead = v.lstrip(_CSV_BLANK)
-    text = lead.rstrip(_CSV_BLANK)
+    if o is DEFAULT_TEXT:
+        lead = v.lstrip(_CSV_BLANK)
+        text = lead.rstrip(_CSV_BLANK)
+        if not text:
+            return '""'
+        if (first and v[0] == "#") or not _CSV_QUOTE_IF.isdisjoint(lead):
+            return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return text
+    lead = v.lstrip(_CSV_BLANK) if o.ignore_leading else v
+    text = lead.rstrip(_CSV_BLANK) if o.ignore_trailing else lead
     if not text:
-        return '""'
-    if (first and v[0] == "#") or not _CSV_QUOTE_IF.isdisjoint(lead):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return o.empty_value
+    special = {o.sep, "\n", "\r", *o.line_sep}
+    if o.escape_quotes:
+        special.add(o.quote)
+    if o.quote_all or (first and v[0] == "#") or not special.isdisjoint(lead):
+        q, e = o.quote, o.escape
+        body = text.replace(q, q + q) if e == q else text.replace(e, e + e).replace(q, e + q)
+        return q + body + q
     return text
 
 
@@ -333,7 +376,11 @@ def csv_encoder(t: pa.DataType) -> Encoder:
     raise TypeError(f"cannot write Arrow type {t} as CSV (Spark's CSV writer refuses it too)")
 
 
-def _csv_columns(schema: pa.Schema) -> list[Encoder]:
+def _quoted(enc: Encoder, first: bool, o: TextOptions) -> Encoder:
+    return lambda v: csv_field(enc(v), first, o)
+
+
+def _csv_columns(schema: pa.Schema, o: TextOptions = DEFAULT_TEXT) -> list[Encoder]:
     encoders: list[Encoder] = []
     for i, f in enumerate(schema):
         try:
@@ -341,18 +388,25 @@ def _csv_columns(schema: pa.Schema) -> list[Encoder]:
         except TypeError as e:
             raise TypeError(f"column {f.name!r}: {e}; cast it (e.g. to string) before writing csv") from None
         if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
-            encoders.append(functools.partial(csv_field, first=i == 0))
-        else:
+            encoders.append(functools.partial(csv_field, first=i == 0, o=o))
+        elif o is DEFAULT_TEXT:
             encoders.append(enc)
+        else:  # another separator or quoteAll may quote any value's text
+            encoders.append(_quoted(enc, i == 0, o))
     return encoders
 
 
-def csv_lines(batch: pa.RecordBatch, header: bool = False) -> str:
-    """The rows of ``batch`` as CSV lines, as Spark's CSV writer writes them with its defaults (and
-    ``header``: the column names first, as Spark's ``header=true`` writes them)."""
-    encoders = _csv_columns(batch.schema)
-    out = [",".join(csv_field(n, i == 0) for i, n in enumerate(batch.schema.names))] if header else []
+def csv_lines(batch: pa.RecordBatch, header: bool = False, options: TextOptions = DEFAULT_TEXT) -> str:
+    """The rows of ``batch`` as CSV lines, as Spark's CSV writer writes them with ``options`` (default:
+    its defaults), and ``header``: the column names first, as Spark's ``header=true`` writes them."""
+    o = options
+    encoders = _csv_columns(batch.schema, o)
+    if o.null_value:
+        nulls = [csv_field(o.null_value, i == 0, o) for i in range(batch.num_columns)]
+    else:
+        nulls = [o.quote * 2 if o.quote_all else ""] * batch.num_columns
+    out = [o.sep.join(csv_field(n, i == 0, o) for i, n in enumerate(batch.schema.names))] if header else []
     cols = [c.to_pylist() for c in batch.columns]
     for i in range(batch.num_rows):
-        out.append(",".join("" if col[i] is None else enc(col[i]) for enc, col in zip(encoders, cols)))
-    return "\n".join(out) + "\n" if out else ""
+        out.append(o.sep.join(null if col[i] is None else enc(col[i]) for enc, col, null in zip(encoders, cols, nulls)))
+    return o.line_sep.join(out) + o.line_sep if out else ""

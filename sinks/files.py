@@ -29,7 +29,7 @@ import os
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -38,8 +38,15 @@ from twophase.config import is_secret_ref
 from twophase.context import BatchContext, TransactionContext
 from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
 from twophase.sink import CommitOutcome, CommitResult, PreparedBatch, TwoPhaseCommitSink
+from twophase.sinks._formats import (
+    DEFAULT_TEXT,
+    FORMATS,
+    MIB,
+    PARQUET_CODECS,
+    TEXT_CODECS,
+    TextOptions,
+)
 from twophase.sinks._formats import EXT as _EXT
-from twophase.sinks._formats import FORMATS, MIB, PARQUET_CODECS, TEXT_CODECS
 from twophase.sinks._formats import FormatWriter as _FormatWriter
 from twophase.sinks._partitions import (  # noqa: F401 - the public names stay importable from here
     _ESCAPE,
@@ -87,6 +94,191 @@ _SPARK_PARQUET_CODECS = {
     "lz4": "lz4_raw", "brotli": None,
 }
 _SPARK_TEXT_CODECS = {None: None, "gzip": "gzip", "bz2": "bzip2", "zstd": None}
+#: TextOptions' fields by Spark's option names (writer="spark" passes them on).
+_SPARK_TEXT_OPTION = {"sep": "sep", "quote": "quote", "escape": "escape", "null_value": "nullValue",
+                      "empty_value": "emptyValue", "quote_all": "quoteAll", "escape_quotes": "escapeQuotes",
+                      "ignore_leading": "ignoreLeadingWhiteSpace", "ignore_trailing": "ignoreTrailingWhiteSpace",
+                      "line_sep": "lineSep", "ignore_null_fields": "ignoreNullFields"}
+
+# ------------------------------------------------------------ Spark's file sink options, by name
+#: Spark's ``compression`` values per format -> this sink's codec (None: uncompressed text), or why not.
+SPARK_CODECS: dict[str, dict[str, str | None]] = {
+    "parquet": {"none": "none", "uncompressed": "none", "snappy": "snappy", "gzip": "gzip", "zstd": "zstd",
+                "lz4_raw": "lz4", "brotli": "brotli"},
+    "text": {"none": None, "uncompressed": None, "gzip": "gzip", "bzip2": "bz2", "zstd": "zstd"},
+}
+SPARK_CODECS_REFUSED: dict[str, dict[str, str]] = {
+    "parquet": {
+        "lz4": "Spark's lz4 is Parquet's deprecated Hadoop-framed LZ4 codec, which pyarrow cannot write; "
+               "lz4_raw (Parquet's current LZ4 codec) can",
+        "lzo": "pyarrow cannot write LZO (nor can Spark without the LZO codec installed)",
+    },
+    "text": {
+        "lz4": "Spark's lz4 writes Hadoop's block-framed LZ4 (.lz4), which pyarrow cannot write",
+        "snappy": "Spark's snappy writes Hadoop's block-framed Snappy (.snappy), which pyarrow cannot write",
+        "deflate": "pyarrow has no zlib (.deflate) stream writer; gzip is the same compression in a "
+                   "gzip container",
+    },
+}
+#: csv/json writer options of Spark taken with one value only (their default), lower case -> the
+#: accepted spellings and why another is refused.
+_DEFAULT_ONLY = {
+    "dateformat": ({"yyyy-mm-dd"}, "dates are written as Spark's default yyyy-MM-dd"),
+    "timestampformat": ({"yyyy-mm-dd't'hh:mm:ss[.sss][xxx]"},
+                        "timestamps are written as Spark's default yyyy-MM-dd'T'HH:mm:ss[.SSS][XXX]"),
+    "timestampntzformat": ({"yyyy-mm-dd't'hh:mm:ss[.sss]"},
+                           "timestamps without zone are written as Spark's default yyyy-MM-dd'T'HH:mm:ss[.SSS]"),
+    "encoding": ({"utf-8", "utf8"}, "files are written in UTF-8"),
+    "charset": ({"utf-8", "utf8"}, "files are written in UTF-8"),
+    "locale": ({"en-us"}, "values are written as Spark's default locale en-US writes them"),
+    "chartoescapequoteescaping": ({"\\"}, "inside quotes the escape character is escaped with itself, "
+                                  "Spark's default"),
+    "writenonasciicharacterascodepoint": ({"false"}, "non-ASCII characters are written as they are"),
+}
+#: Spark's csv (C) and json (J) writer options this sink honours (lower case) -> TextOptions field.
+_TEXT_OPTIONS = {"sep": ("C", "sep"), "delimiter": ("C", "sep"), "quote": ("C", "quote"),
+                 "escape": ("C", "escape"), "nullvalue": ("C", "null_value"), "emptyvalue": ("C", "empty_value"),
+                 "quoteall": ("C", "quote_all"), "escapequotes": ("C", "escape_quotes"),
+                 "ignoreleadingwhitespace": ("C", "ignore_leading"),
+                 "ignoretrailingwhitespace": ("C", "ignore_trailing"),
+                 "linesep": ("CJ", "line_sep"), "ignorenullfields": ("J", "ignore_null_fields")}
+_FORMAT_OF_DEFAULT_ONLY = {"dateformat": "CJ", "timestampformat": "CJ", "timestampntzformat": "CJ",
+                           "encoding": "CJ", "charset": "CJ", "locale": "CJ", "chartoescapequoteescaping": "C",
+                           "writenonasciicharacterascodepoint": "J"}
+#: Spark's S3A (Hadoop) settings, given as options (Spark puts a file sink's options into its
+#: Hadoop configuration), -> this sink's S3 storage options.
+_S3A = {"fs.s3a.endpoint": "endpoint_url", "fs.s3a.access.key": "key", "fs.s3a.secret.key": "secret",
+        "fs.s3a.session.token": "token", "fs.s3a.endpoint.region": "region_name",
+        "fs.s3a.path.style.access": None, "fs.s3a.connection.ssl.enabled": None,
+        "fs.s3a.aws.credentials.provider": None}
+#: Option names (lower case) :func:`spark_file_options` reads.
+SPARK_FILE_OPTIONS = frozenset({"format", "compression", "header", "maxrecordsperfile", "dfs.namenode.http-address",
+                                *_TEXT_OPTIONS, *_DEFAULT_ONLY, *_S3A})
+
+
+#: Spark's spelling of the option names (options arrive lower-cased), for messages.
+_SPELLING = {n.lower(): n for n in (
+    "maxRecordsPerFile", "nullValue", "emptyValue", "quoteAll", "escapeQuotes", "ignoreLeadingWhiteSpace",
+    "ignoreTrailingWhiteSpace", "lineSep", "ignoreNullFields", "dateFormat", "timestampFormat",
+    "timestampNTZFormat", "charToEscapeQuoteEscaping", "writeNonAsciiCharacterAsCodePoint")}
+
+
+def _spelt(opt: str) -> str:
+    return _SPELLING.get(opt, opt)
+
+
+def _formats_named(letters: str) -> str:
+    return " and ".join({"C": "csv", "J": "json"}[f] for f in letters)
+
+
+def _flag(name: str, value: Any) -> bool:
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        raise ConfigurationError(f"{name} must be true or false, got {value!r}")
+    return text == "true"
+
+
+def spark_file_options(path: str, options: dict[str, Any], label: str = "twophase-files") -> dict[str, Any]:
+    """FileSink's arguments for the options of Spark's file sink (lower-case names, as Spark hands
+    them to a data source): each has Spark's meaning or is refused with a line naming it and why.
+    Options it does not know are left to the caller."""
+    def refuse(why: str) -> ConfigurationError:
+        return ConfigurationError(f"{label}: {why}; nothing was written")
+
+    raw_fmt = str(options.get("format", "parquet")).lower()
+    fmt = FORMATS.get(raw_fmt)
+    if fmt is None:
+        raise refuse(f"format {raw_fmt!r} is not written: parquet, json or csv")
+    letter = {"parquet": "P", "jsonl": "J", "csv": "C"}[fmt]
+    out: dict[str, Any] = {"format": fmt}
+    codec = options.get("compression")
+    if codec is not None:
+        family = "parquet" if fmt == "parquet" else "text"
+        name = str(codec).strip().lower()
+        if name in SPARK_CODECS_REFUSED[family]:
+            raise refuse(f"compression={name} for {raw_fmt}: {SPARK_CODECS_REFUSED[family][name]}")
+        if name not in SPARK_CODECS[family] and name not in (PARQUET_CODECS if family == "parquet" else TEXT_CODECS):
+            raise refuse(f"compression={name} is not a {raw_fmt} codec; use one of "
+                         f"{', '.join(sorted(SPARK_CODECS[family]))}")
+        out["compression"] = SPARK_CODECS[family].get(name, name)
+    if "header" in options:
+        if fmt != "csv":
+            raise refuse(f"header is a csv option; format is {raw_fmt}")
+        out["header"] = _flag("header", options["header"])
+    text: dict[str, Any] = {}
+    for opt, (formats, fld) in _TEXT_OPTIONS.items():
+        if opt not in options:
+            continue
+        if letter not in formats:
+            raise refuse(f"{_spelt(opt)} is a {_formats_named(formats)} option; format is {raw_fmt}")
+        value = options[opt]
+        if fld in ("quote_all", "escape_quotes", "ignore_leading", "ignore_trailing", "ignore_null_fields"):
+            text[fld] = _flag(_spelt(opt), value)
+            continue
+        value = str(value)
+        if fld in ("sep", "quote", "escape") and len(value) != 1:
+            raise refuse(f"{opt}={value!r}: only one character is written here (Spark also takes a longer "
+                         "separator or an empty quote, which this writer does not)")
+        if fld == "line_sep" and (not value or (fmt == "csv" and len(value) != 1)):
+            raise refuse(f"lineSep={value!r}: csv takes one character (as Spark's csv writer), json a non-empty "
+                         "string")
+        text[fld] = value
+    if "sep" in options and "delimiter" in options and options["sep"] != options["delimiter"]:
+        raise refuse("sep and delimiter are one option (Spark's two names) and are given two values")
+    for opt, (allowed, why) in _DEFAULT_ONLY.items():
+        if opt not in options:
+            continue
+        if letter not in _FORMAT_OF_DEFAULT_ONLY[opt]:
+            raise refuse(f"{_spelt(opt)} is a {_formats_named(_FORMAT_OF_DEFAULT_ONLY[opt])} option; format is "
+                         f"{raw_fmt}")
+        if str(options[opt]).strip().lower() not in allowed:
+            raise refuse(f"{_spelt(opt)}={options[opt]!r} is not supported: {why}")
+    if text:
+        out["text_options"] = text
+    if "maxrecordsperfile" in options:
+        try:
+            limit = int(str(options["maxrecordsperfile"]).strip())
+        except ValueError:
+            raise refuse(f"maxRecordsPerFile must be an integer, got {options['maxrecordsperfile']!r}") from None
+        if limit > 0:  # as in Spark, 0 or less: no limit
+            out["max_records_per_file"] = limit
+    so: dict[str, Any] = {}
+    scheme = scheme_of(path)
+    s3a = {k: v for k, v in options.items() if k.startswith("fs.s3a.")}
+    if s3a and scheme not in ("s3", "s3a"):
+        raise refuse(f"{sorted(s3a)[0]} is an S3A setting, and the path is not on S3 (s3a:// or s3://)")
+    for k, v in s3a.items():
+        if k not in _S3A:
+            raise refuse(f"{k} is not read: the S3A settings taken are {', '.join(sorted(_S3A))}")
+        taken = _S3A[k]
+        if taken:
+            so[taken] = str(v)
+    ssl = _flag("fs.s3a.connection.ssl.enabled", s3a.get("fs.s3a.connection.ssl.enabled", "true"))
+    if "endpoint_url" in so and "://" not in so["endpoint_url"]:  # Hadoop's form: host[:port]
+        so["endpoint_url"] = ("https://" if ssl else "http://") + so["endpoint_url"]
+    if "fs.s3a.connection.ssl.enabled" in s3a:
+        so["use_ssl"] = ssl
+    if _flag("fs.s3a.path.style.access", s3a.get("fs.s3a.path.style.access", "false")):
+        so["config_kwargs"] = {"s3": {"addressing_style": "path"}}
+    provider = s3a.get("fs.s3a.aws.credentials.provider")
+    if provider is not None:
+        if str(provider).strip().rsplit(".", 1)[-1] != "AnonymousAWSCredentialsProvider":
+            raise refuse("fs.s3a.aws.credentials.provider: only AnonymousAWSCredentialsProvider is taken (no "
+                         "credentials); give fs.s3a.access.key and fs.s3a.secret.key, or none for the default "
+                         "AWS credential chain")
+        so["anon"] = True
+    http = options.get("dfs.namenode.http-address")
+    if http is not None:
+        if scheme != "hdfs":
+            raise refuse("dfs.namenode.http-address is the NameNode's WebHDFS address for an hdfs:// path; the "
+                         "path is not one")
+        http = str(http).strip()
+        so["webhdfs_url"] = http if "://" in http else f"http://{http}"
+    if so:
+        out["storage_options"] = so
+    return out
+
+
 #: The name Spark's file writer gives a part file: part-<task>-<job uuid>[-c<file>]<ext>
 _SPARK_PART = re.compile(r"part-(\d+)-.*?(?:-c(\d+))?\.[^-]*$")
 #: The coordinator's scoped query name, ``<name>.<log id, 8 hex>g<generation>``.
@@ -188,6 +380,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     """
 
     kind = "files"
+    #: Spark's file sink options as this sink's arguments (the data source ``twophase-files``).
+    spark_file_options = staticmethod(spark_file_options)
     #: v1: local single file ``{"staging","final","size","rows"}`` (still written for that case);
     #: v2: ``{"fs": "local"|"hdfs"|"s3", "rows", "files": [...]}``.
     handle_version = 2
@@ -209,6 +403,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         s3_if_none_match: str = "require",
         header: bool = False,
         writer: str | None = None,
+        text_options: TextOptions | dict[str, Any] | None = None,
+        max_records_per_file: int | None = None,
     ):
         if format not in FORMATS:
             raise ConfigurationError(f"unknown format {format!r}; use one of parquet, jsonl, csv")
@@ -228,6 +424,13 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                 )
         if header and fmt != "csv":
             raise ConfigurationError(f"header=True is a csv option; format is {fmt}")
+        text = TextOptions(**text_options) if isinstance(text_options, dict) else (text_options or DEFAULT_TEXT)
+        if text != DEFAULT_TEXT and fmt == "parquet":
+            raise ConfigurationError("text_options are csv and json options; format is parquet")
+        if max_records_per_file is not None and (not isinstance(max_records_per_file, int)
+                                                 or max_records_per_file < 1):
+            raise ConfigurationError(f"max_records_per_file must be a positive integer or None, got "
+                                     f"{max_records_per_file!r}")
         if partition_values not in ("escape", "reject"):
             raise ConfigurationError(
                 "partition_values must be 'escape' (Hive-style %XX) or 'reject'"
@@ -295,6 +498,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         self.s3_etags = s3_etags
         self.s3_if_none_match = s3_if_none_match
         self.header = bool(header)
+        self.text = text
+        self.max_records_per_file = max_records_per_file
         self.writer = writer or default_writer(url)
         if self.writer == "spark":
             if not self._backend.spark_writer:
@@ -352,6 +557,10 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             cfg["s3_if_none_match"] = self.s3_if_none_match
         if self.header:
             cfg["header"] = True
+        if self.text != DEFAULT_TEXT:
+            cfg["text_options"] = {k: v for k, v in asdict(self.text).items() if getattr(DEFAULT_TEXT, k) != v}
+        if self.max_records_per_file is not None:
+            cfg["max_records_per_file"] = self.max_records_per_file
         if self.writer != default_writer(self.url):
             cfg["writer"] = self.writer
         if self.storage_options:
@@ -372,7 +581,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         return f"{self.prefix}-{batch_id:08d}-"
 
     def final_name(self, batch_id: int, partition_id: int, query_name: str | None = None,
-                   ballot: str | None = None) -> str:
+                   ballot: str | None = None, file_index: int = 0) -> str:
         """``{prefix}-{batch:08d}-{partition:05d}-{scope}[-{ballot}].{ext}``: the scope token of
         the query name (:func:`name_scope`) keeps two pipelines, or two generations of one, apart
         in one folder or prefix; without a query name, the unscoped name older versions wrote.
@@ -381,7 +590,8 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         scope = "" if query_name is None else f"-{name_scope(query_name)}"
         if ballot:
             scope += f"-{ballot}"
-        return f"{self.prefix}-{batch_id:08d}-{partition_id:05d}{scope}.{self._ext()}"
+        nth = f"-c{file_index:03d}" if file_index else ""  # max_records_per_file: the task's next file
+        return f"{self.prefix}-{batch_id:08d}-{partition_id:05d}{nth}{scope}.{self._ext()}"
 
     def _batch_names(self, batch_id: int, query_name: str, intent: dict[str, Any]) -> re.Pattern[str]:
         """The final names (last key segment) of the files this query's ``batch_id`` may have
@@ -496,6 +706,11 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             w = w.option("compression", codec)
         if self.header:
             w = w.option("header", "true")
+        for k, v in asdict(self.text).items():  # Spark's own names for them
+            if v != getattr(DEFAULT_TEXT, k):
+                w = w.option(_SPARK_TEXT_OPTION[k], str(v).lower() if isinstance(v, bool) else v)
+        if self.max_records_per_file is not None:
+            w = w.option("maxRecordsPerFile", str(self.max_records_per_file))
         if self.partition_by:
             w = w.partitionBy(*self.partition_by)
         t0 = time.perf_counter()
@@ -566,19 +781,39 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         ]
 
     # -------------------------------------------------------------- executor
-    def _open_file(self, txn: FileTransaction, key: tuple) -> _OpenFile:
+    def _open_file(self, txn: FileTransaction, key: tuple, nth: int = 0) -> _OpenFile:
         ctx = txn.ctx
         b = self._backend
-        name = self.final_name(ctx.batch_id, ctx.partition_id, ctx.query_name, ctx.intent.get("ballot"))
+        name = self.final_name(ctx.batch_id, ctx.partition_id, ctx.query_name, ctx.intent.get("ballot"), nth)
         if self.partition_by:
             final = b.join(b.root, *key, name)  # key: the partition directory names
         else:
             final = b.join(b.root, name)
-        staging, stream = b.open_file(ctx, final, len(txn.files))
-        writer = _FormatWriter(self.format, stream, self.compression, self.header)
+        full = txn.extra.setdefault("full", [])  # files that reached max_records_per_file
+        staging, stream = b.open_file(ctx, final, len(txn.files) + len(full))
+        writer = _FormatWriter(self.format, stream, self.compression, self.header, self.text)
         f = _OpenFile(final, staging, stream, writer)
         txn.files[key] = f
+        txn.extra.setdefault("nth", {})[key] = nth
         return f
+
+    def _write_to(self, txn: FileTransaction, key: tuple, batch: pa.RecordBatch) -> None:
+        """``batch`` into the open file of ``key``; with ``max_records_per_file``, a file that is full
+        is closed and the rest goes to the task's next file (``-c001``, ...), as Spark's writer does."""
+        f = txn.files.get(key) or self._open_file(txn, key)
+        limit = self.max_records_per_file
+        while limit is not None and f.rows + batch.num_rows > limit:
+            room = limit - f.rows
+            if room:
+                f.writer.write(batch.slice(0, room))
+                f.rows += room
+                batch = batch.slice(room)
+            f.writer.close()  # encoded; the stream is finished with the others at pre_commit
+            txn.extra["full"].append(txn.files.pop(key))
+            f = self._open_file(txn, key, txn.extra["nth"][key] + 1)
+        if batch.num_rows:
+            f.writer.write(batch)
+            f.rows += batch.num_rows
 
     def begin_transaction(self, ctx: TransactionContext) -> FileTransaction:
         txn = FileTransaction(ctx)
@@ -590,9 +825,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         if batch.num_rows == 0:  # an empty batch may carry null-typed columns; it adds nothing
             return
         if not self.partition_by:
-            f = txn.files[()]
-            f.writer.write(batch)
-            f.rows += batch.num_rows
+            self._write_to(txn, (), batch)
         else:
             missing = [c for c in self.partition_by if c not in batch.schema.names]
             if missing:
@@ -614,9 +847,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
                     )
                 except ValueError as e:
                     raise TwoPhaseError(f"{txn.ctx.label}: {e}") from None
-                f = txn.files.get(segs) or self._open_file(txn, segs)
-                f.writer.write(rb)
-                f.rows += rb.num_rows
+                self._write_to(txn, segs, rb)
             self._bound_pending(txn)
         txn.rows += batch.num_rows
 
@@ -636,13 +867,13 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
 
     def pre_commit(self, txn: FileTransaction) -> dict:
         entries = []
-        for f in txn.files.values():
+        for f in [*txn.extra.get("full", []), *txn.files.values()]:
             f.writer.close()
             e = self._backend.finish_file(f)
             e["rows"] = f.rows
             entries.append(e)
         txn.closed = True
-        if self.fs == "local" and not self.partition_by:
+        if self.fs == "local" and len(entries) == 1 and not self.partition_by:
             e = entries[0]
             return {
                 "staging": e["staging"],
@@ -653,7 +884,7 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         return {"fs": self.fs, "rows": txn.rows, "files": entries}
 
     def abort(self, txn: FileTransaction) -> None:
-        for f in txn.files.values():
+        for f in [*txn.extra.get("full", []), *txn.files.values()]:
             if not txn.closed:
                 try:
                     f.writer.discard()

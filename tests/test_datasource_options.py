@@ -28,13 +28,27 @@ def _table() -> dict[str, tuple[str, str]]:
 
 
 def test_the_options_table_lists_every_option_each_format_reads():
+    """Every option a format reads is in "Options" or in its table of Spark's options (the csv and
+    json writer options are there), and every option "Options" lists is read."""
+    from tests.test_datasource_option_table import ROWS
+
     table = _table()
     for kind, cls in SOURCES.items():
         documented = {o.lower() for o, (formats, _) in table.items() if formats.startswith(("all", kind))}
+        spark_rows = {option.lower() for name, option, *_ in ROWS if name == f"twophase-{kind}"}
         read = set(_COMMON) | set(cls.known_options) | {f"{p}*" for p in cls.passed_prefixes}
         if kind == "kafka":
             read.add("kafka.bootstrap.servers")  # one of the kafka.* options, required
-        assert documented == read, (kind, sorted(documented - read), sorted(read - documented))
+        assert documented <= read, (kind, sorted(documented - read))
+        assert read <= documented | spark_rows, (kind, sorted(read - documented - spark_rows))
+
+
+def test_the_files_format_reads_the_options_its_sink_translates():
+    from twophase.sinks.files import SPARK_FILE_OPTIONS
+
+    own = {o for o in SPARK_FILE_OPTIONS if not o.startswith("fs.s3a.")}
+    assert set(FilesDataSource.known_options) == own | {"prefix"}
+    assert FilesDataSource.passed_prefixes == ("fs.s3a.",)
 
 
 def test_the_options_table_gives_max_partitions_default_as_the_code_has_it():

@@ -445,10 +445,21 @@ class TwoPhaseDataSource(DataSource):
 
 class FilesDataSource(TwoPhaseDataSource):
     """``format("twophase-files")``: files in ``path`` (local, ``hdfs://``, ``s3://``), by
-    temp-file-rename or multipart upload; ``format`` parquet (default), json or csv."""
+    temp-file-rename or multipart upload; ``format`` parquet (default), json or csv, with the
+    options of Spark's file sink and its writers (``compression``, the csv and json writer options,
+    ``maxRecordsPerFile``, S3A and WebHDFS addresses): each has Spark's meaning or is refused by
+    name (``FileSink``'s ``spark_file_options``; the table in docs/datasource.md)."""
 
     kind = "files"
-    known_options = frozenset({"format", "compression", "header", "prefix"})
+    #: FileSink's ``SPARK_FILE_OPTIONS`` (tests/test_datasource_options.py checks they agree) and
+    #: ``prefix``; ``fs.s3a.*`` reaches the sink, which names the S3A settings it takes.
+    known_options = frozenset({
+        "format", "compression", "header", "prefix", "maxrecordsperfile", "dfs.namenode.http-address",
+        "sep", "delimiter", "quote", "escape", "nullvalue", "emptyvalue", "quoteall", "escapequotes",
+        "ignoreleadingwhitespace", "ignoretrailingwhitespace", "linesep", "ignorenullfields",
+        "dateformat", "timestampformat", "timestampntzformat", "encoding", "charset", "locale",
+        "chartoescapequoteescaping", "writenonasciicharacterascodepoint"})
+    passed_prefixes = ("fs.s3a.",)
 
     @classmethod
     def name(cls) -> str:
@@ -458,12 +469,12 @@ class FilesDataSource(TwoPhaseDataSource):
         path = self.options.get("path")
         if not path:
             raise ConfigurationError("twophase-files needs a path: .start(path) or .option('path', ...)")
-        fmt = {"json": "jsonl"}.get(self.options.get("format", "parquet").lower(),
-                                    self.options.get("format", "parquet").lower())
-        header = str(self.options.get("header", "false")).lower() == "true"
+        path = _local(path)
+        files: Any = sink_class("files")
+        args = files.spark_file_options(path, dict(self.options))
         cols = [c.strip() for c in str(self.options.get("twophase.partitionby") or "").split(",") if c.strip()]
-        return _sink("files", _local(path), format=fmt, compression=self.options.get("compression"), header=header,
-                     prefix=self.options.get("prefix", "part"), writer="arrow", partition_by=cols or None)
+        return _sink("files", path, prefix=self.options.get("prefix", "part"), writer="arrow",
+                     partition_by=cols or None, **args)
 
 
 def jdbc_url_for_sink(url: str, user: str | None) -> str:
@@ -501,6 +512,25 @@ def jdbc_table(dbtable: str) -> tuple[str | None, str]:
     return (names[0] if len(names) == 2 else None), names[-1]
 
 
+#: Spark's JDBC writer options that change nothing here: ``truncate`` and ``cascadeTruncate`` act in
+#: Overwrite mode only (refused: the formats append); ``createTable*`` only when Spark creates a
+#: missing table (the sink never creates one: its open() refuses a missing table, naming it).
+_JDBC_NO_EFFECT = frozenset({"truncate", "cascadetruncate", "createtableoptions", "createtablecolumntypes"})
+_JDBC_SPELLING = {"refreshkrb5config": "refreshKrb5Config", "connectionprovider": "connectionProvider",
+                  "sessioninitstatement": "sessionInitStatement"}
+#: Spark's JDBC options for writing that have no meaning for the sink's libpq connections.
+_JDBC_REFUSED = {
+    "keytab": "Kerberos login from a keytab is the JVM's; libpq authenticates with GSSAPI from the ticket cache "
+              "(kinit) where the tasks run: drop keytab and principal",
+    "principal": "Kerberos login from a keytab is the JVM's; libpq authenticates with GSSAPI from the ticket "
+                 "cache (kinit) where the tasks run: drop keytab and principal",
+    "refreshkrb5config": "Kerberos configuration is the JVM's; libpq reads krb5.conf itself: drop it",
+    "connectionprovider": "JDBC connection providers are JVM classes; the sink connects with libpq: drop it",
+    "sessioninitstatement": "the sink runs no user SQL in its prepared transactions; set session defaults on "
+                            "the role (ALTER ROLE ... SET) instead",
+}
+
+
 class JdbcDataSource(TwoPhaseDataSource):
     """``format("twophase-jdbc")``: rows into a PostgreSQL table by prepared transactions, with the
     options of Spark's JDBC sink: ``url`` (``jdbc:postgresql://...``), ``dbtable``, ``user``,
@@ -509,7 +539,7 @@ class JdbcDataSource(TwoPhaseDataSource):
     kind = "jdbc"
     known_options = frozenset({"url", "dbtable", "user", "password", "driver", "twophase.mode",
                                "twophase.keycolumns", "twophase.gidprefix", "batchsize", "isolationlevel",
-                               "querytimeout", "numpartitions"})
+                               "querytimeout", "numpartitions", *_JDBC_NO_EFFECT, *_JDBC_REFUSED})
 
     @classmethod
     def name(cls) -> str:
@@ -524,6 +554,10 @@ class JdbcDataSource(TwoPhaseDataSource):
         if not url or not table:
             raise ConfigurationError("twophase-jdbc needs .option('url', 'jdbc:postgresql://host:port/db') and "
                                      ".option('dbtable', 'schema.table')")
+        for option, why in _JDBC_REFUSED.items():
+            if option in self.options:
+                raise ConfigurationError(f"twophase-jdbc: {_JDBC_SPELLING.get(option, option)} is not supported: "
+                                         f"{why}; nothing was written")
         driver = self.options.get("driver")
         if driver and driver != "org.postgresql.Driver":
             raise ConfigurationError(f"twophase-jdbc writes to PostgreSQL only; driver {driver!r} is not its")
@@ -608,7 +642,8 @@ class KafkaDataSource(TwoPhaseDataSource):
         auto_create = str(producer.get("allow.auto.create.topics", "false")).strip().lower() == "true"
         producer = java_security_to_librdkafka(producer)
         try:  # librdkafka's own message would not name the option, nor say it is a Java client's setting
-            sink_class("kafka").check_producer_settings(producer, option_prefix="kafka.")
+            kafka: Any = sink_class("kafka")
+            kafka.check_producer_settings(producer, option_prefix="kafka.")
         except ConfigurationError as e:
             raise ConfigurationError(f"twophase-kafka: {e}") from None
         prefix = self.options.get("twophase.transactionalidprefix")
