@@ -193,3 +193,54 @@ def test_a_spark_file_option_without_its_meaning_here_is_refused_naming_it(optio
     with pytest.raises(ConfigurationError) as e:
         FilesDataSource({"path": "/tmp/x", **{k.lower(): v for k, v in options.items()}}).build_sink()
     assert needle in str(e.value), str(e.value)
+
+
+def _write_one_batch(sink: FileSink, rows: int = 3) -> None:
+    sink.open()
+    intent = sink.plan_batch("opts", 0, 1)
+    txn = sink.begin_transaction(TransactionContext("opts", 0, 0, 0, intent))
+    sink.write(txn, pa.record_batch({"id": list(range(rows))}))
+    assert sink.commit(sink.pre_commit(txn)).done
+
+
+@pytest.mark.s3
+def test_s3a_options_as_a_spark_job_gives_them_reach_a_real_s3_endpoint(s3_service):
+    """Spark's S3A settings (host:port endpoint, no TLS, path-style, access and secret key) as
+    options: the sink opens, writes and commits to MinIO with them, and nothing else."""
+    from tests.services.s3 import client
+
+    endpoint = s3_service["endpoint_url"].split("://", 1)[1]
+    prefix = f"twophase-test/opts-{uuid.uuid4().hex[:8]}"
+    sink = FilesDataSource({"path": f"s3a://{s3_service['bucket']}/{prefix}", "fs.s3a.endpoint": endpoint,
+                            "fs.s3a.connection.ssl.enabled": "false", "fs.s3a.path.style.access": "true",
+                            "fs.s3a.access.key": s3_service["key"], "fs.s3a.secret.key": s3_service["secret"],
+                            "fs.s3a.endpoint.region": s3_service["region"]}).build_sink()
+    s3 = client(s3_service)
+    try:
+        _write_one_batch(sink)
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=s3_service["bucket"], Prefix=prefix).get("Contents", [])]
+        assert len([k for k in keys if k.endswith(".parquet")]) == 1, keys
+    finally:
+        for o in s3.list_objects_v2(Bucket=s3_service["bucket"], Prefix=prefix).get("Contents", []):
+            s3.delete_object(Bucket=s3_service["bucket"], Key=o["Key"])
+
+
+@pytest.mark.hdfs
+def test_an_hdfs_path_with_the_namenodes_http_address_writes_over_webhdfs(hdfs_service, monkeypatch):
+    """The minicluster serves WebHDFS on another port than Hadoop 3's default 9870: the Hadoop
+    setting a Spark job would carry names it, and the hdfs:// path (its RPC port) is written."""
+    from hdfs import InsecureClient
+
+    monkeypatch.setenv("HADOOP_USER_NAME", hdfs_service["user"])
+    path = f"/twophase-test/opts-{uuid.uuid4().hex[:8]}"
+    http = hdfs_service["webhdfs_url"].split("://", 1)[1]
+    sink = FilesDataSource({"path": hdfs_service["namenode"] + path, "dfs.namenode.http-address": http}).build_sink()
+    hdfs = InsecureClient(hdfs_service["webhdfs_url"], user=hdfs_service["user"])
+    try:
+        _write_one_batch(sink)
+        assert [n for n in hdfs.list(path) if n.endswith(".parquet")] != []
+    finally:
+        hdfs.delete(path, recursive=True)
+    # Without the setting, the default port is tried, and the error says where the address came from.
+    with pytest.raises(Exception, match="9870"):
+        FilesDataSource({"path": hdfs_service["namenode"] + path}).build_sink().open()
