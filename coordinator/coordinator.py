@@ -31,6 +31,7 @@ from twophase.log import LogStore, TransactionLog, batch_query_id, open_store
 from twophase.protocol import BatchProgress, TwoPhaseProtocol
 from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
+from twophase.spark import default_parallelism, is_connect  # noqa: F401 - is_connect: also imported from here
 
 log = logging.getLogger("twophase.coordinator")
 
@@ -80,13 +81,6 @@ def _find_query(spark, query_id: str):
         if active is not None and active is not spark:
             q = active.streams.get(query_id)
     return q
-
-
-def is_connect(spark) -> bool:
-    """Is ``spark`` a Spark Connect session (``SparkSession.builder.remote(...)``, or the session a
-    Connect server gives a ``foreachBatch`` function)?  Those have no SparkContext, no RDDs and no
-    local properties; the coordinator then uses the protocol-level equivalents."""
-    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def _batch_partitions(df, slots: int) -> tuple[int, bool]:
@@ -605,12 +599,9 @@ class Coordinator:
         SparkContext: there it is measured once, as the partitions of ``spark.range`` without a
         partition count (which Spark sizes by the default parallelism)."""
         if not is_connect(spark):
-            return max(1, int(spark.sparkContext.defaultParallelism))
+            return default_parallelism(spark)
         if self._parallelism_seen is None:
-            # A SQL string, not pyspark.sql.functions: those build classic Columns whenever this
-            # process does not run in Connect mode (e.g. a Connect client next to a classic session).
-            n = spark.range(0, 1 << 16).selectExpr("spark_partition_id() AS p").distinct().count()
-            self._parallelism_seen = max(1, int(n))
+            self._parallelism_seen = default_parallelism(spark)
             log.info("%s: Spark Connect: the application's default parallelism is %d", self.name,
                      self._parallelism_seen)
         return self._parallelism_seen

@@ -51,7 +51,7 @@ log = logging.getLogger("twophase.datasource")
 #: ``queryname``: Spark hands a streaming query's ``.queryName(...)`` to its sink as an option; it
 #: names the query in Spark's UI and metrics and changes nothing here.
 _COMMON = {"checkpointlocation", "path", "twophase.name", "twophase.loglocation", "twophase.maxpartitions",
-           "twophase.batchid", "queryname", "twophase.partitionby"}
+           "twophase.batchid", "queryname", "twophase.partitionby", "twophase.coalesce"}
 
 
 @dataclass
@@ -262,8 +262,10 @@ class _Steps:
             raise ConfigurationError(
                 f"twophase: partition {tc.partitionId()} of batch {plan.batch_id} is beyond the {plan.partitions} "
                 f"transactions its plan allows (twophase.maxPartitions={self.settings.max_partitions}, capped by "
-                "what the target allows): repartition the stream to fewer partitions, or raise the option. "
-                "Nothing of this partition was written.")
+                "what the target allows; Spark makes spark.sql.shuffle.partitions=200 after every aggregation, "
+                "join and deduplication): start the query after twophase.register(spark), which coalesces each "
+                "micro-batch to the application's cores (twophase.coalesce=auto), or give df.coalesce(N) before "
+                "writeStream. Nothing of this partition was written.")
         sink = self.sink
         ctx = TransactionContext(plan.query_name, plan.batch_id, tc.partitionId(), tc.attemptNumber(), plan.intent,
                                  plan.run, task_attempt_id=tc.taskAttemptId())
@@ -726,25 +728,116 @@ SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource
 
 def register(spark) -> None:
     """Register the twophase data sources with ``spark`` (a classic or Spark Connect session), and
-    make this process's streaming writers carry ``.partitionBy(...)`` to them (see
-    :func:`carry_partition_by`)."""
+    wrap this process's streaming writers (see :func:`wrap_stream_writers`): a query on a
+    ``twophase-*`` format gets its ``.partitionBy(...)``, its options checked at ``start()`` and
+    its micro-batches coalesced to the application's cores."""
     for cls in SOURCES:
         spark.dataSource.register(cls)
-    carry_partition_by()
+    wrap_stream_writers()
 
 
 #: The option a streaming writer's ``.partitionBy(...)`` columns reach a twophase format as.
 PARTITION_BY_OPTION = "twophase.partitionBy"
-_CARRIED: set[Any] = set()
+#: ``auto`` (default): each micro-batch's partitions are coalesced (no shuffle) to the
+#: application's default parallelism (its cores), at most ``twophase.maxPartitions``; an integer N:
+#: to N; ``off``: left as Spark made them.
+COALESCE_OPTION = "twophase.coalesce"
+_WRAPPED: set[Any] = set()
 
 
-def carry_partition_by() -> None:
-    """Spark drops a streaming writer's ``.partitionBy(...)`` before a Python data source sees it
-    (pyspark 4.x hands it no partitioning): ``twophase-files`` would silently write unpartitioned.
-    Wrap ``DataStreamWriter.format``/``partitionBy``/``start``/``toTable`` (classic and Spark
-    Connect) so that a query started on a ``twophase-*`` format with partition columns also gets
-    them as the option ``twophase.partitionBy`` (comma-separated).  Other formats are untouched.
-    Idempotent; :func:`register` calls it."""
+def _source_of(fmt: Any) -> type[TwoPhaseDataSource] | None:
+    name = str(fmt or "").lower()
+    return next((cls for cls in SOURCES if cls.name() == name), None)
+
+
+def _coalesce_to(spark: Any, cls: type[TwoPhaseDataSource], options: dict[str, str]) -> int | None:
+    """The partition count a query's micro-batches are coalesced to (None: left as they are).
+
+    Spark puts ``spark.sql.shuffle.partitions`` (200 by default) after every aggregation, join and
+    deduplication; a Python data source runs one Python task, and so one transaction, per
+    partition (about 45 ms each on 2 cores, docs/datasource.md), and cannot ask Spark for fewer
+    (pyspark's Python writers request no distribution).  Coalescing the query's DataFrame before
+    the write is a narrow dependency: the stateful operators keep their partitions (and state
+    stores), computed by fewer tasks."""
+    raw = str(options.get(COALESCE_OPTION.lower(), "auto")).strip().lower()
+    if raw in ("off", "false", "none", "no"):
+        return None
+    settings_max = options.get("twophase.maxpartitions")
+    try:
+        cap = int(settings_max) if settings_max else cls.default_max_partitions
+    except ValueError:
+        cap = cls.default_max_partitions  # _Settings refuses it with its own line
+    if raw == "auto":
+        from twophase.spark import default_parallelism
+
+        return max(1, min(default_parallelism(spark), cap))
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigurationError(f"{COALESCE_OPTION} must be auto, off or a positive integer, got {raw!r}")
+    if n > cap:
+        raise ConfigurationError(f"{COALESCE_OPTION}={n} is more than twophase.maxPartitions={cap} (the "
+                                 "transactions a batch's plan allows): lower one or raise the other")
+    return n
+
+
+def _check_at_start(cls: type[TwoPhaseDataSource], options: dict[str, str], output_mode: str | None) -> None:
+    """What the plan of the first micro-batch would refuse, refused by ``start()`` instead (a query
+    that gets no data would otherwise never fail): unknown options, the output mode, the sink's
+    own settings.  Nothing here connects to the target (a Spark Connect client may not reach it);
+    the first plan still checks the target itself (``open()``)."""
+    source = cls(dict(options))
+    source._check_options()
+    if (output_mode or "append").lower() == "complete" and not cls.appends_in_complete_mode:
+        raise ConfigurationError(
+            f"twophase-{cls.kind} writes in Append output mode only (Complete would replace the "
+            "target's contents each batch); use outputMode('append')")
+    if options.get("checkpointlocation"):
+        _Settings(options, cls.kind, cls.default_max_partitions)
+    source.build_sink()
+
+
+def _coalesced(writer: Any, n: int) -> bool:
+    """Make ``writer`` (a classic or Spark Connect DataStreamWriter, options set) write its
+    DataFrame coalesced to ``n`` partitions.  False where this pyspark's writer cannot be changed
+    (the query then runs on Spark's partitions; more than the plan allows fail with a line that
+    names the remedy)."""
+    try:
+        if hasattr(writer, "_write_stream"):  # Spark Connect: the command's input plan
+            from pyspark.sql.connect import plan as connect_plan
+
+            op = writer._write_stream
+            op._child = connect_plan.Repartition(op._child, num_partitions=n, shuffle=False)
+            return True
+        # Classic: the JVM writer keeps its Dataset in a final field; every setting made so far
+        # (format, options, trigger, mode, ...) lives in the others, so only the Dataset changes.
+        coalesced = writer._df.coalesce(n)
+        field = writer._jwrite.getClass().getDeclaredField("ds")
+        field.setAccessible(True)
+        field.set(writer._jwrite, coalesced._jdf)
+        writer._df = coalesced
+        return True
+    except Exception as e:  # noqa: BLE001 - another pyspark: say so, and run uncoalesced
+        log.warning("twophase: cannot coalesce this query's micro-batches (%s: %s); give df.coalesce(N) "
+                    "before writeStream if Spark makes more partitions than twophase.maxPartitions",
+                    type(e).__name__, e)
+        return False
+
+
+def wrap_stream_writers() -> None:
+    """Wrap ``DataStreamWriter`` (classic and Spark Connect) for the ``twophase-*`` formats; other
+    formats are untouched.  Idempotent; :func:`register` calls it.  A query started on a
+    twophase format:
+
+    - gets its ``.partitionBy(...)`` columns as the option ``twophase.partitionBy`` (Spark drops
+      a streaming writer's partitioning before a Python data source sees it; ``twophase-files``
+      would silently write unpartitioned);
+    - has its options checked by ``start()`` (see :func:`_check_at_start`);
+    - has its micro-batches coalesced to ``twophase.coalesce`` partitions (:func:`_coalesce_to`),
+      and the plan sized to that many transactions (``twophase.maxPartitions``).
+    """
     import functools
 
     classes: list[Any] = []
@@ -754,34 +847,76 @@ def carry_partition_by() -> None:
         except Exception:  # noqa: BLE001 - e.g. Connect's extra not installed
             continue
     for cls in classes:
-        if cls in _CARRIED:
+        if cls in _WRAPPED:
             continue
-        _CARRIED.add(cls)
-        orig_format, orig_partition_by = cls.format, cls.partitionBy
+        _WRAPPED.add(cls)
 
-        @functools.wraps(orig_format)
-        def fmt(self, source, _orig=orig_format):
-            self._twophase_format = source
-            return _orig(self, source)
-
-        @functools.wraps(orig_partition_by)
-        def partition_by(self, *cols, _orig=orig_partition_by):
-            self._twophase_partition_by = list(cols[0] if len(cols) == 1 and isinstance(cols[0], (list, tuple))
-                                               else cols)
-            return _orig(self, *cols)
-
-        cls.format, cls.partitionBy = fmt, partition_by
-        for name in ("start", "toTable"):
+        def recorder(name: str, record: Any, cls: Any = cls) -> None:
             orig = getattr(cls, name)
 
             @functools.wraps(orig)
-            def starting(self, *args, _orig=orig, **kwargs):
-                fmt_ = kwargs.get("format") or getattr(self, "_twophase_format", None)
-                cols = kwargs.get("partitionBy")
-                cols = [cols] if isinstance(cols, str) else cols
-                cols = cols if cols is not None else getattr(self, "_twophase_partition_by", None)
-                if fmt_ and str(fmt_).lower().startswith("twophase-") and cols:
-                    self.option(PARTITION_BY_OPTION, ",".join(str(c) for c in cols))
+            def recording(self, *args, _orig=orig, **kwargs):
+                record(self, *args, **kwargs)
                 return _orig(self, *args, **kwargs)
 
-            setattr(cls, name, starting)
+            setattr(cls, name, recording)
+
+        def set_format(self, source):
+            self._twophase_format = source
+
+        def set_option(self, key, value):
+            self.__dict__.setdefault("_twophase_options", {})[str(key).lower()] = value
+
+        def set_options(self, **options):
+            for k, v in options.items():
+                set_option(self, k, v)
+
+        def set_mode(self, mode):
+            self._twophase_mode = str(mode)
+
+        def set_trigger(self, *args, **kwargs):
+            self._twophase_continuous = bool(kwargs.get("continuous"))
+
+        def set_partition_by(self, *cols):
+            self._twophase_partition_by = list(cols[0] if len(cols) == 1 and isinstance(cols[0], (list, tuple))
+                                               else cols)
+
+        for name, record in (("format", set_format), ("option", set_option), ("options", set_options),
+                             ("outputMode", set_mode), ("partitionBy", set_partition_by), ("trigger", set_trigger)):
+            recorder(name, record)
+
+        orig_start = cls.start
+
+        @functools.wraps(orig_start)
+        def start(self, path=None, format=None, outputMode=None, partitionBy=None, queryName=None,  # noqa: A002, N803
+                  _orig=orig_start, **options):
+            source = _source_of(format or getattr(self, "_twophase_format", None))
+            if source is not None:
+                if getattr(self, "_twophase_continuous", False):
+                    raise ConfigurationError(
+                        f"twophase-{source.kind} writes micro-batches only (a continuous trigger is not supported: "
+                        "use processingTime or availableNow)")
+                opts = {k: str(v) for k, v in getattr(self, "_twophase_options", {}).items()}
+                opts.update({k.lower(): str(v) for k, v in options.items()})
+                if path is not None:
+                    opts["path"] = str(path)
+                cols = [partitionBy] if isinstance(partitionBy, str) else partitionBy
+                cols = cols if cols is not None else getattr(self, "_twophase_partition_by", None)
+                if cols:
+                    self.option(PARTITION_BY_OPTION, ",".join(str(c) for c in cols))
+                    opts[PARTITION_BY_OPTION.lower()] = ",".join(str(c) for c in cols)
+                _check_at_start(source, opts, outputMode or getattr(self, "_twophase_mode", None))
+                spark = getattr(self, "_spark", None) or getattr(self, "_session", None)
+                n = _coalesce_to(spark, source, opts)
+                if n is not None and _coalesced(self, n):
+                    log.info("twophase-%s: each micro-batch is coalesced to %d partitions (%s)", source.kind, n,
+                             COALESCE_OPTION)
+                    if "twophase.maxpartitions" not in opts:
+                        self.option("twophase.maxPartitions", str(n))  # the plan: n transactions, not the default
+            return _orig(self, path, format, outputMode, partitionBy, queryName, **options)
+
+        cls.start = start
+
+
+#: Earlier name of :func:`wrap_stream_writers`.
+carry_partition_by = wrap_stream_writers

@@ -169,3 +169,20 @@ def source_offsets(store: Any, batch_id: int) -> dict[str, Any] | None:
         except ValueError:
             parsed.append(line)
     return {"offsets_file": url, "sources": parsed}
+
+
+def is_connect(spark: Any) -> bool:
+    """Is ``spark`` a Spark Connect session (``SparkSession.builder.remote(...)``, or the session a
+    Connect server gives a ``foreachBatch`` function)?  Those have no SparkContext and no RDDs."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def default_parallelism(spark: Any) -> int:
+    """Spark's ``defaultParallelism`` (the cores the application has).  Spark Connect offers no
+    SparkContext: there it is measured, as the partitions of ``spark.range`` without a partition
+    count (which Spark sizes by the default parallelism): one small job."""
+    if not is_connect(spark):
+        return max(1, int(spark.sparkContext.defaultParallelism))
+    # A SQL string, not pyspark.sql.functions: those build classic Columns whenever this process
+    # does not run in Connect mode (e.g. a Connect client next to a classic session).
+    return max(1, int(spark.range(0, 1 << 16).selectExpr("spark_partition_id() AS p").distinct().count()))
