@@ -358,6 +358,15 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
     (its log) and generation, so that they never share a file name.  ``fsync`` (local disk, default
     on) makes a pre-committed part survive a machine crash, not only a process crash.
 
+    ``text_options``: the csv and json writer options of Spark this sink honours, as a
+    :class:`~twophase.sinks._formats.TextOptions` or a dict of its fields (``sep``, ``quote``,
+    ``escape``, ``null_value``, ``empty_value``, ``quote_all``, ``escape_quotes``,
+    ``ignore_leading``, ``ignore_trailing``, ``line_sep``, ``ignore_null_fields``), written as
+    Spark's writers write them.  ``max_records_per_file``: at most this many rows per file; a
+    task's further rows go into its next file (``...-c001-...``), as Spark's ``maxRecordsPerFile``;
+    all files of a task commit together.  The by-name format ``twophase-files`` reads both from
+    Spark's option names (:func:`spark_file_options`; docs/datasource.md).
+
     ``partition_by``: Hive-style output ``col=value/...`` (partition columns are not
     written into the files).  ``partition_values``: ``"escape"`` (default; Hive/Spark
     ``%XX`` escaping, read back unchanged by Spark) or ``"reject"`` (a value that needs

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -244,3 +245,33 @@ def test_an_hdfs_path_with_the_namenodes_http_address_writes_over_webhdfs(hdfs_s
     # Without the setting, the default port is tried, and the error says where the address came from.
     with pytest.raises(Exception, match="9870"):
         FilesDataSource({"path": hdfs_service["namenode"] + path}).build_sink().open()
+
+
+@pytest.mark.spark
+def test_writer_spark_passes_the_text_options_and_max_records_per_file_to_sparks_writer(spark, tmp_path):
+    """FileSink(writer="spark") writes a batch with Spark's own writer: the same options reach it
+    by Spark's names, so both writers give the same bytes and the same split into files."""
+    from twophase.coordinator import Coordinator
+
+    old_tz = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    try:
+        df = spark.sql(_ROWS_SQL).coalesce(1)
+        text = {"sep": ";", "null_value": "NULL", "quote_all": True, "line_sep": "\r"}
+        for writer in ("spark", "arrow"):
+            sink = FileSink(str(tmp_path / writer), format="csv", text_options=text, max_records_per_file=2,
+                            writer=writer)
+            Coordinator(sink, log_location=str(tmp_path / f"log-{writer}"), name=f"w{writer}").write(df, batch_id=0)
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", old_tz)
+    by_writer = {}
+    for writer in ("spark", "arrow"):
+        def nth(f: Path) -> int:  # a task's first file, then -c001, -c002, ...
+            m = re.search(r"-c(\d{3,})-", f.name)
+            return int(m.group(1)) if m else 0
+
+        files = sorted((tmp_path / writer).glob("*.csv"), key=nth)
+        texts = [f.read_bytes().decode("utf-8") for f in files]
+        by_writer[writer] = ([t.count("\r") for t in texts], "".join(texts))
+    assert by_writer["spark"] == by_writer["arrow"]
+    assert by_writer["arrow"][0] == [2, 1] and '"1";"a,b";"x;y";"NULL"' in by_writer["arrow"][1]
