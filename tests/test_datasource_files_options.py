@@ -275,3 +275,13 @@ def test_writer_spark_passes_the_text_options_and_max_records_per_file_to_sparks
         by_writer[writer] = ([t.count("\r") for t in texts], "".join(texts))
     assert by_writer["spark"] == by_writer["arrow"]
     assert by_writer["arrow"][0] == [2, 1] and '"1";"a,b";"x;y";"NULL"' in by_writer["arrow"][1]
+
+
+def test_the_new_arguments_survive_the_sinks_config_for_twophase_recover(tmp_path):
+    from twophase.config import sink_from_config
+
+    sink = _sink(format="csv", sep=";", quoteall="true", maxrecordsperfile="5")
+    cfg = sink.to_config()
+    assert cfg["text_options"] == {"sep": ";", "quote_all": True} and cfg["max_records_per_file"] == 5
+    again = sink_from_config(cfg)
+    assert (again.text, again.max_records_per_file) == (sink.text, 5)
