@@ -164,3 +164,46 @@ def test_complete_mode_and_null_values_on_twophase_kafka_write_as_sparks_kafka_s
         got[m.key().decode()] = m.value()
     c.close()
     assert got == {"2026-11-20": b"20", "2026-11-21": b"20", "2026-11-22": None}
+
+
+@pytest.mark.postgres
+def test_dataframe_columns_differing_in_case_from_the_tables_land_as_with_sparks_jdbc_writer(spark, db,
+                                                                                            postgres_service,
+                                                                                            tmp_path):
+    """Spark's JDBC writer puts a DataFrame column ``ID`` into the table column ``id`` (names match
+    ignoring case, ``spark.sql.caseSensitive=false``).  Before: twophase-jdbc failed the batch
+    ("names are case-sensitive").  Both write one DataFrame into twin tables; a reader sees the same
+    rows."""
+    import uuid
+
+    import psycopg2.extensions
+
+    import twophase.datasource
+    from tests.services.maven import resolve
+
+    twophase.datasource.register(spark)
+    for jar in resolve(["org.postgresql:postgresql:42.7.8"], "postgresql-jdbc"):  # the driver and its deps
+        spark.sql(f"ADD JAR {jar}")  # Spark's JDBC writer needs them; the shared session has none
+    p = psycopg2.extensions.parse_dsn(postgres_service["dsn"])
+    url = f"jdbc:postgresql://{p['host']}:{p['port']}/{p['dbname']}"
+    tables = [f"case_spark_{uuid.uuid4().hex[:6]}", f"case_ours_{uuid.uuid4().hex[:6]}"]
+    with db.cursor() as cur:
+        for t in tables:
+            cur.execute(f"CREATE TABLE {t} (id bigint PRIMARY KEY, amount int NOT NULL, note text)")
+    try:
+        df = spark.sql("SELECT * FROM VALUES (1L, 5, 'a'), (2L, 6, NULL) AS t(ID, Amount, Note)").coalesce(1)
+        (df.write.format("jdbc").option("url", url).option("dbtable", tables[0]).option("user", p["user"])
+         .option("password", p.get("password", "")).option("driver", "org.postgresql.Driver").mode("append").save())
+        (df.write.format("twophase-jdbc").option("url", url).option("dbtable", tables[1]).option("user", p["user"])
+         .option("password", p.get("password", "")).option("twophase.logLocation", str(tmp_path / "log"))
+         .option("twophase.batchId", 0).mode("append").save())
+        got = []
+        with db.cursor() as cur:
+            for t in tables:
+                cur.execute(f"SELECT id, amount, note FROM {t} ORDER BY id")
+                got.append(cur.fetchall())
+        assert got[0] == got[1] == [(1, 5, "a"), (2, 6, None)]
+    finally:
+        with db.cursor() as cur:
+            for t in tables:
+                cur.execute(f"DROP TABLE IF EXISTS {t}")
