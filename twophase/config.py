@@ -27,6 +27,7 @@ BUILTIN_SINKS = {
     "files": "twophase.sinks.files:FileSink",
     "kafka": "twophase.sinks.kafka:KafkaSink",
     "postgres": "twophase.sinks.postgres:PostgresSink",
+    "mysql": "twophase.sinks.mysql:MySqlSink",
 }
 
 

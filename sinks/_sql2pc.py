@@ -1,0 +1,100 @@
+"""What the SQL sinks (PostgreSQL's prepared transactions, MySQL's and MariaDB's XA) share: how a
+transaction of one task attempt of one ballot is named, how a leftover is told to be this ballot's
+or a late one of an earlier batch, the marker row that proves a commit, and upsert planning.
+
+Names: ``{gid_prefix}:{query}:{batch}:{ballot token}:`` is a ballot's prefix (``plan_batch`` draws
+the token once per INTENT), then ``{partition}:{attempt}.{task attempt id}[:{run}]`` names one
+task attempt.  Only ``_safe`` characters (no ``:``) go into the query part, so a leftover's query
+and batch are read back from its name alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from typing import Any
+
+MAX_RUN_CHARS = 16  # a longer (or not name-safe) TransactionContext.run goes in as a digest
+MAX_TASK_ATTEMPT_ID = 2 ** 63 - 1  # Spark's taskAttemptId() is a Long
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+#: The marker row written inside each transaction, in this order (PostgreSQL's ``gid`` column is
+#: MySQL's ``gtrid`` and ``bqual`` pair).
+MARKER_COLUMNS = ("query_name", "batch_id", "partition_id", "attempt", "target_table", "row_count")
+
+
+def safe(s: str) -> str:
+    return _SAFE.sub("_", s)
+
+
+def run_token(run: str) -> str:
+    """``run`` as it goes into a name: itself if short and name-safe, else a stable digest of it."""
+    if not run or (len(run) <= MAX_RUN_CHARS and safe(run) == run):
+        return run
+    return "h" + hashlib.sha1(run.encode()).hexdigest()[:MAX_RUN_CHARS - 1]
+
+
+def attempt_part(attempt: int, task_attempt_id: int | None) -> str:
+    """``{attempt}.{task attempt id}``, or ``{attempt}`` where the task attempt id is not known."""
+    if task_attempt_id is None or task_attempt_id < 0:
+        return f"{int(attempt)}"
+    return f"{int(attempt)}.{int(task_attempt_id)}"
+
+
+def attempt_name(attempt: int, task_attempt_id: int | None, run: str) -> str:
+    """``{attempt}[.{task attempt id}][:{run}]``: one task attempt of one execution of a batch."""
+    a = attempt_part(attempt, task_attempt_id)
+    return f"{a}:{run_token(run)}" if run else a
+
+
+def batch_of(query_head: str, name: str) -> int | None:
+    """The batch number of a name under ``query_head`` (``{gid_prefix}:{query}:``), or None.
+
+    The query part is matched whole, up to its ``:``, so ``q.1`` never reads as query ``q``; the
+    batch is the digits before the next ``:``."""
+    if not name.startswith(query_head):
+        return None
+    m = re.match(r"([0-9]+):", name[len(query_head):])
+    return int(m.group(1)) if m else None
+
+
+def split_leftovers(names: Iterable[str], *, ballot_prefix: str, query_head: str, batch_id: int,
+                    keep: Iterable[str] = ()) -> tuple[list[str], list[str]]:
+    """Leftovers found open at the target, sorted into ``(this ballot's, late ones of earlier batches)``.
+
+    This ballot's: names under ``ballot_prefix`` not in ``keep``.  Late: names of this query whose batch
+    is below ``batch_id`` (every decided batch before it is committed by then, so such a name is a late
+    task attempt's and in no decision still to commit).  Later batches, other queries and ``keep`` are
+    never returned."""
+    kept = set(keep)
+    own, late = [], []
+    for name in names:
+        if name in kept:
+            continue
+        if name.startswith(ballot_prefix):
+            own.append(name)
+        else:
+            b = batch_of(query_head, name)
+            if b is not None and b < int(batch_id):
+                late.append(name)
+    return own, late
+
+
+def marker_values(ctx: Any, target_table: str, rows: int) -> tuple[Any, ...]:
+    """The values of :data:`MARKER_COLUMNS` for the transaction of ``ctx`` (a TransactionContext)."""
+    return (ctx.query_name, ctx.batch_id, ctx.partition_id, ctx.attempt, target_table, rows)
+
+
+def prune_below(batch_id: int, retention_batches: int) -> int | None:
+    """Marker rows of a query's batches below this may be deleted (None: none yet).  By then the log
+    has those batches COMMITTED, so no commit can need their markers."""
+    below = int(batch_id) - int(retention_batches)
+    return below if below > 0 else None
+
+
+def update_columns(columns: Iterable[str], key_columns: Iterable[str]) -> list[str]:
+    """Upsert: the columns an existing row of a key takes from the new one (all but the keys); empty:
+    the statement only inserts new keys (``DO NOTHING``, ``INSERT IGNORE``-like)."""
+    keys = set(key_columns)
+    return [c for c in columns if c not in keys]

@@ -1,0 +1,775 @@
+"""Exactly-once MySQL / MariaDB sink: each partition's rows in an XA branch, XA COMMIT on the driver.
+
+Executors ``XA START`` a branch named for one attempt of one task of one ballot, insert the
+partition's rows by multi-row ``INSERT`` (``... ON DUPLICATE KEY UPDATE`` in upsert mode), insert a
+marker row naming the branch, then ``XA END`` and ``XA PREPARE`` and close the connection.  The
+driver runs ``XA COMMIT`` on a connection of its own after the coordinator logged its decision.
+
+How it recovers: a prepared XA branch survives the death of the executor, of the driver and a
+restart of the server (MariaDB >= 10.5.2, MySQL >= 5.7.7); its handle (gtrid, bqual, database) is in
+the log and ``XA COMMIT`` can be run from any session.  A second ``XA COMMIT`` fails with 1397
+XAER_NOTA, the same answer as for a branch rolled back: the marker row, written inside the branch,
+tells "already committed" (present) from "lost" (absent).  Branches of attempts that never reached
+the decision are found by ``XA RECOVER`` and rolled back by the driver (``abort_lingering``), and
+so are late attempts' branches of earlier batches (``sweep_late``): they hold their row locks.
+
+Names: the XID's gtrid (at most 64 bytes) is the ballot's prefix and the partition,
+``{gid_prefix}:{query}:{batch}:{token}:{partition}``; its bqual (at most 64 bytes) is the attempt,
+``{attempt}.{task attempt id}[:{run}]`` (see ``sinks/_sql2pc.py``, shared with the PostgreSQL sink).
+A query name longer than 24 bytes (or not name-safe) goes into the gtrid as a digest.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import decimal
+import hashlib
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+import pyarrow as pa
+
+from twophase._deps import require
+from twophase.config import is_secret_ref, resolve_secret
+from twophase.context import TransactionContext
+from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
+from twophase.sink import CommitResult, TwoPhaseCommitSink
+from twophase.sinks import _sql2pc as names
+
+log = logging.getLogger("twophase.sinks.mysql")
+
+MODES = ("insert", "upsert")
+MAX_XID_PART_BYTES = 64  # MySQL and MariaDB: gtrid and bqual are at most 64 bytes each
+MAX_QUERY_CHARS = 24  # a longer (or not name-safe) query name goes into the gtrid as a digest
+MAX_PLANNED_ATTEMPTS = 9999
+
+# Server error numbers.
+ER_XAER_NOTA = 1397  # unknown XID: committed or rolled back already, or never prepared
+ER_XAER_RMFAIL = 1399  # the branch is in a state that forbids the command (e.g. still attached)
+ER_XAER_OUTSIDE = 1400
+ER_XA_RBROLLBACK = 1402
+ER_XAER_DUPID = 1440
+ER_NO_SUCH_TABLE = 1146
+ER_LOCK_WAIT_TIMEOUT = 1205
+ER_LOCK_DEADLOCK = 1213
+# Client-side and server-going-away errors: transient for the driver's commit.
+_TRANSIENT = {1040, 1053, 1205, 1213, 2002, 2003, 2006, 2013, 2014, 2055, 1927}
+
+_URL_SECRET_RE = re.compile(r"(password=)[^&;\s]*", re.IGNORECASE)
+
+
+class MySqlWriteError(TwoPhaseError):
+    """A batch could not be written (bad row, type mismatch, missing column); raised on the executor.
+
+    The branch was rolled back: nothing of the batch became visible and no prepared branch is left.
+    """
+
+    def __init__(self, message: str, *, column: str | None = None, errno: int | None = None):
+        super().__init__(message)
+        self.column = column
+        self.errno = errno
+
+
+def _my() -> Any:
+    return require("pymysql", "MySqlSink", extra="mysql")
+
+
+def quote_ident(name: str) -> str:
+    """A MySQL identifier in backticks (a backtick inside is doubled)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ConfigurationError(f"not an identifier: {name!r}")
+    return "`" + name.replace("`", "``") + "`"
+
+
+def query_token(query_name: str) -> str:
+    """The query as it goes into a gtrid: itself if short and name-safe, else a stable digest."""
+    s = names.safe(query_name)
+    if s == query_name and 0 < len(s) <= MAX_QUERY_CHARS:
+        return s
+    return "h" + hashlib.sha1(query_name.encode()).hexdigest()[:MAX_QUERY_CHARS - 1]
+
+
+def _errno(e: BaseException) -> int | None:
+    args = getattr(e, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+@dataclass
+class _Column:
+    name: str
+    data_type: str
+    nullable: bool
+    has_default: bool
+    generated: bool
+
+
+@dataclass
+class MySqlTransaction:
+    """One partition's open XA branch of one batch (executor side)."""
+
+    ctx: TransactionContext
+    gtrid: str
+    bqual: str
+    conn: Any
+    columns: dict[str, _Column]
+    insert_columns: list[str] | None = None
+    rows: int = 0
+    started: bool = False
+    prepared: bool = False
+    closed: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
+    """Write each batch into a MySQL or MariaDB table exactly once, by XA transactions.
+
+    ``host``, ``port``, ``database``, ``user``: where to connect; ``password`` a string (kept in
+    memory only, never in the config, handles or messages) or a secret reference
+    ``{"env": "VAR"}`` / ``{"file": "/path"}``.  ``table`` names the target table literally (quoted
+    with backticks, never parsed).  ``mode="upsert"`` writes ``INSERT ... ON DUPLICATE KEY UPDATE``
+    and needs a PRIMARY KEY or UNIQUE index on exactly ``key_columns``; within one transaction the
+    last row of a key wins.  ``marker_table`` (same database) holds one row per committed branch.
+    ``lock_wait_timeout`` (seconds) bounds how long a task waits for a row lock, e.g. one held by a
+    leftover prepared branch.  ``insert_rows``: rows per multi-row INSERT statement.
+    """
+
+    kind = "mysql"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 3306, database: str | None = None,
+                 table: str | None = None, *, user: str | None = None,
+                 password: str | dict[str, str] | None = None, mode: str = "insert",
+                 key_columns: list[str] | tuple[str, ...] | None = None,
+                 marker_table: str = "twophase_commits", gid_prefix: str = "tp",
+                 lock_wait_timeout: int = 60, connect_timeout: int = 10,
+                 marker_retention_batches: int = 100, insert_rows: int = 1000):
+        _my()  # fail now, naming the extra to install, if PyMySQL is missing
+        if not table or not isinstance(table, str):
+            raise ConfigurationError("MySqlSink needs table=... (the target table's name)")
+        if not database or not isinstance(database, str):
+            raise ConfigurationError("MySqlSink needs database=... (the database of the table)")
+        if mode not in MODES:
+            raise ConfigurationError(f"MySqlSink mode must be one of {', '.join(MODES)}, got {mode!r}")
+        keys = list(key_columns or [])
+        if mode == "upsert" and not keys:
+            raise ConfigurationError("MySqlSink(mode='upsert') needs key_columns=[...] (the columns of "
+                                     "a PRIMARY KEY or UNIQUE index of the table)")
+        if mode == "insert" and keys:
+            raise ConfigurationError("key_columns only apply to mode='upsert'; remove them or set mode='upsert'")
+        if len(set(keys)) != len(keys):
+            raise ConfigurationError(f"key_columns has duplicates: {keys}")
+        if not gid_prefix or names.safe(gid_prefix) != gid_prefix:
+            raise ConfigurationError(f"gid_prefix {gid_prefix!r} must be letters, digits, '_', '-' or '.'")
+        if marker_retention_batches < 1:
+            raise ConfigurationError("marker_retention_batches must be >= 1")
+        if password is not None and not is_secret_ref(password) and not isinstance(password, str):
+            raise ConfigurationError('password must be a string or a secret reference {"env": "VAR"}')
+        self.host = host
+        self.port = int(port)
+        self.database = database
+        self.table = table
+        self.user = user
+        self.mode = mode
+        self.key_columns = keys
+        self.marker_table = marker_table
+        self.gid_prefix = gid_prefix
+        self.lock_wait_timeout = int(lock_wait_timeout)
+        self.connect_timeout = int(connect_timeout)
+        self.marker_retention_batches = int(marker_retention_batches)
+        self.insert_rows = max(1, int(insert_rows))
+        self._password_ref = password if is_secret_ref(password) else None
+        self._password_inline = password if isinstance(password, str) else None
+
+    def __repr__(self) -> str:
+        return f"MySqlSink({self.where}, table={self.table}, mode={self.mode!r})"
+
+    @property
+    def where(self) -> str:
+        """``user@host:port/database`` for messages (no password)."""
+        return f"{self.user or ''}{'@' if self.user else ''}{self.host}:{self.port}/{self.database}"
+
+    def target(self) -> str:
+        return f"mysql database {self.database} table {self.table}"
+
+    def _redact(self, text: str) -> str:
+        text = _URL_SECRET_RE.sub(r"\1***", text)
+        pw = self._password_inline
+        if pw is None and self._password_ref is not None:
+            try:
+                pw = resolve_secret(self._password_ref, "MySqlSink password")
+            except Exception:  # noqa: BLE001 - nothing to redact then
+                pw = None
+        if pw and len(pw) >= 3:
+            text = text.replace(pw, "***")
+        return text
+
+    def _describe(self, e: BaseException) -> str:
+        n = _errno(e)
+        msg = e.args[1] if len(getattr(e, "args", ())) > 1 else str(e)
+        return self._redact(f"{msg} [error {n}]" if n is not None else str(msg))
+
+    def _connect(self) -> Any:
+        """A new connection (driver or executor); errors name the server, never the password."""
+        my = _my()
+        pw = resolve_secret(self._password_ref, "MySqlSink password") if self._password_ref \
+            else self._password_inline
+        try:
+            return my.connect(host=self.host, port=self.port, user=self.user, password=pw or "",
+                              database=self.database, connect_timeout=self.connect_timeout,
+                              autocommit=True, charset="utf8mb4", local_infile=False,
+                              # No gap locks: concurrent branches' inserts (and the markers') never wait
+                              # on each other, only on the rows they write.
+                              init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        except my.Error as e:
+            raise _ConnectError(f"cannot connect to MySQL at {self.where}: {self._describe(e)}") from None
+
+    # ------------------------------------------------------------------ config
+    def to_config(self) -> dict[str, Any]:
+        """Everything needed to rebuild this sink; a password only as a secret reference."""
+        cfg: dict[str, Any] = {"sink": self.kind, "host": self.host, "port": self.port,
+                               "database": self.database, "table": self.table, "user": self.user,
+                               "mode": self.mode, "key_columns": list(self.key_columns),
+                               "marker_table": self.marker_table, "gid_prefix": self.gid_prefix,
+                               "lock_wait_timeout": self.lock_wait_timeout,
+                               "connect_timeout": self.connect_timeout,
+                               "marker_retention_batches": self.marker_retention_batches,
+                               "insert_rows": self.insert_rows}
+        if isinstance(self._password_ref, dict):
+            cfg["password"] = dict(self._password_ref)
+        return cfg
+
+    def executor_modules(self) -> list[str]:
+        return ["pyarrow", "pymysql"]
+
+    # ---------------------------------------------------------------- driver
+    def open(self) -> None:
+        """Check the server version, the table and (upsert) its key; create the marker table."""
+        my = _my()
+        try:
+            conn = self._connect()
+        except _ConnectError as e:
+            raise ConfigurationError(str(e)) from None
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT VERSION()")
+                self._check_version(cur.fetchone()[0])
+                cur.execute("SELECT table_type FROM information_schema.tables WHERE table_schema = %s "
+                            "AND table_name = %s", (self.database, self.table))
+                row = cur.fetchone()
+                if row is None:
+                    raise ConfigurationError(f"table {quote_ident(self.table)} does not exist in database "
+                                             f"{self.database!r} at {self.where}; create it first")
+                if row[0] != "BASE TABLE":
+                    raise ConfigurationError(f"{quote_ident(self.table)} is a {row[0]}, not a table")
+                cur.execute("SELECT engine FROM information_schema.tables WHERE table_schema = %s "
+                            "AND table_name = %s", (self.database, self.table))
+                engine = (cur.fetchone() or ("",))[0] or ""
+                if engine.lower() != "innodb":
+                    raise ConfigurationError(f"table {quote_ident(self.table)} uses engine {engine}; only "
+                                             "InnoDB takes part in XA transactions (ALTER TABLE ... ENGINE=InnoDB)")
+                if self.mode == "upsert":
+                    self._check_keys(cur)
+                cur.execute(self._marker_ddl())
+        except my.Error as e:
+            raise ConfigurationError(f"MySqlSink could not check {self.table} at {self.where}: "
+                                     f"{self._describe(e)}") from None
+        finally:
+            _close_quietly(conn)
+
+    def _check_version(self, version: str) -> None:
+        m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+        if not m:
+            return
+        v = tuple(int(x) for x in m.groups())
+        maria = "mariadb" in version.lower()
+        need = (10, 5, 2) if maria else (5, 7, 7)
+        if v < need:
+            raise ConfigurationError(
+                f"{'MariaDB' if maria else 'MySQL'} {version} at {self.where} rolls prepared XA transactions "
+                f"back when their session ends or the server restarts; MySqlSink needs "
+                f"{'MariaDB >= 10.5.2' if maria else 'MySQL >= 5.7.7'}")
+
+    def _check_keys(self, cur: Any) -> None:
+        cur.execute("SELECT index_name, column_name FROM information_schema.statistics WHERE table_schema = %s "
+                    "AND table_name = %s AND non_unique = 0 ORDER BY index_name, seq_in_index",
+                    (self.database, self.table))
+        indexes: dict[str, list[str]] = {}
+        for index, col in cur.fetchall():
+            indexes.setdefault(index, []).append(col)
+        if not any(sorted(cols) == sorted(self.key_columns) for cols in indexes.values()):
+            cols = ", ".join(quote_ident(k) for k in self.key_columns)
+            raise ConfigurationError(
+                f"upsert on {quote_ident(self.table)} needs a PRIMARY KEY or UNIQUE index on exactly ({cols}) "
+                f"for ON DUPLICATE KEY UPDATE; create one: ALTER TABLE {quote_ident(self.table)} ADD UNIQUE ({cols})")
+
+    def _marker_ddl(self) -> str:
+        return (f"CREATE TABLE IF NOT EXISTS {quote_ident(self.marker_table)} ("
+                "gtrid VARBINARY(64) NOT NULL, bqual VARBINARY(64) NOT NULL, query_name VARCHAR(255) NOT NULL, "
+                "batch_id BIGINT NOT NULL, partition_id INT NOT NULL, attempt INT NOT NULL, "
+                "target_table VARCHAR(255) NOT NULL, row_count BIGINT NOT NULL, "
+                "prepared_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), PRIMARY KEY (gtrid, bqual), "
+                "KEY query_batch (query_name, batch_id)) ENGINE=InnoDB")
+
+    def batch_prefix(self, query_name: str, batch_id: int) -> str:
+        return f"{self.query_prefix(query_name)}{int(batch_id)}:"
+
+    def query_prefix(self, query_name: str) -> str:
+        """``{gid_prefix}:{query token}:`` — every gtrid of every batch of this query starts so."""
+        return f"{self.gid_prefix}:{query_token(query_name)}:"
+
+    def make_xid(self, ballot_prefix: str, partition_id: int, attempt: int, run: str = "", *,
+                 task_attempt_id: int | None = None) -> tuple[str, str]:
+        """``(gtrid, bqual)`` of one task attempt of one ballot; each at most 64 bytes or refused."""
+        gtrid = f"{ballot_prefix}{int(partition_id)}"
+        bqual = names.attempt_name(attempt, task_attempt_id, run)
+        for what, part in (("gtrid", gtrid), ("bqual", bqual)):
+            n = len(part.encode())
+            if n > MAX_XID_PART_BYTES:
+                raise ConfigurationError(
+                    f"XA {what} {part!r} is {n} bytes; MySQL and MariaDB allow at most {MAX_XID_PART_BYTES}. "
+                    "Shorten the sink's gid_prefix=... (the query name goes in as a digest past "
+                    f"{MAX_QUERY_CHARS} characters)")
+        return gtrid, bqual
+
+    def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        """INTENT: the gtrid prefix of this ballot, with a random token drawn once per INTENT."""
+        prefix = f"{self.batch_prefix(query_name, batch_id)}{uuid.uuid4().hex[:8]}:"
+        self.make_xid(prefix, max(num_partitions - 1, 0), MAX_PLANNED_ATTEMPTS, "r" * names.MAX_RUN_CHARS,
+                      task_attempt_id=names.MAX_TASK_ATTEMPT_ID)
+        return {"gid_prefix": prefix, "table": self.table, "database": self.database}
+
+    def _intent_prefix(self, query_name: str, batch_id: int, intent: dict[str, Any]) -> str:
+        prefix = intent.get("gid_prefix") if intent else None
+        if prefix is None:
+            return self.batch_prefix(query_name, batch_id)
+        if not isinstance(prefix, str) or not prefix.startswith(self.batch_prefix(query_name, batch_id)):
+            raise HandleError(f"INTENT of batch {batch_id} has gid_prefix {prefix!r}, which does not belong "
+                              f"to query {query_name!r} batch {batch_id}")
+        return prefix
+
+    def prepared(self, prefix: str = "") -> list[tuple[str, str]]:
+        """``(gtrid, bqual)`` of every prepared XA branch whose gtrid starts with ``prefix`` (driver)."""
+        conn = self._connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("XA RECOVER")
+                out = []
+                for _fmt, glen, blen, data in cur.fetchall():
+                    raw = data if isinstance(data, bytes) else str(data).encode()
+                    gtrid = raw[:glen].decode(errors="replace")
+                    bqual = raw[glen:glen + blen].decode(errors="replace")
+                    if gtrid.startswith(prefix):
+                        out.append((gtrid, bqual))
+                return sorted(out)
+        finally:
+            _close_quietly(conn)
+
+    def verify_prepared(self, batch_id: int, handles: list[dict], *, prepare_started_at: float) -> None:
+        """Check every handle's branch is still prepared before the decision is logged (driver)."""
+        if not handles:
+            return
+        try:
+            present = set(self.prepared(self.gid_prefix + ":"))
+        except (_ConnectError, _my().Error) as e:
+            raise TwoPhaseError(f"batch {batch_id}: cannot check its prepared XA branches at {self.where}: "
+                                f"{e if isinstance(e, _ConnectError) else self._describe(e)}. Nothing was "
+                                "decided; restart the query and the batch is written again.") from None
+        gone = [h for h in handles if (h["gtrid"], h["bqual"]) not in present]
+        if gone:
+            some = ", ".join(f"{h['gtrid']}/{h['bqual']}" for h in gone[:5])
+            raise TwoPhaseError(f"batch {batch_id}: {len(gone)} of its {len(handles)} prepared XA branches no "
+                                f"longer exist at {self.where} ({some}): someone rolled them back. Nothing was "
+                                "decided; restart the query and the batch is written again.")
+
+    def commit(self, handle: dict) -> CommitResult:
+        """``XA COMMIT`` the handle's branch on a fresh connection (driver; idempotent).
+
+        1397 XAER_NOTA is resolved by the marker row: present = committed before, absent = rolled
+        back (lost, never visible).  Connection trouble and a branch still attached elsewhere are
+        retried later."""
+        my = _my()
+        self._check_database(handle)
+        try:
+            conn = self._connect()
+        except _ConnectError as e:
+            return CommitResult.retry_later(str(e))
+        try:
+            with conn.cursor() as cur:
+                cur.execute("XA COMMIT %s, %s", (handle["gtrid"], handle["bqual"]))
+            return CommitResult.committed()
+        except my.Error as e:
+            n = _errno(e)
+            if n == ER_XAER_NOTA:
+                return self._resolve_missing(handle)
+            if n is None or n >= 2000 or n in _TRANSIENT or n in (ER_XAER_RMFAIL, ER_XAER_DUPID):
+                return CommitResult.retry_later(self._describe(e))
+            raise TwoPhaseError(f"XA COMMIT of {self.describe_handle(handle)} failed: {self._describe(e)}") from None
+        finally:
+            _close_quietly(conn)
+
+    def _check_database(self, handle: dict) -> None:
+        if handle.get("database") and handle["database"] != self.database:
+            raise ConfigurationError(
+                f"{self.describe_handle(handle)} was prepared in database {handle['database']!r} but this "
+                f"sink connects to {self.database!r}; point the sink at the database of the log's handles")
+
+    def _resolve_missing(self, handle: dict) -> CommitResult:
+        my = _my()
+        try:
+            conn = self._connect()
+        except _ConnectError as e:
+            return CommitResult.retry_later(str(e))
+        name = f"{handle['gtrid']}/{handle['bqual']}"
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s",
+                            (handle["gtrid"], handle["bqual"]))
+                found = cur.fetchone() is not None
+        except my.Error as e:
+            if _errno(e) == ER_NO_SUCH_TABLE:
+                return CommitResult.lost(f"XA branch {name} does not exist and the marker table "
+                                         f"{self.marker_table!r} is missing, so it cannot be proven committed")
+            return CommitResult.retry_later(self._describe(e))
+        finally:
+            _close_quietly(conn)
+        if found:
+            return CommitResult.already_committed(f"marker row of {name} present")
+        return CommitResult.lost(
+            f"XA branch {name} does not exist and its marker row is absent: it was rolled back (XA ROLLBACK "
+            "by someone else, or the database was restored from an older backup)", never_visible=True)
+
+    def recover_and_abort(self, handle: dict) -> None:
+        """``XA ROLLBACK`` the handle's branch if it still exists (driver)."""
+        self._rollback([(handle["gtrid"], handle["bqual"])])
+
+    def _rollback(self, xids: list[tuple[str, str]], strict: bool = True) -> int:
+        """``XA ROLLBACK`` each branch; one already gone is fine.  Other failures raise, or with
+        ``strict=False`` only log (the next cleanup tries again)."""
+        if not xids:
+            return 0
+        my = _my()
+        n = 0
+        conn = self._connect()
+        try:
+            for gtrid, bqual in xids:
+                try:
+                    with conn.cursor() as cur:
+                        cur.execute("XA ROLLBACK %s, %s", (gtrid, bqual))
+                    n += 1
+                except my.Error as e:
+                    if _errno(e) == ER_XAER_NOTA:
+                        continue
+                    msg = f"XA ROLLBACK {gtrid}/{bqual} at {self.where} failed: {self._describe(e)}"
+                    if strict:
+                        raise TwoPhaseError(msg) from None
+                    log.warning("%s; the next batch's cleanup tries again", msg)
+        finally:
+            _close_quietly(conn)
+        return n
+
+    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]) -> int:
+        """Roll back this ballot's prepared branches except ``keep``, and every prepared branch of an
+        *earlier* batch of this query (a late task attempt's: it holds row locks), found by XA RECOVER;
+        prune marker rows older than the retention (driver)."""
+        prefix = self._intent_prefix(query_name, batch_id, intent)
+        keep_xids = {(h["gtrid"], h["bqual"]) for h in keep}
+        try:
+            found = [x for x in self.prepared(self.query_prefix(query_name)) if x not in keep_xids]
+            by_name = {f"{g}\n{b}": (g, b) for g, b in found}
+            own, late = names.split_leftovers(
+                [g + "\n" + b for g, b in found], ballot_prefix=prefix, query_head=self.query_prefix(query_name),
+                batch_id=batch_id)
+            n = self._rollback([by_name[k] for k in own])
+            if n:
+                log.info("batch %d: rolled back %d prepared XA branches under %s", batch_id, n, prefix)
+            n += self._rollback_late(query_name, batch_id, [by_name[k] for k in late])
+            self._prune_markers(query_name, batch_id)
+        except _ConnectError as e:
+            raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover XA branches: {e}") from None
+        return n
+
+    def _rollback_late(self, query_name: str, batch_id: int, late: list[tuple[str, str]]) -> int:
+        n = self._rollback(late, strict=False)
+        if n:
+            log.warning("batch %d: rolled back %d prepared XA branches of earlier, finished batches of %s, "
+                        "prepared late (after their batch's cleanup): %s", batch_id, n, query_name,
+                        ", ".join(f"{g}/{b}" for g, b in late[:5]) + (", ..." if len(late) > 5 else ""))
+        return n
+
+    def sweep_late(self, query_name: str, batch_id: int) -> int:
+        """Roll back this query's prepared branches of batches before ``batch_id`` (driver)."""
+        head = self.query_prefix(query_name)
+        try:
+            late = [(g, b) for g, b in self.prepared(head)
+                    if (k := names.batch_of(head, g)) is not None and k < int(batch_id)]
+            return self._rollback_late(query_name, batch_id, late)
+        except _ConnectError as e:
+            raise TwoPhaseError(f"batch {batch_id}: cannot look for late XA branches: {e}") from None
+
+    def _prune_markers(self, query_name: str, batch_id: int) -> int:
+        below = names.prune_below(batch_id, self.marker_retention_batches)
+        if below is None:
+            return 0
+        my = _my()
+        conn = self._connect()
+        try:
+            with conn.cursor() as cur:
+                # A consistent read sees only committed markers; deleting those by key never waits on a
+                # prepared branch's marker (a late attempt's, of an old batch), as a range DELETE would.
+                cur.execute("SET SESSION innodb_lock_wait_timeout = 5")
+                cur.execute(f"SELECT gtrid, bqual FROM {quote_ident(self.marker_table)} WHERE query_name = %s "
+                            "AND batch_id < %s", (query_name, below))
+                keys = cur.fetchall()
+                n = 0
+                for i in range(0, len(keys), 500):
+                    part = keys[i:i + 500]
+                    n += cur.execute(f"DELETE FROM {quote_ident(self.marker_table)} WHERE (gtrid, bqual) IN ("
+                                     + ", ".join(["(%s, %s)"] * len(part)) + ")", [v for k in part for v in k])
+                return n
+        except my.Error as e:
+            if _errno(e) != ER_NO_SUCH_TABLE:
+                log.warning("cannot prune marker rows (%s); the next batch tries again", self._describe(e))
+            return 0
+        finally:
+            _close_quietly(conn)
+
+    def describe_handle(self, handle: dict) -> str:
+        return (f"XA branch {handle.get('gtrid')!r}/{handle.get('bqual')!r} in database {handle.get('database')!r} "
+                f"({handle.get('rows')} rows for {handle.get('table')})")
+
+    # -------------------------------------------------------------- executor
+    def begin_transaction(self, ctx: TransactionContext) -> MySqlTransaction:
+        """Connect, ``XA START`` the attempt's branch and read the table's columns (executor)."""
+        my = _my()
+        prefix = self._intent_prefix(ctx.query_name, ctx.batch_id, ctx.intent)
+        gtrid, bqual = self.make_xid(prefix, ctx.partition_id, ctx.attempt, ctx.run,
+                                     task_attempt_id=ctx.task_attempt_id)
+        try:
+            conn = self._connect()
+        except _ConnectError as e:
+            raise TwoPhaseError(f"{ctx.label}: {e}") from None
+        txn = MySqlTransaction(ctx, gtrid, bqual, conn, {})
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SET SESSION innodb_lock_wait_timeout = %s", (self.lock_wait_timeout,))
+                cur.execute("SELECT column_name, data_type, is_nullable, column_default, extra "
+                            "FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
+                            "ORDER BY ordinal_position", (self.database, self.table))
+                for name, dtype, nullable, default, extra in cur.fetchall():
+                    extra = (extra or "").lower()
+                    txn.columns[name] = _Column(name, str(dtype).lower(), nullable == "YES",
+                                                default is not None or "auto_increment" in extra,
+                                                "generated" in extra or "virtual" in extra or "persistent" in extra)
+                if not txn.columns:
+                    raise MySqlWriteError(f"{ctx.label}: table {quote_ident(self.table)} does not exist in "
+                                          f"database {self.database!r}")
+                cur.execute("XA START %s, %s", (gtrid, bqual))
+                txn.started = True
+        except BaseException as e:
+            _close_quietly(conn)
+            txn.closed = True
+            if isinstance(e, my.Error):
+                raise MySqlWriteError(f"{ctx.label} (xid {gtrid}/{bqual}): cannot begin: {self._describe(e)}",
+                                      errno=_errno(e)) from None
+            raise
+        return txn
+
+    def _map_columns(self, txn: MySqlTransaction, schema: pa.Schema) -> list[str]:
+        label = f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}, table {self.table})"
+        lower = {c.lower(): c for c in txn.columns}
+        out = []
+        for f in schema:
+            # MySQL column names are case-insensitive, as Spark's JDBC writer matches them.
+            name = f.name if f.name in txn.columns else lower.get(f.name.lower())
+            if name is None:
+                raise MySqlWriteError(f"{label}: the DataFrame column {f.name!r} is not a column of the table; "
+                                      f"table columns: {', '.join(txn.columns)}", column=f.name)
+            if txn.columns[name].generated:
+                raise MySqlWriteError(f"{label}: column {name!r} is a generated column and cannot be written; "
+                                      "drop it from the DataFrame", column=name)
+            out.append(name)
+        present = set(out)
+        for c in txn.columns.values():
+            if c.name not in present and not c.nullable and not c.has_default and not c.generated:
+                raise MySqlWriteError(f"{label}: the table's column {c.name!r} is NOT NULL without a default "
+                                      "but the DataFrame has no such column", column=c.name)
+        if self.mode == "upsert":
+            missing = [k for k in self.key_columns if k not in present]
+            if missing:
+                raise MySqlWriteError(f"{label}: upsert key columns {missing} are missing from the DataFrame",
+                                      column=missing[0])
+        return out
+
+    def _insert_sql(self, columns: list[str]) -> str:
+        cols = ", ".join(quote_ident(c) for c in columns)
+        sql = f"INSERT INTO {quote_ident(self.table)} ({cols}) VALUES ({', '.join(['%s'] * len(columns))})"
+        if self.mode == "upsert":
+            upd = names.update_columns(columns, self.key_columns)
+            # No other column: a key already there keeps its row (a no-op update of the first key).
+            upd = upd or [self.key_columns[0]]
+            sql += " ON DUPLICATE KEY UPDATE " + ", ".join(f"{quote_ident(c)} = VALUES({quote_ident(c)})"
+                                                          for c in upd)
+        return sql
+
+    def write(self, txn: MySqlTransaction, batch: pa.RecordBatch) -> None:
+        """Insert one Arrow batch into the branch by multi-row INSERTs (executor)."""
+        my = _my()
+        if batch.num_rows == 0:
+            return
+        if txn.insert_columns is None:
+            txn.insert_columns = self._map_columns(txn, batch.schema)
+            txn.extra["names"] = list(batch.schema.names)
+            txn.extra["sql"] = self._insert_sql(txn.insert_columns)
+        elif list(batch.schema.names) != txn.extra["names"]:
+            raise MySqlWriteError(f"{txn.ctx.label}: Arrow batches of one partition changed columns "
+                                  f"({txn.extra['names']} then {batch.schema.names})")
+        if self.mode == "upsert":
+            for k in self.key_columns:
+                col = batch.column(txn.insert_columns.index(k))
+                if col.null_count:
+                    raise MySqlWriteError(
+                        f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): upsert key column {k!r} is NULL in this "
+                        "partition; a NULL key matches no row, so it cannot be upserted. Nothing of this batch "
+                        "became visible; filter or fill NULL keys in Spark and restart the query.", column=k)
+        cols = [[_py_value(v) for v in batch.column(i).to_pylist()] for i in range(batch.num_columns)]
+        rows = list(zip(*cols))
+        try:
+            with txn.conn.cursor() as cur:
+                for i in range(0, len(rows), self.insert_rows):
+                    cur.executemany(txn.extra["sql"], rows[i:i + self.insert_rows])
+        except my.Error as e:
+            raise MySqlWriteError(
+                f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): INSERT into table {self.table} failed: "
+                f"{self._describe(e)}. The branch is rolled back; nothing of this batch became visible.",
+                errno=_errno(e)) from None
+        txn.rows += batch.num_rows
+
+    def pre_commit(self, txn: MySqlTransaction) -> dict:
+        """Insert the marker row, ``XA END`` and ``XA PREPARE`` the branch, close the connection."""
+        my = _my()
+        ctx = txn.ctx
+        action = "marker row"
+        try:
+            with txn.conn.cursor() as cur:
+                cols = ", ".join(("gtrid", "bqual") + names.MARKER_COLUMNS)
+                cur.execute(f"INSERT INTO {quote_ident(self.marker_table)} ({cols}) VALUES "
+                            f"({', '.join(['%s'] * (2 + len(names.MARKER_COLUMNS)))})",
+                            (txn.gtrid, txn.bqual) + names.marker_values(ctx, self.table, txn.rows))
+                action = "XA END"
+                cur.execute("XA END %s, %s", (txn.gtrid, txn.bqual))
+                action = "XA PREPARE"
+                cur.execute("XA PREPARE %s, %s", (txn.gtrid, txn.bqual))
+            txn.prepared = True
+        except my.Error as e:
+            raise MySqlWriteError(f"{ctx.label} (xid {txn.gtrid}/{txn.bqual}): {action} failed: "
+                                  f"{self._describe(e)}. The branch is rolled back; nothing of this batch "
+                                  "became visible.", errno=_errno(e)) from None
+        _close_quietly(txn.conn)
+        txn.closed = True
+        return {"gtrid": txn.gtrid, "bqual": txn.bqual, "database": self.database, "table": self.table,
+                "rows": txn.rows, "batch": ctx.batch_id, "partition": ctx.partition_id}
+
+    def abort(self, txn: MySqlTransaction) -> None:
+        """Roll back the branch, open or prepared (executor; best effort, idempotent)."""
+        my = _my()
+        if txn.prepared:
+            try:
+                self._rollback([(txn.gtrid, txn.bqual)], strict=False)
+            except _ConnectError as e:
+                log.warning("%s: rolling back prepared %s/%s failed (%s); the coordinator's cleanup rolls it "
+                            "back", txn.ctx.label, txn.gtrid, txn.bqual, e)
+            txn.closed = True
+            return
+        if not txn.closed:
+            try:
+                with txn.conn.cursor() as cur:
+                    if txn.started:
+                        try:
+                            cur.execute("XA END %s, %s", (txn.gtrid, txn.bqual))
+                        except my.Error:
+                            pass  # ended already (a failed XA PREPARE)
+                        cur.execute("XA ROLLBACK %s, %s", (txn.gtrid, txn.bqual))
+            except my.Error:
+                pass  # closing the connection rolls back an unprepared branch too
+            _close_quietly(txn.conn)
+            txn.closed = True
+
+
+class _ConnectError(TwoPhaseError):
+    """Could not connect (internal: turned into retry_later, ConfigurationError or a task error)."""
+
+
+def _close_quietly(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:
+        pass
+
+
+def _py_value(v: Any) -> Any:
+    """An Arrow value as PyMySQL can send it: nested values as JSON text, tz-aware times in UTC."""
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, default=str, ensure_ascii=False)
+    if isinstance(v, _dt.datetime) and v.tzinfo is not None:
+        return v.astimezone(_dt.UTC).replace(tzinfo=None)
+    if isinstance(v, _dt.timedelta):
+        return v.total_seconds()
+    if isinstance(v, (str, int, float, bool, bytes, decimal.Decimal, _dt.date, _dt.time)) or v is None:
+        return v
+    return str(v)
+
+
+def _parse_jdbc_url(url: str) -> dict[str, Any]:
+    """``jdbc:mysql://host[:port][/database][?k=v&...]`` (or ``jdbc:mariadb:``) as its parts."""
+    m = re.fullmatch(r"jdbc:(mysql|mariadb)://([^/?]*)(?:/([^?]*))?(?:\?(.*))?", url.strip(), re.IGNORECASE)
+    if not m:
+        raise ConfigurationError("url must be jdbc:mysql://host:port/database or jdbc:mariadb://host:port/database "
+                                 "(the url is not quoted here: it may hold a password)")
+    hostport = m.group(2)
+    if "," in hostport:
+        raise ConfigurationError("MySqlSink takes one host in the JDBC url (failover lists are not supported)")
+    host, port = hostport, 3306
+    if hostport.startswith("["):
+        host, _, rest = hostport[1:].partition("]")
+        port = int(rest[1:]) if rest.startswith(":") else 3306
+    elif ":" in hostport:
+        host, p = hostport.rsplit(":", 1)
+        port = int(p)
+    params = {k: v for k, v in parse_qsl(m.group(4) or "", keep_blank_values=True)}
+    return {"host": host or "127.0.0.1", "port": port, "database": unquote(m.group(3) or "") or None,
+            "params": params}
+
+
+def sink_from_jdbc_options(options: dict[str, str], **kw: Any) -> MySqlSink:
+    """A MySqlSink from Spark's JDBC options (``url``, ``user``, ``password``, ``dbtable``).
+
+    ``dbtable`` ``db.table`` names the database too (unquoted, as MySQL reads it); backticks quote
+    a name with a dot.  ``user`` and ``password`` may also be in the url's parameters.  Other
+    keyword arguments go to :class:`MySqlSink` (``mode``, ``key_columns``, ``gid_prefix`` ...)."""
+    opts = {k.lower(): v for k, v in options.items()}
+    if "url" not in opts:
+        raise ConfigurationError("the JDBC options need url=jdbc:mysql://host:port/database")
+    u = _parse_jdbc_url(opts["url"])
+    params = {k.lower(): v for k, v in u["params"].items()}
+    user = opts.get("user", params.get("user"))
+    password = opts.get("password", params.get("password"))
+    table = opts.get("dbtable")
+    if not table:
+        raise ConfigurationError("the JDBC options need dbtable=... (the target table)")
+    database = u["database"]
+    parts = re.findall(r"`((?:[^`]|``)*)`|([^.`]+)", table.strip())
+    idents = [(q.replace("``", "`") if q else n.strip()) for q, n in parts]
+    if len(idents) == 2:
+        database, table = idents
+    elif len(idents) == 1:
+        table = idents[0]
+    else:
+        raise ConfigurationError(f"dbtable {table!r} is not table or database.table")
+    if not database:
+        raise ConfigurationError("the JDBC url names no database (jdbc:mysql://host:port/database) and "
+                                 "dbtable is not database.table")
+    return MySqlSink(u["host"], u["port"], database, table, user=user, password=password, **kw)
