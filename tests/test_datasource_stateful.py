@@ -183,3 +183,33 @@ def test_over_spark_connect_a_stateful_query_is_coalesced_too(spark_connect_serv
     assert sorted(pq.read_table(files).column("id").to_pylist()) == sorted(ids)
     assert len(files) <= 2 * 3, len(files)
     assert _state_partitions(tmp_path / "ck") == 200
+
+
+def test_a_windowed_count_in_append_mode_at_200_shuffle_partitions_writes_what_sparks_parquet_sink_writes(
+        shuffle_200, tmp_path):
+    """The issue's other stateful query: a count per 1-minute event-time window, in append mode
+    (a window is written once the watermark passes it, by a batch of its own or a no-data batch).
+    Spark's parquet sink and ``twophase-files`` on the same input write the same windows."""
+    spark = shuffle_200
+    src = tmp_path / "in"
+    src.mkdir()
+    # Two minutes of events, then one far later that moves the watermark past both.
+    for f, (start, n) in enumerate([(0, 60), (120, 30), (600, 1)]):
+        (src / f"f{f}.json").write_text("".join(json.dumps({"id": f"w{start + i}", "t": start + i}) + "\n"
+                                                for i in range(n)))
+
+    def windows(fmt: str, out: Path, ck: Path) -> list[tuple[str, int]]:
+        df = (spark.readStream.schema("id STRING, t LONG").option("maxFilesPerTrigger", 1).json(str(src))
+              .selectExpr("id", "CAST(t AS TIMESTAMP) AS ts").withWatermark("ts", "10 seconds")
+              .groupBy(F.window("ts", "1 minute")).count()
+              .selectExpr("CAST(window.start AS STRING) AS w", "count"))
+        _run(df.writeStream.format(fmt).outputMode("append"), ck, str(out))
+        return sorted((r.w, r["count"]) for r in spark.read.parquet(str(out)).collect())
+
+    from pyspark.sql import functions as F
+
+    theirs = windows("parquet", tmp_path / "spark", tmp_path / "ck1")
+    mine = windows("twophase-files", tmp_path / "ours", tmp_path / "ck2")
+    assert len(theirs) == 2 and [c for _, c in theirs] == [60, 30], theirs
+    assert mine == theirs
+    assert _state_partitions(tmp_path / "ck2") == 200
