@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from twophase.errors import TwoPhaseError
+
 MAX_RUN_CHARS = 16  # a longer (or not name-safe) TransactionContext.run goes in as a digest
 MAX_TASK_ATTEMPT_ID = 2 ** 63 - 1  # Spark's taskAttemptId() is a Long
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -98,3 +100,14 @@ def update_columns(columns: Iterable[str], key_columns: Iterable[str]) -> list[s
     the statement only inserts new keys (``DO NOTHING``, ``INSERT IGNORE``-like)."""
     keys = set(key_columns)
     return [c for c in columns if c not in keys]
+
+
+class ConnectError(TwoPhaseError):
+    """Could not connect (internal: turned into retry_later, ConfigurationError or a task error)."""
+
+
+def close_quietly(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:
+        pass

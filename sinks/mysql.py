@@ -699,15 +699,8 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             txn.closed = True
 
 
-class _ConnectError(TwoPhaseError):
-    """Could not connect (internal: turned into retry_later, ConfigurationError or a task error)."""
-
-
-def _close_quietly(conn: Any) -> None:
-    try:
-        conn.close()
-    except Exception:
-        pass
+_ConnectError = names.ConnectError
+_close_quietly = names.close_quietly
 
 
 def _py_value(v: Any) -> Any:

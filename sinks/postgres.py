@@ -46,14 +46,14 @@ from twophase.context import TransactionContext
 from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
 from twophase.sink import CommitResult, TwoPhaseCommitSink
 from twophase.sinks import _postgres_dsn as _dsn
+from twophase.sinks import _sql2pc as _names
 
 log = logging.getLogger("twophase.sinks.postgres")
 
 MODES = ("insert", "upsert")
 MAX_GID_BYTES = 199  # PostgreSQL: "transaction identifier ... is too long" at 200 bytes
-MAX_RUN_CHARS = 16  # a longer (or not gid-safe) TransactionContext.run goes in as a digest
-MAX_TASK_ATTEMPT_ID = 2 ** 63 - 1  # Spark's taskAttemptId() is a Long
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+MAX_RUN_CHARS = _names.MAX_RUN_CHARS  # a longer (or not gid-safe) TransactionContext.run goes in as a digest
+MAX_TASK_ATTEMPT_ID = _names.MAX_TASK_ATTEMPT_ID  # Spark's taskAttemptId() is a Long
 # Keys of a libpq connection string that hold secrets: never stored in the config, handles or messages.
 _SECRET_DSN_KEYS = ("password", "sslpassword")
 # What a leaked connection string would look like inside a server or driver message.
@@ -90,15 +90,9 @@ def scrub(text: str) -> str:
     return _URI_SECRET_RE.sub(r"\1***@", text)
 
 
-def _safe(s: str) -> str:
-    return _SAFE.sub("_", s)
-
-
-def _run_token(run: str) -> str:
-    """``run`` as it goes into a gid: itself if short and gid-safe, else a stable digest of it."""
-    if not run or (len(run) <= MAX_RUN_CHARS and _safe(run) == run):
-        return run
-    return "h" + hashlib.sha1(run.encode()).hexdigest()[:MAX_RUN_CHARS - 1]
+# Gid naming, shared with the MySQL sink (sinks/_sql2pc.py).
+_safe = _names.safe
+_run_token = _names.run_token
 
 
 def _claims_name(marker_table: str) -> str:
@@ -692,11 +686,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         attempt before it, which may be the result Spark accepts.  Without a task attempt
         id (``None`` or negative: not known) the old form ``{prefix}{partition}:{attempt}[:{run}]``.
         """
-        a = f"{int(attempt)}" if task_attempt_id is None or task_attempt_id < 0 \
-            else f"{int(attempt)}.{int(task_attempt_id)}"
-        gid = f"{intent_prefix}{int(partition_id)}:{a}"
-        if run:
-            gid += f":{_run_token(run)}"
+        gid = f"{intent_prefix}{int(partition_id)}:{_names.attempt_name(attempt, task_attempt_id, run)}"
         n = len(gid.encode())
         if n > MAX_GID_BYTES:
             raise ConfigurationError(
@@ -962,11 +952,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         The query part is matched whole, up to its ``:`` (``_safe`` names hold no ``:``),
         so ``q.1`` never reads as query ``q``; the batch is the digits before the next ``:``.
         """
-        head = self.query_prefix(query_name)
-        if not gid.startswith(head):
-            return None
-        m = re.match(r"([0-9]+):", gid[len(head):])
-        return int(m.group(1)) if m else None
+        return _names.batch_of(self.query_prefix(query_name), gid)
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
                         keep: list[dict]) -> int:
@@ -993,17 +979,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         prefix = self._intent_prefix(query_name, batch_id, intent)
         keep_gids = {h["gid"] for h in keep}
         try:
-            gids, late = [], []
-            for p in self.prepared(self.query_prefix(query_name)):
-                gid = p["gid"]
-                if gid in keep_gids:
-                    continue
-                if gid.startswith(prefix):
-                    gids.append(gid)
-                else:
-                    b = self._gid_batch(query_name, gid)
-                    if b is not None and b < int(batch_id):
-                        late.append(gid)
+            gids, late = _names.split_leftovers(
+                (p["gid"] for p in self.prepared(self.query_prefix(query_name))), ballot_prefix=prefix,
+                query_head=self.query_prefix(query_name), batch_id=batch_id, keep=keep_gids)
             n = self._rollback_prepared(gids)
             if n:
                 log.info("batch %d: rolled back %d prepared transactions under %s", batch_id, n, prefix)
@@ -1056,8 +1034,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         schema (from the handles, or fixed by :meth:`open`); not knowing it (a sink never
         opened, no handle), nothing is pruned rather than a table of the session's search_path."""
         pg = _pg()
-        below = batch_id - self.marker_retention_batches
-        if below <= 0:
+        below = _names.prune_below(batch_id, self.marker_retention_batches)
+        if below is None:
             return 0
         schema = next((h["marker_schema"] for h in keep if h.get("marker_schema")), None) or self._marker_home
         if not schema:
@@ -1386,7 +1364,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                     action = "INSERT ... ON CONFLICT"
                     cols = txn.copy_columns or []
                     keys = sql.SQL(", ").join(sql.Identifier(k) for k in self.key_columns)
-                    others = [c for c in cols if c not in self.key_columns]
+                    others = _names.update_columns(cols, self.key_columns)
                     on_conflict = sql.SQL("DO NOTHING") if not others else sql.SQL("DO UPDATE SET {}").format(
                         sql.SQL(", ").join(sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
                                            for c in others))
@@ -1400,11 +1378,10 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                     cur.execute(sql.SQL("DROP TABLE {}").format(stage))
                 action = "marker row"
                 marker = self._ident(txn.extra.get("marker_schema"), self.marker_table)
-                cur.execute(sql.SQL(
-                    "INSERT INTO {m} (gid, query_name, batch_id, partition_id, attempt, target_table, "
-                    "row_count) VALUES (%s, %s, %s, %s, %s, %s, %s)").format(m=marker),
-                    (txn.gid, ctx.query_name, ctx.batch_id, ctx.partition_id, ctx.attempt, self.target_name,
-                     txn.rows))
+                cur.execute(sql.SQL("INSERT INTO {m} ({c}) VALUES ({v})").format(
+                    m=marker, c=sql.SQL(", ").join(sql.Identifier(c) for c in ("gid",) + _names.MARKER_COLUMNS),
+                    v=sql.SQL(", ").join(sql.Placeholder() for _ in range(1 + len(_names.MARKER_COLUMNS)))),
+                    (txn.gid,) + _names.marker_values(ctx, self.target_name, txn.rows))
             action = "PREPARE TRANSACTION"  # deferred constraints are checked here
             txn.conn.tpc_prepare()
             txn.prepared = True
@@ -1503,15 +1480,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             txn.closed = True
 
 
-class _ConnectError(TwoPhaseError):
-    """Could not connect (internal: turned into retry_later, ConfigurationError or a task error)."""
-
-
-def _close_quietly(conn: Any) -> None:
-    try:
-        conn.close()
-    except Exception:
-        pass
+_ConnectError = _names.ConnectError
+_close_quietly = _names.close_quietly
 
 
 def _describe_pg_error(e: Any) -> str:
