@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,6 +184,42 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         self.insert_rows = max(1, int(insert_rows))
         self._password_ref = password if is_secret_ref(password) else None
         self._password_inline = password if isinstance(password, str) else None
+        self._pool: list[Any] = []
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = []
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _driver_conn(self) -> Any:
+        """A pooled driver connection, or a new one (driver; thread-safe).  Each connection costs PyMySQL
+        ~50 ms of TLS context set-up, so the driver keeps up to 8 (the executors' branches are never on
+        them: an XA COMMIT always runs in a session other than the one that prepared the branch)."""
+        with self._lock:
+            conn = self._pool.pop() if self._pool else None
+        return conn if conn is not None and conn.open else self._connect()
+
+    def _release(self, conn: Any) -> None:
+        """Back to the pool if it is still usable (PyMySQL closes a connection that broke), else closed."""
+        if conn.open:
+            with self._lock:
+                if len(self._pool) < 8:
+                    self._pool.append(conn)
+                    return
+        _close_quietly(conn)
+
+    def close(self) -> None:
+        """Close the driver's pooled connections."""
+        with self._lock:
+            pool, self._pool = self._pool, []
+        for c in pool:
+            _close_quietly(c)
 
     def __repr__(self) -> str:
         return f"MySqlSink({self.where}, table={self.table}, mode={self.mode!r})"
@@ -250,7 +287,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         """Check the server version, the table and (upsert) its key; create the marker table."""
         my = _my()
         try:
-            conn = self._connect()
+            conn = self._driver_conn()
         except _ConnectError as e:
             raise ConfigurationError(str(e)) from None
         try:
@@ -278,7 +315,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             raise ConfigurationError(f"MySqlSink could not check {self.table} at {self.where}: "
                                      f"{self._describe(e)}") from None
         finally:
-            _close_quietly(conn)
+            self._release(conn)
 
     def _check_version(self, version: str) -> None:
         m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
@@ -353,20 +390,25 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
 
     def prepared(self, prefix: str = "") -> list[tuple[str, str]]:
         """``(gtrid, bqual)`` of every prepared XA branch whose gtrid starts with ``prefix`` (driver)."""
-        conn = self._connect()
+        conn = self._driver_conn()
         try:
             with conn.cursor() as cur:
                 cur.execute("XA RECOVER")
                 out = []
-                for _fmt, glen, blen, data in cur.fetchall():
-                    raw = data if isinstance(data, bytes) else str(data).encode()
-                    gtrid = raw[:glen].decode(errors="replace")
-                    bqual = raw[glen:glen + blen].decode(errors="replace")
+                for row in cur.fetchall():
+                    gtrid, bqual = self._split_xid(row)
                     if gtrid.startswith(prefix):
                         out.append((gtrid, bqual))
                 return sorted(out)
         finally:
-            _close_quietly(conn)
+            self._release(conn)
+
+    @staticmethod
+    def _split_xid(row: tuple[Any, ...]) -> tuple[str, str]:
+        """``(gtrid, bqual)`` from a row of ``XA RECOVER`` (formatID, gtrid_length, bqual_length, data)."""
+        _fmt, glen, blen, data = row[:4]
+        raw = data if isinstance(data, bytes) else str(data).encode()
+        return raw[:glen].decode(errors="replace"), raw[glen:glen + blen].decode(errors="replace")
 
     def verify_prepared(self, batch_id: int, handles: list[dict], *, prepare_started_at: float) -> None:
         """Check every handle's branch is still prepared before the decision is logged (driver)."""
@@ -386,7 +428,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                 "decided; restart the query and the batch is written again.")
 
     def commit(self, handle: dict) -> CommitResult:
-        """``XA COMMIT`` the handle's branch on a fresh connection (driver; idempotent).
+        """``XA COMMIT`` the handle's branch on a driver connection, never the session that prepared it (driver; idempotent).
 
         1397 XAER_NOTA is resolved by the marker row: present = committed before, absent = rolled
         back (lost, never visible).  Connection trouble and a branch still attached elsewhere are
@@ -394,7 +436,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         my = _my()
         self._check_database(handle)
         try:
-            conn = self._connect()
+            conn = self._driver_conn()
         except _ConnectError as e:
             return CommitResult.retry_later(str(e))
         try:
@@ -409,7 +451,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 return CommitResult.retry_later(self._describe(e))
             raise TwoPhaseError(f"XA COMMIT of {self.describe_handle(handle)} failed: {self._describe(e)}") from None
         finally:
-            _close_quietly(conn)
+            self._release(conn)
 
     def _check_database(self, handle: dict) -> None:
         if handle.get("database") and handle["database"] != self.database:
@@ -420,12 +462,19 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
     def _resolve_missing(self, handle: dict) -> CommitResult:
         my = _my()
         try:
-            conn = self._connect()
+            conn = self._driver_conn()
         except _ConnectError as e:
             return CommitResult.retry_later(str(e))
         name = f"{handle['gtrid']}/{handle['bqual']}"
         try:
             with conn.cursor() as cur:
+                # MariaDB answers 1397 too for a branch still attached to the session that prepared it,
+                # while the server has not yet processed that session's disconnect: XA RECOVER lists it
+                # then, and only a commit or rollback takes it off the list.
+                cur.execute("XA RECOVER")
+                if any(self._split_xid(r) == (handle["gtrid"], handle["bqual"]) for r in cur.fetchall()):
+                    return CommitResult.retry_later(f"XA branch {name} is still attached to the session that "
+                                                    "prepared it")
                 cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s",
                             (handle["gtrid"], handle["bqual"]))
                 found = cur.fetchone() is not None
@@ -435,7 +484,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                          f"{self.marker_table!r} is missing, so it cannot be proven committed")
             return CommitResult.retry_later(self._describe(e))
         finally:
-            _close_quietly(conn)
+            self._release(conn)
         if found:
             return CommitResult.already_committed(f"marker row of {name} present")
         return CommitResult.lost(
@@ -453,7 +502,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             return 0
         my = _my()
         n = 0
-        conn = self._connect()
+        conn = self._driver_conn()
         try:
             for gtrid, bqual in xids:
                 try:
@@ -468,7 +517,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                         raise TwoPhaseError(msg) from None
                     log.warning("%s; the next batch's cleanup tries again", msg)
         finally:
-            _close_quietly(conn)
+            self._release(conn)
         return n
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]) -> int:
@@ -515,7 +564,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         if below is None:
             return 0
         my = _my()
-        conn = self._connect()
+        conn = self._driver_conn()
         try:
             with conn.cursor() as cur:
                 # A consistent read sees only committed markers; deleting those by key never waits on a
@@ -535,7 +584,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 log.warning("cannot prune marker rows (%s); the next batch tries again", self._describe(e))
             return 0
         finally:
-            _close_quietly(conn)
+            self._release(conn)
 
     def describe_handle(self, handle: dict) -> str:
         return (f"XA branch {handle.get('gtrid')!r}/{handle.get('bqual')!r} in database {handle.get('database')!r} "
