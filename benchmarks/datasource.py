@@ -19,6 +19,13 @@ Variants, per (target, P), one query each, interleaved, ``--datasource-reps`` ro
 - files only (unless ``--datasource-no-floor``): a data source whose plan, ``write()`` and
   ``commit()`` do nothing but read the rows: what Spark's Python Data Source API costs by itself.
 
+``--datasource-stateful S`` (issue 47): every variant runs the same stateful query instead, as real
+jobs write one: the rows deduplicated by ``id`` within a watermark (``dropDuplicatesWithinWatermark``)
+at ``spark.sql.shuffle.partitions`` = S (Spark's default is 200), so each batch reaches the sink in S
+partitions.  The data source form then coalesces them to the application's cores
+(``twophase.coalesce=auto``); on the files target it also runs with ``twophase.coalesce=off``, and
+the floor is the no-op Python data source on the same, uncoalesced query.
+
 Each query's output is checked when it stops: every kept batch reported its rows
 (``numInputRows``); the files, tables and topics are read back (Parquet through Spark, a
 ``count(DISTINCT id)`` in PostgreSQL, a ``read_committed`` consumer in Kafka): at least every
@@ -38,9 +45,11 @@ from benchmarks.common import Params, percentile, progress, tmpdir, uid
 
 #: Defaults of the options (``--datasource-*``); --quick uses QUICK.
 DEFAULTS: dict[str, Any] = {"rows": 10_000, "partitions": (2, 50), "batches": 10, "warmup": 2, "reps": 2,
-                            "targets": ("files", "kafka", "postgres"), "floor": True, "coalesce": 0}
+                            "targets": ("files", "kafka", "postgres"), "floor": True, "coalesce": 0,
+                            "stateful": 0}
 QUICK: dict[str, Any] = {"rows": 10_000, "partitions": (2,), "batches": 4, "warmup": 1, "reps": 1,
-                         "targets": ("files",), "floor": False, "coalesce": 0}
+                         "targets": ("files",), "floor": False, "coalesce": 0,
+                         "stateful": 0}
 KINDS = {"files": "twophase-files", "kafka": "twophase-kafka", "postgres": "twophase-jdbc"}
 COORD = "foreachBatch(Coordinator({})), log local"
 FLOOR = "floor: no-op Python data source"
@@ -61,6 +70,8 @@ def add_arguments(ap) -> None:
                     "(default all)")
     ap.add_argument("--datasource-coalesce", type=int, help="datasource section: also run the data source form "
                     "after .coalesce(N) where the source has more than N partitions (default: not run)")
+    ap.add_argument("--datasource-stateful", type=int, metavar="S", help="datasource section: every variant on "
+                    "a deduplication within a watermark at S shuffle partitions (Spark's default: 200)")
     ap.add_argument("--datasource-no-floor", action="store_true", help="datasource section: skip the no-op "
                     "Python data source (run on the files target)")
 
@@ -80,6 +91,10 @@ def configure(params: Params, a, error) -> None:
             error(f"--datasource-targets takes {', '.join(KINDS)}")
     if a.datasource_no_floor:
         cfg["floor"] = False
+    if a.datasource_stateful is not None:
+        if a.datasource_stateful < 1:
+            error("--datasource-stateful must be >= 1")
+        cfg["stateful"] = a.datasource_stateful
     if a.datasource_coalesce is not None:
         if a.datasource_coalesce < 1:
             error("--datasource-coalesce must be >= 1")
@@ -140,9 +155,17 @@ class _DsCase(latency._Case):
         #: The sink of the query's log, for recovery after it stopped (exactly-once variants).
         self.recovery_sink: Any = None
         self.checked: list[dict[str, Any]] = []
+        #: Options of this variant's writer beyond the target's own (data source variants).
+        self.options: dict[str, str] = {}
         self.recovered: list[dict[str, Any]] = []
         #: What the query does to the source's rows before its sink (e.g. a coalesce).
         self.pre: Any = lambda sdf: sdf
+
+
+def dedup(sdf):
+    """The stateful query of ``--datasource-stateful``: each ``id`` kept once within a watermark."""
+    return (sdf.selectExpr("id", "payload", "current_timestamp() AS ts").withWatermark("ts", "10 minutes")
+            .dropDuplicatesWithinWatermark(["id"]).select("id", "payload"))
 
 
 def _after_stop(c: _DsCase) -> None:
@@ -192,6 +215,11 @@ def _cases(spark, target: str, rows: int, partitions: int, params: Params, cfg: 
         dsc.pre = lambda sdf: sdf.coalesce(n)
         cases.append(dsc)
         data_sources.append(dsc)
+    if cfg.get("stateful") and target == "files":  # Spark's partitions, as the query makes them
+        off = _DsCase(f"format('{KINDS[target]}'), twophase.coalesce=off", None, exactly_once=True, log="local")
+        off.options = {"twophase.coalesce": "off"}
+        cases.append(off)
+        data_sources.append(off)
 
     def coordinated(make_sink):
         def start(sdf, ck):
@@ -215,7 +243,8 @@ def _cases(spark, target: str, rows: int, partitions: int, params: Params, cfg: 
         coord.start = coordinated(lambda: FileSink(new_out(coord), format="parquet"))
         for d in data_sources:
             d.start = lambda sdf, ck, d=d: (sdf.writeStream.format(KINDS["files"]).option("format", "parquet")
-                                            .option("checkpointLocation", ck).start(new_out(d)))
+                                            .options(**d.options).option("checkpointLocation", ck)
+                                            .start(new_out(d)))
             d.recovery_sink = lambda d=d: FilesDataSource({"path": d.out, "format": "parquet"}).build_sink()
 
         def read_back(c: _DsCase):
@@ -339,6 +368,9 @@ def _cases(spark, target: str, rows: int, partitions: int, params: Params, cfg: 
         for c in cases:
             c.verify = count(c)
     for c in cases:
+        if cfg.get("stateful"):
+            pre = c.pre
+            c.pre = lambda sdf, pre=pre: pre(dedup(sdf))
         c.start = _remembering(c, c.start)
     return cases
 
@@ -372,6 +404,9 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
     groups: list[dict[str, Any]] = []
     cleanup: list[Any] = []
     steps: dict[str, Any] = {}
+    shuffle = spark.conf.get("spark.sql.shuffle.partitions")
+    if cfg.get("stateful"):  # fixed in each query's checkpoint by its first batch
+        spark.conf.set("spark.sql.shuffle.partitions", str(cfg["stateful"]))
     try:
         for target in cfg["targets"]:
             for p in cfg["partitions"]:
@@ -379,14 +414,18 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
                 cases = _cases(spark, target, rows, p, params, cfg, services, cleanup)
                 g = latency._measure(spark, target, rows, params, cfg, cases, partitions=p, label="datasource")
                 groups.append(_derive(g, cases, p, rows))
-        steps = in_process(cfg["targets"], services, cleanup, n=cfg["batches"] + 2, warm=2)
+        steps = {} if cfg.get("stateful") else in_process(cfg["targets"], services, cleanup, n=cfg["batches"] + 2,
+                                                          warm=2)
     finally:
+        spark.conf.set("spark.sql.shuffle.partitions", shuffle)
         for f in cleanup:
             try:
                 f()
             except Exception as e:  # noqa: BLE001 - cleanup of a benchmark's own tables/topics
                 progress(f"datasource: cleanup: {type(e).__name__}: {e}")
-    return {"title": "The data source form", "config": {k: list(v) if isinstance(v, tuple) else v
+    title = f"The data source form, stateful query at {cfg['stateful']} shuffle partitions" if cfg.get("stateful") \
+        else "The data source form"
+    return {"title": title, "config": {k: list(v) if isinstance(v, tuple) else v
                                                         for k, v in cfg.items()},
             "groups": groups, "in_process": steps, "code": code, "goals": []}
 
