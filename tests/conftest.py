@@ -99,6 +99,13 @@ def spark_connect_service() -> dict:
     return _service("spark_connect")
 
 
+@pytest.fixture(scope="session")
+def yarn_service() -> dict:
+    """YARN (tests/services/yarn.py): a ResourceManager and two NodeManagers on 127.0.0.1, started
+    here on demand (``start all`` leaves it out)."""
+    return _service("yarn")
+
+
 @pytest.fixture
 def cluster_driver(spark_cluster_service, tmp_path):
     """Start driver subprocesses on the cluster: ``cluster_driver(module, *args, **kw)`` is

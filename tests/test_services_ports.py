@@ -19,6 +19,7 @@ SERVICES = {
     "minio": ("PORT", "CONSOLE_PORT"),
     "spark_cluster": ("MASTER_PORT", "MASTER_UI_PORT"),
     "spark_connect": ("PORT", "KILL_TEST_PORT"),
+    "yarn": ("RM_PORT", "RM_SCHEDULER_PORT", "RM_TRACKER_PORT", "RM_ADMIN_PORT", "RM_WEB_PORT"),
 }
 
 
@@ -41,4 +42,9 @@ def test_service_ports_are_below_the_ephemeral_range_and_distinct():
     for w in WORKERS:
         ports += [w.port, w.ui_port]
         assert w.port < low and w.ui_port < low, w
+    from tests.services.yarn import NODEMANAGERS
+
+    for d in NODEMANAGERS:
+        ports += d.ports
+        assert all(1024 < p < low for p in d.ports), d
     assert len(ports) == len(set(ports)), sorted(ports)

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from tests.services import NAMES, ServiceError, dumps, get
+from tests.services import NAMES, ON_DEMAND, ServiceError, dumps, get
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="*", default=["all"], help=f"any of {', '.join(NAMES)} or all (default)")
     args = p.parse_args(argv)
     names = list(NAMES) if "all" in args.names or not args.names else args.names
+    if args.action in ("start", "install") and "all" in args.names:
+        names = [n for n in names if n not in ON_DEMAND or n in args.names]  # by name only
     if args.action == "stop":
         names.reverse()  # servers on test hosts before the hosts themselves
     rc = 0

@@ -1,0 +1,527 @@
+"""YARN: a ResourceManager and two NodeManagers on 127.0.0.1, from the HDFS minicluster's Hadoop jars.
+
+The jars are the ones :mod:`tests.services.hdfs` resolves (``hadoop-minicluster`` pulls the
+ResourceManager and NodeManager in), so no download of its own.  Each daemon is a JVM of its own
+process group, its pid in ``<service dir>/<daemon>.pid``, its log in ``<service dir>/<daemon>.log``,
+its configuration in ``<service dir>/conf-<daemon>/`` (first on its classpath)::
+
+    resourcemanager  client 18032, scheduler 18030, resource tracker 18031, admin 18033, web/REST 18088
+    nodemanager-1    containers 18041, localizer 18040, web 18042   (NodeId localhost:18041)
+    nodemanager-2    containers 18044, localizer 18043, web 18045   (NodeId localhost:18044)
+
+(a NodeId's host is the name 127.0.0.1 resolves to: ``localhost``.)
+
+FIFO scheduler, memory checks off, 2048 MB and 2 vcores per NodeManager (a 512m driver or executor
+with Spark's 384 MB overhead takes 896 MB: an ApplicationMaster and two executors fit, with room
+for a second attempt's AM), ``yarn.resourcemanager.am.max-attempts`` 2 (YARN's default; Spark's
+``spark.yarn.maxAppAttempts`` may only lower it).  Every address of the daemons is on 127.0.0.1;
+applications give their containers ``SPARK_LOCAL_IP=127.0.0.1`` (:func:`spark_submit_command`):
+without it Spark binds the machine's outward interface.  ``fs.defaultFS`` is the local filesystem: staging
+(``spark.yarn.stagingDir``) is ``<service dir>/staging``, which every NodeManager here reads.
+
+Clients (``spark-submit --master yarn``) use ``HADOOP_CONF_DIR=<service dir>/conf`` (the
+ResourceManager's addresses): see :func:`spark_submit_command` and :func:`submit_env`.
+
+Containers are launched by the DefaultContainerExecutor with ``setsid``: each container is a process
+group of its own (``bash launch_container.sh`` and the JVM and Python under it), whose leader's pid the
+NodeManager writes to ``nmPrivate/<app>/<container>/<container>.pid`` in its local dir
+(:func:`container_pid`).  ``stop`` ends the NodeManagers first (they end their containers), then
+SIGKILLs whatever container process they left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+from tests.services import Service, ServiceError, locked, pid_alive, popen, port_open, wait_until
+
+HOST = "127.0.0.1"
+RM_PORT = 18032
+RM_SCHEDULER_PORT = 18030
+RM_TRACKER_PORT = 18031
+RM_ADMIN_PORT = 18033
+RM_WEB_PORT = 18088
+RM_REST = f"http://{HOST}:{RM_WEB_PORT}/ws/v1/cluster"
+#: Resources each NodeManager advertises (not enforced: the memory checks are off).
+NM_MEMORY_MB = 2048
+NM_VCORES = 2
+#: Heap of each daemon JVM (they schedule and launch; the containers are separate JVMs).
+DAEMON_HEAP = "320m"
+DAEMON_JAVA_OPTS = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-Djava.net.preferIPv4Stack=true"]
+
+RM_CLASS = "org.apache.hadoop.yarn.server.resourcemanager.ResourceManager"
+NM_CLASS = "org.apache.hadoop.yarn.server.nodemanager.NodeManager"
+
+
+@dataclass(frozen=True)
+class Daemon:
+    """One JVM: its name (pid, log, conf dir), main class and its fixed ports."""
+
+    name: str
+    main_class: str
+    ports: tuple[int, ...]  #: the first is the one that names it (RM client port, NM container port)
+
+
+RESOURCEMANAGER = Daemon("resourcemanager", RM_CLASS,
+                         (RM_PORT, RM_SCHEDULER_PORT, RM_TRACKER_PORT, RM_ADMIN_PORT, RM_WEB_PORT))
+#: (container manager, localizer, web) of each NodeManager.
+NODEMANAGERS = (
+    Daemon("nodemanager-1", NM_CLASS, (18041, 18040, 18042)),
+    Daemon("nodemanager-2", NM_CLASS, (18044, 18043, 18045)),
+)
+
+CORE_SITE = {
+    "fs.defaultFS": "file:///",
+    "hadoop.security.authentication": "simple",
+}
+#: The ResourceManager's configuration, which is also what clients get as HADOOP_CONF_DIR.
+RM_SITE = {
+    "yarn.resourcemanager.hostname": HOST,
+    "yarn.resourcemanager.bind-host": HOST,
+    "yarn.resourcemanager.address": f"{HOST}:{RM_PORT}",
+    "yarn.resourcemanager.scheduler.address": f"{HOST}:{RM_SCHEDULER_PORT}",
+    "yarn.resourcemanager.resource-tracker.address": f"{HOST}:{RM_TRACKER_PORT}",
+    "yarn.resourcemanager.admin.address": f"{HOST}:{RM_ADMIN_PORT}",
+    "yarn.resourcemanager.webapp.address": f"{HOST}:{RM_WEB_PORT}",
+    "yarn.resourcemanager.scheduler.class":
+        "org.apache.hadoop.yarn.server.resourcemanager.scheduler.fifo.FifoScheduler",
+    "yarn.scheduler.minimum-allocation-mb": "128",
+    "yarn.scheduler.maximum-allocation-mb": str(NM_MEMORY_MB),
+    "yarn.scheduler.maximum-allocation-vcores": str(NM_VCORES),
+    "yarn.resourcemanager.am.max-attempts": "2",
+    "yarn.resourcemanager.recovery.enabled": "false",
+    "yarn.timeline-service.enabled": "false",
+    "yarn.log-aggregation-enable": "false",
+    # A NodeManager gone silent is dropped after 30 s (default 10 min), so a killed one does not
+    # hold containers the scheduler counts on.
+    "yarn.nm.liveness-monitor.expiry-interval-ms": "30000",
+}
+
+
+def _nm_site(d: Daemon, local: Path, logs: Path) -> dict[str, str]:
+    port, localizer, web = d.ports
+    return {
+        **RM_SITE,
+        "yarn.nodemanager.hostname": HOST,
+        "yarn.nodemanager.bind-host": HOST,
+        "yarn.nodemanager.address": f"{HOST}:{port}",
+        "yarn.nodemanager.localizer.address": f"{HOST}:{localizer}",
+        "yarn.nodemanager.webapp.address": f"{HOST}:{web}",
+        "yarn.nodemanager.local-dirs": str(local),
+        "yarn.nodemanager.log-dirs": str(logs),
+        "yarn.nodemanager.resource.memory-mb": str(NM_MEMORY_MB),
+        "yarn.nodemanager.resource.cpu-vcores": str(NM_VCORES),
+        "yarn.nodemanager.pmem-check-enabled": "false",
+        "yarn.nodemanager.vmem-check-enabled": "false",
+        # Container logs stay 6 h in log-dirs (no aggregation); app dirs go at once.
+        "yarn.nodemanager.log.retain-seconds": str(6 * 3600),
+        # The shared test machine's disk may be fuller than YARN's 90 % default allows.
+        "yarn.nodemanager.disk-health-checker.max-disk-utilization-per-disk-percentage": "99",
+        "yarn.nodemanager.recovery.enabled": "false",
+    }
+
+
+LOG4J_PROPERTIES = """\
+# Written by tests/services/yarn.py; first on the daemons' classpath (Hadoop logs through reload4j).
+log4j.rootLogger=WARN,console
+log4j.appender.console=org.apache.log4j.ConsoleAppender
+log4j.appender.console.target=System.err
+log4j.appender.console.layout=org.apache.log4j.PatternLayout
+log4j.appender.console.layout.ConversionPattern=%d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n
+# Applications, attempts and containers changing state: what a kill test reads.
+log4j.logger.org.apache.hadoop.yarn.server.resourcemanager.rmapp=INFO
+log4j.logger.org.apache.hadoop.yarn.server.resourcemanager.ResourceTrackerService=INFO
+log4j.logger.org.apache.hadoop.yarn.server.nodemanager.containermanager.container=INFO
+log4j.logger.org.apache.hadoop.yarn.server.nodemanager.containermanager.launcher=INFO
+log4j.logger.org.apache.hadoop.yarn.server.nodemanager.NodeStatusUpdaterImpl=INFO
+"""
+
+
+def _site_xml(conf: dict[str, str]) -> str:
+    props = "".join(f"  <property><name>{escape(k)}</name><value>{escape(v)}</value></property>\n"
+                    for k, v in conf.items())
+    return f'<?xml version="1.0"?>\n<!-- written by tests/services/yarn.py -->\n<configuration>\n{props}</configuration>\n'
+
+
+def rest(path: str, timeout: float = 3.0) -> Any:
+    """GET ``<RM REST>/<path>`` as JSON (``apps/<id>``, ``nodes``...); None if the RM does not answer."""
+    req = urllib.request.Request(f"{RM_REST}/{path.lstrip('/')}", headers={"Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read().decode())
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+def running_nodes() -> list[str]:
+    """NodeIds (``host:port``) the ResourceManager counts as RUNNING."""
+    got = rest("nodes")
+    nodes = ((got or {}).get("nodes") or {}).get("node") or []
+    return sorted(n["id"] for n in nodes if n.get("state") == "RUNNING")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def java_home() -> str:
+    """JAVA_HOME for the containers (Spark's AM command is ``{{JAVA_HOME}}/bin/java``)."""
+    if os.environ.get("JAVA_HOME"):
+        return os.environ["JAVA_HOME"]
+    java = shutil.which("java")
+    if not java:
+        raise ServiceError("`java` not found; install a JDK 17 (Debian: openjdk-17-jre-headless)")
+    return str(Path(java).resolve().parent.parent)
+
+
+class YarnService(Service):
+    name = "yarn"
+    start_timeout = 120.0
+    resourcemanager = RESOURCEMANAGER
+    nodemanagers = NODEMANAGERS
+
+    def __init__(self) -> None:
+        self._jars: list[Path] | None = None
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    # -- layout ---------------------------------------------------------------
+    @property
+    def pid_path(self) -> Path:
+        return self.daemon_pid_path(self.resourcemanager)
+
+    @property
+    def log_path(self) -> Path:
+        return self.daemon_log_path(self.resourcemanager)
+
+    @property
+    def conf_dir(self) -> Path:
+        """HADOOP_CONF_DIR for clients (the ResourceManager's own configuration)."""
+        return self.dir / "conf"
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.dir / "staging"
+
+    def daemon_conf_dir(self, d: Daemon) -> Path:
+        return self.conf_dir if d is self.resourcemanager else self.dir / f"conf-{d.name}"
+
+    def daemon_pid_path(self, d: Daemon) -> Path:
+        return self.dir / f"{d.name}.pid"
+
+    def daemon_log_path(self, d: Daemon) -> Path:
+        return self.dir / f"{d.name}.log"
+
+    def local_dir(self, d: Daemon) -> Path:
+        return self.dir / d.name / "local"
+
+    def container_log_dir(self, d: Daemon) -> Path:
+        return self.dir / d.name / "logs"
+
+    def nodemanager(self, node_id: str) -> Daemon:
+        """The NodeManager of a NodeId: its container port (the host part is the name the
+        NodeManager's address resolves to, ``localhost`` here)."""
+        for d in self.nodemanagers:
+            if node_id.rsplit(":", 1)[-1] == str(d.ports[0]):
+                return d
+        raise ServiceError(f"no NodeManager of this service is {node_id}")
+
+    # -- processes ------------------------------------------------------------
+    def daemon_pid(self, d: Daemon) -> int | None:
+        """Pid of daemon ``d`` if the recorded process is alive and is that daemon (not a reuse)."""
+        try:
+            pid = int(self.daemon_pid_path(d).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        cmd = _cmdline(pid)
+        ours = d.main_class.encode() in cmd and str(self.daemon_conf_dir(d)).encode() in cmd
+        return pid if ours and pid_alive(pid) else None
+
+    def _command(self, d: Daemon) -> list[str]:
+        java = str(Path(java_home()) / "bin" / "java")
+        from tests.services.hdfs import JAVA17_OPENS
+
+        assert self._jars is not None
+        cp = ":".join([str(self.daemon_conf_dir(d)), *(str(p) for p in self._jars)])
+        return [java, f"-Xmx{DAEMON_HEAP}", *DAEMON_JAVA_OPTS,
+                *(f"--add-opens={m}=ALL-UNNAMED" for m in JAVA17_OPENS),
+                f"-Dhadoop.log.dir={self.dir / d.name}", f"-Dyarn.log.dir={self.dir / d.name}",
+                f"-Dhadoop.tmp.dir={self.dir / d.name / 'tmp'}",
+                f"-Djava.io.tmpdir={self.dir / d.name / 'tmp'}",
+                "-cp", cp, d.main_class]
+
+    def _env(self) -> dict[str, str]:
+        venv_bin = str(Path(sys.executable).parent)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SPARK_", "PYSPARK_", "HADOOP_", "YARN_"))
+               and k not in ("PYTHONPATH", "PYTHONHOME", "CLASSPATH")}
+        # PATH is in YARN's env whitelist: containers find the venv's python3 first.
+        env.update(JAVA_HOME=java_home(), SPARK_LOCAL_IP=HOST,
+                   PATH=venv_bin + os.pathsep + env.get("PATH", ""))
+        return env
+
+    def start_daemon(self, d: Daemon) -> int:
+        """Start daemon ``d`` unless it runs; return its pid (does not wait for it)."""
+        pid = self.daemon_pid(d)
+        if pid is not None:
+            return pid
+        for port in d.ports:
+            if port_open(port, HOST):
+                raise ServiceError(
+                    f"port {port} ({d.name}) is taken by a process this module did not start "
+                    f"(no live {d.name} pid in {self.daemon_pid_path(d)}); stop it first")
+        if d.main_class == NM_CLASS:
+            # A NodeManager starts with empty local dirs (no recovery): what a dead one left goes.
+            shutil.rmtree(self.local_dir(d), ignore_errors=True)
+            self.local_dir(d).mkdir(parents=True)
+            self.container_log_dir(d).mkdir(parents=True, exist_ok=True)
+        (self.dir / d.name / "tmp").mkdir(parents=True, exist_ok=True)
+        with open(self.daemon_log_path(d), "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {d.name}\n".encode())
+            log.flush()
+            proc = popen(self._command(d), log, env=self._env(), cwd=self.dir / d.name)
+        self._procs[d.name] = proc
+        self.daemon_pid_path(d).write_text(str(proc.pid))
+        return proc.pid
+
+    def kill_daemon(self, d: Daemon, sig: int = signal.SIGKILL, timeout: float = 30.0) -> int | None:
+        """Send ``sig`` to daemon ``d``'s process group and wait until it is gone (SIGKILL after
+        ``timeout``); then SIGKILL every process that was below it (a NodeManager's containers are
+        process groups of their own).  Returns the pid it had, None if it was not running."""
+        from tests.services.spark_cluster import descendants
+
+        pid = self.daemon_pid(d)
+        if pid is None:
+            self.daemon_pid_path(d).unlink(missing_ok=True)
+            return None
+        below = descendants(pid)
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+        proc = self._procs.pop(d.name, None)
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid) and time.monotonic() < deadline:
+            if proc is not None:
+                proc.poll()
+            time.sleep(0.1)
+        if pid_alive(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            wait_until(lambda: not pid_alive(pid), 10, f"{d.name} (pid {pid}) to die")
+        for p in below:
+            if pid_alive(p):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.daemon_pid_path(d).unlink(missing_ok=True)
+        return pid
+
+    def _check_exited(self) -> None:
+        for name, proc in list(self._procs.items()):
+            if proc.poll() is not None:
+                del self._procs[name]
+                log = self.dir / f"{name}.log"
+                lines = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else []
+                raise ServiceError(f"yarn {name} exited with code {proc.returncode}; log: {log}\n"
+                                   + "\n".join(lines))
+
+    # -- Service API ----------------------------------------------------------
+    def install(self) -> None:
+        from tests.services.hdfs import COORDS, HADOOP_VERSION
+        from tests.services.maven import resolve
+
+        java_home()
+        self._jars = resolve(COORDS, f"hadoop-{HADOOP_VERSION}")
+        for cls in ("resourcemanager", "nodemanager"):
+            if not any(p.name.startswith(f"hadoop-yarn-server-{cls}-") for p in self._jars):
+                raise ServiceError(f"the resolved Hadoop jars lack hadoop-yarn-server-{cls}: "
+                                   f"{self._jars[0].parent}")
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.resourcemanager, *self.nodemanagers):
+            conf = self.daemon_conf_dir(d)
+            conf.mkdir(parents=True, exist_ok=True)
+            site = RM_SITE if d is self.resourcemanager else _nm_site(
+                d, self.local_dir(d), self.container_log_dir(d))
+            (conf / "yarn-site.xml").write_text(_site_xml(site))
+            (conf / "core-site.xml").write_text(_site_xml(CORE_SITE))
+            (conf / "log4j.properties").write_text(LOG4J_PROPERTIES)
+
+    def launch(self, log) -> None:
+        if self._jars is None:
+            self.install()
+        # All at once: a NodeManager retries its registration until the ResourceManager answers.
+        for d in (self.resourcemanager, *self.nodemanagers):
+            self.start_daemon(d)
+
+    def _ready_or_exited(self) -> bool:
+        self._check_exited()
+        return self.ready()
+
+    def ready(self) -> bool:
+        """The daemons this module started are alive, the ResourceManager is STARTED and counts
+        each of the NodeManagers RUNNING."""
+        if any(self.daemon_pid(d) is None for d in (self.resourcemanager, *self.nodemanagers)):
+            return False
+        info = (rest("info") or {}).get("clusterInfo") or {}
+        if info.get("state") != "STARTED":
+            return False
+        ports = {int(n.rsplit(":", 1)[1]) for n in running_nodes()}
+        return all(d.ports[0] in ports for d in self.nodemanagers)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "resourcemanager": f"{HOST}:{RM_PORT}",
+            "rest": RM_REST,
+            "hadoop_conf_dir": str(self.conf_dir),
+            "staging_dir": str(self.staging_dir),
+            "nodes": running_nodes(),
+            "node_memory_mb": NM_MEMORY_MB,
+            "node_vcores": NM_VCORES,
+        }
+
+    def stop(self) -> None:
+        with locked(self.dir / ".start.lock"):
+            self.terminate()
+
+    def terminate(self) -> None:
+        # NodeManagers first (they stop their containers), so the RM schedules nothing more.
+        for d in (*self.nodemanagers, self.resourcemanager):
+            self.kill_daemon(d, signal.SIGTERM)
+        self._procs.clear()
+
+    def status(self) -> dict[str, Any]:
+        st = super().status()
+        st["pids"] = {d.name: self.daemon_pid(d) for d in (self.resourcemanager, *self.nodemanagers)}
+        return st
+
+    # -- applications ---------------------------------------------------------
+    def container_pid(self, app_id: str, container_id: str, node_id: str) -> int | None:
+        """Pid of the process-group leader of a running container (None if it has none yet or
+        ended): from the pid file its NodeManager wrote."""
+        d = self.nodemanager(node_id)
+        p = self.local_dir(d) / "nmPrivate" / app_id / container_id / f"{container_id}.pid"
+        try:
+            pid = int(p.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if pid_alive(pid) else None
+
+
+SERVICE = YarnService()
+
+
+# --------------------------------------------------------------------------- clients
+
+def app(app_id: str) -> dict[str, Any] | None:
+    """The ResourceManager's report of an application (state, finalStatus, diagnostics...)."""
+    got = rest(f"apps/{app_id}")
+    return (got or {}).get("app")
+
+
+def app_attempts(app_id: str) -> list[dict[str, Any]]:
+    """The application's attempts, oldest first (id, containerId, nodeId, appAttemptState...)."""
+    got = rest(f"apps/{app_id}/appattempts")
+    return ((got or {}).get("appAttempts") or {}).get("appAttempt") or []
+
+
+def apps_named(name: str) -> list[dict[str, Any]]:
+    """Applications (any state) whose name is ``name``, newest first."""
+    got = rest("apps")
+    found = [a for a in ((got or {}).get("apps") or {}).get("app") or [] if a.get("name") == name]
+    return sorted(found, key=lambda a: a.get("startedTime", 0), reverse=True)
+
+
+def submit_env(conf_dir: str | Path | None = None) -> dict[str, str]:
+    """Environment for ``spark-submit --master yarn`` on this machine: the ResourceManager's
+    HADOOP_CONF_DIR, the wheel's SPARK_HOME, loopback binding, the venv's Python."""
+    from tests.services.spark_cluster import spark_home
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SPARK_", "PYSPARK_", "HADOOP_", "YARN_")) and k != "PYTHONPATH"}
+    env.update(HADOOP_CONF_DIR=str(conf_dir or SERVICE.conf_dir), SPARK_HOME=str(spark_home()),
+               SPARK_LOCAL_IP=HOST, PYSPARK_PYTHON=sys.executable)
+    return env
+
+
+def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "cluster",
+                         name: str = "twophase-yarn", python: str | None = None,
+                         staging_dir: str | Path | None = None, max_app_attempts: int = 2,
+                         executors: int = 2, conf: dict[str, str] | None = None,
+                         py_files: Sequence[str] = ()) -> list[str]:
+    """``spark-submit --master yarn --deploy-mode cluster|client ...`` for a PySpark script.
+
+    Loopback (this machine's YARN): the driver and executors run ``python`` (default: this
+    interpreter, which has twophase), the AM and executors bind 127.0.0.1 (SPARK_LOCAL_IP in
+    their environment; :func:`submit_env` sets it for spark-submit and a client-mode driver),
+    the Spark jars are the wheel's (``spark.yarn.jars=local:``,
+    nothing uploaded), staging is ``staging_dir`` (default the service's, on the local
+    filesystem).  On a real cluster the hosts do not share this venv: ship one packed with
+    venv-pack as ``--conf spark.archives=env.tar.gz#env`` with ``spark.pyspark.python=./env/bin/python``
+    (``spark.yarn.appMasterEnv.PYSPARK_PYTHON`` too in cluster mode; tests/test_cluster_archives.py
+    packs such a venv), drop ``spark.yarn.jars`` (or point it at the jars on HDFS), and put staging
+    on HDFS (the default: the submitting user's home there).
+    """
+    from tests.services.spark_cluster import spark_home
+
+    if deploy_mode not in ("cluster", "client"):
+        raise ValueError(f"deploy_mode {deploy_mode!r}: cluster or client")
+    home = spark_home()
+    py = python or sys.executable
+    staging = Path(staging_dir or SERVICE.staging_dir)
+    confs: dict[str, str] = {
+        "spark.yarn.jars": f"local:{home / 'jars'}/*",
+        "spark.yarn.stagingDir": staging.as_uri(),
+        "spark.yarn.maxAppAttempts": str(max_app_attempts),
+        "spark.yarn.submit.waitAppCompletion": "true",
+        "spark.pyspark.python": py,
+        "spark.yarn.appMasterEnv.PYSPARK_PYTHON": py,
+        "spark.executorEnv.PYSPARK_PYTHON": py,
+        # Not the NodeManagers' admin-env: YARN appends a variable set there to the application's
+        # with ':' and the executors get the AM's (SPARK_LOCAL_IP=127.0.0.1:127.0.0.1: refused).
+        "spark.yarn.appMasterEnv.SPARK_LOCAL_IP": HOST,
+        "spark.executorEnv.SPARK_LOCAL_IP": HOST,
+        # In cluster mode the driver is the AM (driver memory); in client mode the AM only asks
+        # for executors (spark.yarn.am.memory) and the driver binds here.
+        "spark.driver.memory": "512m",
+        "spark.yarn.am.memory": "512m",
+        "spark.executor.memory": "512m",
+        "spark.executor.cores": "1",
+        "spark.executor.instances": str(executors),
+        "spark.dynamicAllocation.enabled": "false",
+        "spark.speculation": "false",
+        "spark.task.maxFailures": "4",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.shuffle.partitions": "2",
+        "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+        "spark.scheduler.maxRegisteredResourcesWaitingTime": "60s",
+    }
+    if deploy_mode == "client":
+        confs.update({"spark.driver.host": HOST, "spark.driver.bindAddress": HOST})
+    confs.update(conf or {})
+    cmd = [str(home / "bin" / "spark-submit"), "--master", "yarn", "--deploy-mode", deploy_mode,
+           "--name", name]
+    if py_files:
+        cmd += ["--py-files", ",".join(py_files)]
+    for k, v in confs.items():
+        cmd += ["--conf", f"{k}={v}"]
+    return [*cmd, str(script), *args]
