@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 from twophase import crash
 from twophase._deps import require
 from twophase.config import sink_class  # sinks by kind: the core never imports a sink module
-from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.errors import ConfigurationError, MissingDependencyError, TwoPhaseError
 from twophase.log import TransactionLog, batch_query_id, open_store
 from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
 from twophase.recovery import Committer
@@ -206,7 +206,12 @@ def _plan(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Plan:
     cap = sink.max_parallelism()  # e.g. PostgreSQL's max_prepared_transactions // 2
 
     def partitions(planned: int | None) -> int:  # the task count is unknown while Spark plans
-        sized.append(planned or (settings.max_partitions if cap is None else min(cap, settings.max_partitions)))
+        # What this run allows, and at least what the batch's earlier ballot planned: a replay runs
+        # with as many tasks as this run's query makes (another core count, twophase.coalesce, or
+        # no register() at all), which the plan cannot change.  Sinks' pools follow the widest
+        # plan (Kafka's plan fence records it); PostgreSQL's gids are named per ballot.
+        wanted = max(planned or 0, settings.max_partitions)
+        sized.append(wanted if cap is None else min(cap, wanted))
         return sized[-1]
 
     opened = protocol.open_ballot(batch_id, partitions, prog)
@@ -750,7 +755,8 @@ def _source_of(fmt: Any) -> type[TwoPhaseDataSource] | None:
     return next((cls for cls in SOURCES if cls.name() == name), None)
 
 
-def _coalesce_to(spark: Any, cls: type[TwoPhaseDataSource], options: dict[str, str]) -> int | None:
+def _coalesce_to(spark: Any, cls: type[TwoPhaseDataSource], options: dict[str, str],
+                 sink: TwoPhaseCommitSink[Any, Any] | None = None) -> int | None:
     """The partition count a query's micro-batches are coalesced to (None: left as they are).
 
     Spark puts ``spark.sql.shuffle.partitions`` (200 by default) after every aggregation, join and
@@ -758,7 +764,11 @@ def _coalesce_to(spark: Any, cls: type[TwoPhaseDataSource], options: dict[str, s
     partition (about 45 ms each on 2 cores, docs/datasource.md), and cannot ask Spark for fewer
     (pyspark's Python writers request no distribution).  Coalescing the query's DataFrame before
     the write is a narrow dependency: the stateful operators keep their partitions (and state
-    stores), computed by fewer tasks."""
+    stores), computed by fewer tasks.
+
+    At most ``twophase.maxPartitions`` and what the target allows
+    (:meth:`~twophase.TwoPhaseCommitSink.max_parallelism`, e.g. PostgreSQL's
+    ``max_prepared_transactions / 2``): see :func:`_target_cap`."""
     raw = str(options.get(COALESCE_OPTION.lower(), "auto")).strip().lower()
     if raw in ("off", "false", "none", "no"):
         return None
@@ -767,27 +777,52 @@ def _coalesce_to(spark: Any, cls: type[TwoPhaseDataSource], options: dict[str, s
         cap = int(settings_max) if settings_max else cls.default_max_partitions
     except ValueError:
         cap = cls.default_max_partitions  # _Settings refuses it with its own line
-    if raw == "auto":
-        from twophase.spark import default_parallelism
+    if raw != "auto":
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigurationError(f"{COALESCE_OPTION} must be auto, off or a positive integer, got {raw!r}")
+        if n > cap:
+            raise ConfigurationError(f"{COALESCE_OPTION}={n} is more than twophase.maxPartitions={cap} (the "
+                                     "transactions a batch's plan allows): lower one or raise the other")
+    target = _target_cap(spark, sink)
+    if raw != "auto":
+        if target is not None and n > target:
+            raise ConfigurationError(f"{COALESCE_OPTION}={n} is more than the {target} transactions a batch may "
+                                     "open at the target (e.g. PostgreSQL's max_prepared_transactions / 2): lower it")
+        return n
+    from twophase.spark import default_parallelism
 
-        return max(1, min(default_parallelism(spark), cap))
+    return max(1, min(default_parallelism(spark), cap, target or cap))
+
+
+def _target_cap(spark: Any, sink: TwoPhaseCommitSink[Any, Any] | None) -> int | None:
+    """What the target allows a batch (``max_parallelism()``, known after ``open()``), where the
+    sink has such a limit and this process is a classic driver (Spark's planner workers, which
+    open the sink at each plan, run beside it: it reaches the target).  A Spark Connect client may
+    not reach it: there the plan's own check stands (a task beyond it fails naming the remedy)."""
+    from twophase.spark import is_connect
+
+    if sink is None or type(sink).max_parallelism is TwoPhaseCommitSink.max_parallelism or is_connect(spark):
+        return None
+    sink.open()
     try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ConfigurationError(f"{COALESCE_OPTION} must be auto, off or a positive integer, got {raw!r}")
-    if n > cap:
-        raise ConfigurationError(f"{COALESCE_OPTION}={n} is more than twophase.maxPartitions={cap} (the "
-                                 "transactions a batch's plan allows): lower one or raise the other")
-    return n
+        return sink.max_parallelism()
+    finally:
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
 
 
-def _check_at_start(cls: type[TwoPhaseDataSource], options: dict[str, str], output_mode: str | None) -> None:
+def _check_at_start(cls: type[TwoPhaseDataSource], options: dict[str, str],
+                    output_mode: str | None) -> TwoPhaseCommitSink[Any, Any] | None:
     """What the plan of the first micro-batch would refuse, refused by ``start()`` instead (a query
     that gets no data would otherwise never fail): unknown options, the output mode, the sink's
-    own settings.  Nothing here connects to the target (a Spark Connect client may not reach it);
-    the first plan still checks the target itself (``open()``)."""
+    own settings.  Nothing here connects to the target (a Spark Connect client may not reach it,
+    nor have its driver); the first plan checks the target itself (``open()``).  Returns the sink
+    built from the options (None where this process lacks its driver)."""
     source = cls(dict(options))
     source._check_options()
     if (output_mode or "append").lower() == "complete" and not cls.appends_in_complete_mode:
@@ -796,7 +831,13 @@ def _check_at_start(cls: type[TwoPhaseDataSource], options: dict[str, str], outp
             "target's contents each batch); use outputMode('append')")
     if options.get("checkpointlocation"):
         _Settings(options, cls.kind, cls.default_max_partitions)
-    source.build_sink()
+    try:
+        return source.build_sink()
+    except MissingDependencyError as e:
+        # A Spark Connect client need not have the target's driver (psycopg2, ...): its server's
+        # planner workers build the sink, and the first plan checks it there.
+        log.info("twophase-%s: the sink's settings are checked by the first plan (%s)", cls.kind, e)
+        return None
 
 
 def _coalesced(writer: Any, n: int) -> bool:
@@ -905,9 +946,9 @@ def wrap_stream_writers() -> None:
                 if cols:
                     self.option(PARTITION_BY_OPTION, ",".join(str(c) for c in cols))
                     opts[PARTITION_BY_OPTION.lower()] = ",".join(str(c) for c in cols)
-                _check_at_start(source, opts, outputMode or getattr(self, "_twophase_mode", None))
+                sink = _check_at_start(source, opts, outputMode or getattr(self, "_twophase_mode", None))
                 spark = getattr(self, "_spark", None) or getattr(self, "_session", None)
-                n = _coalesce_to(spark, source, opts)
+                n = _coalesce_to(spark, source, opts, sink)
                 if n is not None and _coalesced(self, n):
                     log.info("twophase-%s: each micro-batch is coalesced to %d partitions (%s)", source.kind, n,
                              COALESCE_OPTION)

@@ -1,19 +1,19 @@
-"""Adversarial review of the coalescing stream writer (commits fa183d4, 58a0bca; issue 47).
+"""Issue 47's coalescing stream writer under the faults a fresh-context review found (each test
+failed before its fix).
 
 ``twophase.register(spark)`` coalesces a ``twophase-*`` query's micro-batches to
 ``twophase.coalesce`` partitions (``auto``: the application's cores) and sets
-``twophase.maxPartitions`` to that count, so the plan sizes each batch's ballot to it.  But a
-batch that is run again (after a crash, a failed task, a stopped query) gets a ballot sized by the
-batch's *earlier* ballot (``_plan``'s ``partitions(planned)`` keeps ``planned``), whatever the new
-run's partition count or options say.  A batch whose first run was coalesced to 2 partitions and
-whose replay has more (a restart on more cores, another ``twophase.coalesce``, ``coalesce=off``,
-or a restart without ``register()`` where Spark's discovery gives the formats and the query keeps
-its 200 shuffle partitions) then fails every time: partition 2 is "beyond the 2 transactions its
-plan allows".  Nothing the user can set but a coalesce of 2 or fewer gets the query past it (not
-even ``twophase.maxPartitions``, which the message names).
+``twophase.maxPartitions`` to that count, so the plan sizes each batch's ballot to it.
 
-These tests run real drivers (``tests.drivers.datasource_pipeline``, local[2], the stateful
-deduplication at Spark's default 200 shuffle partitions) and fail at the time of writing.
+- A batch run again gets a ballot sized by its earlier ballot *and* by what the new run allows:
+  before, by the earlier ballot alone, so a batch whose first run was coalesced to 2 and whose
+  replay had more partitions (a restart on more cores, another ``twophase.coalesce``, or without
+  ``register()``, where the query keeps its 200 shuffle partitions) failed on every restart
+  ("partition 2 ... beyond the 2 transactions its plan allows").
+- ``start()`` checks the options in the client; a Spark Connect client without the target's
+  driver (psycopg2) still starts a query its server runs.
+- ``auto`` stays within what the target allows (PostgreSQL's ``max_prepared_transactions / 2``)
+  on an application with more cores than that.
 """
 
 from __future__ import annotations
@@ -52,24 +52,48 @@ def _why(r: subprocess.CompletedProcess) -> str:
     return "\n".join(lines[-8:])[-3000:]
 
 
+def test_a_replayed_batch_gets_a_ballot_as_wide_as_the_new_run_allows(tmp_path):
+    """The plan alone, in this process (a checkpoint as Spark leaves it: ``metadata``,
+    ``offsets/0``): batch 0 planned with ``twophase.maxPartitions=2`` and never decided, then
+    planned again by a run that allows 4: its new ballot has 4 transactions (before: 2), and a
+    third run allowing 1 keeps 4 (a ballot never narrows below the batch's earlier one)."""
+    import json
+    import uuid
+
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from twophase.datasource import FilesDataSource
+
+    ck = tmp_path / "ck"
+    (ck / "offsets").mkdir(parents=True)
+    (ck / "metadata").write_text(json.dumps({"id": str(uuid.uuid4())}))
+    (ck / "offsets" / "0").write_text("v1\n{}\n")
+    schema = StructType([StructField("id", StringType())])
+
+    def planned(max_partitions: int) -> int:
+        ds = FilesDataSource({"path": str(tmp_path / "out"), "checkpointlocation": str(ck),
+                              "twophase.maxpartitions": str(max_partitions)})
+        plan = ds.streamWriter(schema, False).plan
+        assert plan is not None and plan.action == "write" and plan.batch_id == 0
+        return plan.partitions
+
+    assert planned(2) == 2
+    assert planned(4) == 4
+    assert planned(1) == 4
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("restart", ["coalesce=4 (four cores)", "without register()"])
-def test_a_batch_first_run_coalesced_to_2_is_replayed_with_more_partitions_after_a_crash(tmp_path, restart):
+def test_a_batch_first_run_coalesced_to_2_is_replayed_with_more_partitions_after_a_crash(tmp_path):
     """Run 1 (register(), coalesced to the 2 cores) dies in the planner just after batch 0's INTENT
-    (its ballot: 2 transactions).  Run 2 restarts the same checkpoint with more partitions: as
-    on an application with 4 cores (``twophase.coalesce=4``, what ``auto`` gives there), or as a
-    driver that does not call ``register()`` (the formats from Spark's discovery; the query's 200
-    shuffle partitions).  Expected: run 2 writes every id once.  Seen: batch 0's new ballot is
-    sized by the crashed one (2), and partition 2 fails ("beyond the 2 transactions its plan
-    allows") on every restart."""
+    (its ballot: 2 transactions).  Run 2 restarts the same checkpoint as a driver that does not
+    call ``register()`` (the formats from Spark's discovery; the query's 200 shuffle partitions):
+    every id once.  Before, batch 0's new ballot was sized by the crashed one (2), and partition 2
+    failed ("beyond the 2 transactions its plan allows") on every restart."""
     expected = _inputs(tmp_path / "in", files=1, rows=40)
     r1 = _driver(tmp_path, "run1", crash_at="after_intent:0")
     assert r1.returncode != 0, "run 1 should have died at the crash point"
     assert (tmp_path / "crashes.log").read_text().split()[:2] == ["after_intent", "0"]
-    if restart.startswith("coalesce"):
-        r2 = _driver(tmp_path, "run2", "--option", "twophase.coalesce=4")
-    else:
-        r2 = _driver(tmp_path, "run2", "--no-register", discovery=True)
+    r2 = _driver(tmp_path, "run2", "--no-register", discovery=True)
     assert r2.returncode == 0, f"the restarted query failed:\n{_why(r2)}"
     assert sorted(_read(tmp_path / "out")) == sorted(expected)
 
@@ -93,12 +117,11 @@ print("DONE", q.exception() is None)
 @pytest.mark.postgres
 @pytest.mark.connect
 @pytest.mark.timeout(600)
-def test_a_connect_client_without_the_postgres_driver_cannot_start_a_jdbc_query_the_server_could_run(
+def test_a_connect_client_without_the_postgres_driver_starts_a_jdbc_query_its_server_runs(
         spark_connect_service, postgres_service, db, tmp_path):
     """The Spark Connect server writes (its Python workers have psycopg2); the client only sends
-    the plan.  Before fa183d4 a client that called ``register(spark)`` needed no PostgreSQL driver
-    of its own; now ``start()`` builds the sink in the client (``_check_at_start``), and a client
-    without psycopg2 gets ``MissingDependencyError`` for a query the server runs.  Expected: the
+    the plan.  ``start()`` builds the sink in the client (``_check_at_start``); before, a client
+    without psycopg2 got ``MissingDependencyError`` there for a query the server runs.  Now the
     query runs and every id lands once."""
     import uuid
 
@@ -124,15 +147,16 @@ def test_a_connect_client_without_the_postgres_driver_cannot_start_a_jdbc_query_
 
 @pytest.mark.postgres
 @pytest.mark.timeout(600)
-def test_auto_coalesce_on_an_application_with_more_cores_than_postgres_allows_fails_every_batch(
+def test_auto_coalesce_on_an_application_with_more_cores_than_postgres_allows_stays_within_its_limit(
         spark, db, postgres_service, tmp_path, monkeypatch):
     """``twophase.coalesce=auto`` coalesces to the application's cores capped by
     ``twophase.maxPartitions`` (200 for jdbc), and ``start()`` accepts it; but the plan caps a
     PostgreSQL batch at ``max_prepared_transactions / 2`` (64 on the test server).  On an
     application with 100 cores (simulated: ``twophase.spark.default_parallelism`` answers 100, as
     Spark's defaultParallelism does there; the query runs on the shared local[2] session) the
-    stateful query at 200 shuffle partitions is coalesced to 100 partitions and partition 64 fails:
-    the first batch, and every restart.  Expected: the query runs, every id once."""
+    stateful query at 200 shuffle partitions was coalesced to 100 partitions and partition 64
+    failed: the first batch, and every restart.  Now ``auto`` is capped by what the target allows
+    (asked of the sink at ``start()``): the query runs, every id once."""
     import uuid
 
     import twophase.datasource
