@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from twophase.datasource import FilesDataSource, JdbcDataSource, KafkaDataSource
+from twophase.config import BUILTIN_FORMATS
+from twophase.datasource import data_source
 from twophase.errors import ConfigurationError
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "\n## Spark's options, sink by sink\n"
-SOURCES = {"twophase-kafka": KafkaDataSource, "twophase-jdbc": JdbcDataSource, "twophase-files": FilesDataSource}
+#: Every built-in format, read from the sinks' registry: each has its table.
+SOURCES = {f"twophase-{kind}": data_source(kind) for kind in BUILTIN_FORMATS}
 BASE = {
     "twophase-kafka": {"kafka.bootstrap.servers": "broker:9092", "checkpointlocation": "/tmp/ck"},
     "twophase-jdbc": {"url": "jdbc:postgresql://db/shop", "dbtable": "events", "checkpointlocation": "/tmp/ck"},

@@ -126,7 +126,7 @@ def test_the_jdbc_url_is_read_as_pgjdbc_reads_it_by_the_sinks_own_reader():
 
 
 def test_dbtable_is_folded_as_postgresql_folds_an_unquoted_name():
-    from twophase.datasource import jdbc_table
+    from twophase.sinks.spark_jdbc import jdbc_table
 
     assert jdbc_table("public.Events") == ("public", "events")
     assert jdbc_table('"Sales"."Events"') == ("Sales", "Events")

@@ -176,8 +176,8 @@ def test_a_wrong_scram_password_is_a_clear_error_without_the_password(kafka_serv
 
 # ------------------------------------------------------- Spark's Java settings (format("twophase-kafka"))
 def test_spark_kafka_java_security_options_become_librdkafka_settings_and_the_unreadable_are_refused():
-    from twophase.datasource import java_security_to_librdkafka as translate
     from twophase.errors import ConfigurationError
+    from twophase.sinks.spark_kafka import java_security_to_librdkafka as translate
 
     secret = f"s-{uuid.uuid4().hex}"
     jaas = ('org.apache.kafka.common.security.scram.ScramLoginModule required username="etl" '

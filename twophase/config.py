@@ -1,9 +1,13 @@
-"""Rebuild sinks from plain configs so operator tools can recover without the user's Spark job.
+"""The sinks' registry: rebuild sinks from plain configs so operator tools can recover without the
+user's Spark job, and find the Spark formats (``format("twophase-<kind>")``) the sinks serve.
 
 A config is a JSON object ``{"sink": KIND, ...parameters}``.  Secrets are given by
 reference, ``{"env": "VARIABLE"}`` (or ``{"file": "/path"}``), resolved only where a
 connection is made.  Third-party sinks register under the entry-point group
-``twophase.sinks`` (name = kind, value = ``module:Class``).
+``twophase.sinks`` (name = kind, value = ``module:Class``), their Spark formats under
+``twophase.formats`` (name = kind, value = ``module:SparkFormat object``).
+
+Both tables name modules by string: the core (``twophase/``) never imports a sink module.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,19 +37,85 @@ BUILTIN_SINKS = {
 }
 
 
-def sink_class(kind: str) -> type[TwoPhaseCommitSink[Any, Any]]:
-    target = BUILTIN_SINKS.get(kind)
+#: The Spark formats by kind (``format("twophase-<kind>")``): each sink owns the translation of
+#: Spark's option names into its own configuration, one :class:`SparkFormat` per format.
+BUILTIN_FORMATS = {
+    "files": "twophase.sinks.spark_files:FORMAT",
+    "jdbc": "twophase.sinks.spark_jdbc:FORMAT",
+    "kafka": "twophase.sinks.spark_kafka:FORMAT",
+}
+
+
+@dataclass(frozen=True)
+class SparkFormat:
+    """One Spark format, ``format("twophase-<kind>")``, as its sink serves it: the options it reads
+    and how they become a sink.  The data source module (``twophase.datasource``) is generic: it
+    checks the options against these, plans, writes and commits; ``build`` is the translation.
+
+    Option names are lower case (Spark hands options over lower-cased); ``build`` gets Spark's
+    options (a mapping, lower-case keys) and refuses what it cannot mean with a
+    :class:`~twophase.errors.ConfigurationError` naming the option."""
+
+    kind: str
+    build: Callable[[Mapping[str, str]], TwoPhaseCommitSink[Any, Any]]
+    #: Options this format reads beyond the ones every format reads.
+    known_options: frozenset[str] = frozenset()
+    #: Prefixes of options passed through to the target's client, e.g. ``"kafka."``.
+    passed_prefixes: tuple[str, ...] = ()
+    #: Transactions a batch's plan allows, unless ``twophase.maxPartitions`` says otherwise.
+    default_max_partitions: int = 200
+    #: Complete output mode appends every row of the result each batch (as Spark's Kafka sink
+    #: does); False: refused (it would replace the target's contents).
+    appends_in_complete_mode: bool = False
+    #: What the format is, for its data source class's docstring.
+    doc: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"twophase-{self.kind}"
+
+
+def _registered(table: dict[str, str], group: str, kind: str, what: str) -> Any:
+    """``module:attr`` of ``kind`` in ``table``, else in the entry-point ``group``, imported."""
+    target = table.get(kind)
     if target is None:
-        for ep in entry_points(group="twophase.sinks"):
+        for ep in entry_points(group=group):
             if ep.name == kind:
                 target = ep.value
                 break
     if target is None:
         raise ConfigurationError(
-            f"unknown sink kind {kind!r}; built in: {', '.join(sorted(BUILTIN_SINKS))} "
-            "(third-party sinks register the entry point group 'twophase.sinks')")
+            f"unknown {what} {kind!r}; built in: {', '.join(sorted(table))} "
+            f"(third-party sinks register the entry point group {group!r})")
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def sink_class(kind: str) -> type[TwoPhaseCommitSink[Any, Any]]:
+    return _registered(BUILTIN_SINKS, "twophase.sinks", kind, "sink kind")
+
+
+def format_kinds() -> list[str]:
+    """The kinds of every Spark format: the built-in ones, then those of entry points."""
+    return list(BUILTIN_FORMATS) + [ep.name for ep in entry_points(group="twophase.formats")
+                                    if ep.name not in BUILTIN_FORMATS]
+
+
+def spark_format(kind: str) -> SparkFormat:
+    """The :class:`SparkFormat` of ``format("twophase-<kind>")``."""
+    spec = _registered(BUILTIN_FORMATS, "twophase.formats", kind, "Spark format")
+    if not isinstance(spec, SparkFormat) or spec.kind != kind:
+        raise ConfigurationError(f"the Spark format registered as {kind!r} is not a SparkFormat of that kind")
+    return spec
+
+
+def local_location(location: str) -> str:
+    """Hadoop's qualified ``file:/x`` (how Spark hands over a local path) as a plain local path;
+    other URLs unchanged."""
+    if location.startswith("file:"):
+        path = location[len("file:"):]
+        return "/" + path.lstrip("/") if path.startswith("/") else path
+    return location
 
 
 def sink_from_config(config: dict[str, Any] | str | Path):

@@ -30,7 +30,13 @@ from typing import Any, ClassVar
 
 from twophase import crash
 from twophase._deps import require
-from twophase.config import sink_class  # sinks by kind: the core never imports a sink module
+from twophase.config import (  # formats by kind, found by string: the core never imports a sink module
+    BUILTIN_FORMATS,
+    SparkFormat,
+    format_kinds,
+    local_location,
+    spark_format,
+)
 from twophase.errors import ConfigurationError, MissingDependencyError, TwoPhaseError
 from twophase.log import TransactionLog, batch_query_id, open_store
 from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
@@ -100,7 +106,7 @@ class _Settings:
         #: These options' fingerprint (a hash: they may hold secrets), for _open.
         self.fingerprint = hashlib.sha256(json.dumps([kind, sorted((str(k), str(v)) for k, v in options.items())])
                                           .encode()).hexdigest()
-        self.checkpoint = _local(options["checkpointlocation"]) if options.get("checkpointlocation") else None
+        self.checkpoint = local_location(options["checkpointlocation"]) if options.get("checkpointlocation") else None
         log_location = options.get("twophase.loglocation")
         self.batch_id: int | None = None
         if streaming:
@@ -123,7 +129,7 @@ class _Settings:
                 raise ConfigurationError(f"twophase.batchId must be an integer >= 0, got {raw_id!r}") from None
             if self.batch_id < 0:
                 raise ConfigurationError(f"twophase.batchId must be an integer >= 0, got {raw_id!r}")
-        self.log_location = _local(str(log_location))
+        self.log_location = local_location(str(log_location))
         self.name = options.get("twophase.name") or "twophase"
         raw = options.get("twophase.maxpartitions") or str(default_max_partitions)
         try:
@@ -132,20 +138,6 @@ class _Settings:
             raise ConfigurationError(f"twophase.maxPartitions must be a positive integer, got {raw!r}") from None
         if self.max_partitions < 1:
             raise ConfigurationError(f"twophase.maxPartitions must be a positive integer, got {raw!r}")
-
-
-def _sink(kind: str, *args: Any, **kwargs: Any) -> TwoPhaseCommitSink[Any, Any]:
-    """A built-in sink by kind (twophase.config's registry: the core never imports a sink module)."""
-    cls: Any = sink_class(kind)
-    return cls(*args, **kwargs)
-
-
-def _local(location: str) -> str:
-    """Hadoop's qualified ``file:/x`` as a plain local path; other URLs unchanged."""
-    if location.startswith("file:"):
-        path = location[len("file:"):]
-        return "/" + path.lstrip("/") if path.startswith("/") else path
-    return location
 
 
 def _committer(sink: TwoPhaseCommitSink[Any, Any], settings: _Settings) -> Committer:
@@ -389,9 +381,14 @@ class _BatchWriter(_Steps, DataSourceArrowWriter):
 
 
 class TwoPhaseDataSource(DataSource):
-    """A twophase sink as a streaming data source (subclasses name it and build its sink)."""
+    """A twophase sink as a Spark data source, ``format("twophase-<kind>")``.  A subclass names its
+    ``kind``; the rest (the options it reads, how they become a sink) is that kind's
+    :class:`~twophase.config.SparkFormat` in the sinks' registry, set on the class when it is
+    made: this module names no sink (:func:`data_source` makes the classes)."""
 
     kind: ClassVar[str] = ""
+    #: The format's registry entry (None on this base class).
+    spec: ClassVar[SparkFormat | None] = None
     #: Options this source reads beyond the common ones (lower case).
     known_options: ClassVar[frozenset[str]] = frozenset()
     #: Prefixes of options passed through to the target's client (lower case), e.g. "kafka.".
@@ -402,6 +399,23 @@ class TwoPhaseDataSource(DataSource):
     #: result each batch, as Spark's Kafka sink does; the others refuse it (it would replace the
     #: target's contents).
     appends_in_complete_mode: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("kind"):
+            return
+        spec = spark_format(cls.kind)
+        cls.spec = spec
+        cls.known_options = spec.known_options
+        cls.passed_prefixes = spec.passed_prefixes
+        cls.default_max_partitions = spec.default_max_partitions
+        cls.appends_in_complete_mode = spec.appends_in_complete_mode
+        if not cls.__doc__:
+            cls.__doc__ = spec.doc
+
+    @classmethod
+    def name(cls) -> str:
+        return f"twophase-{cls.kind}"
 
     def __init__(self, options):
         super().__init__(options)
@@ -414,7 +428,10 @@ class TwoPhaseDataSource(DataSource):
         self._planning = False
 
     def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
-        raise NotImplementedError
+        """The sink these options configure (the format's translation, which owns their meaning)."""
+        if self.spec is None:
+            raise NotImplementedError("a TwoPhaseDataSource subclass names its kind")
+        return self.spec.build(self.options)
 
     def _check_options(self) -> None:
         unknown = sorted(k for k in self.options if k not in _COMMON and k not in self.known_options
@@ -450,285 +467,42 @@ class TwoPhaseDataSource(DataSource):
         return _BatchWriter(sink, settings, _plan(sink, settings))
 
 
-class FilesDataSource(TwoPhaseDataSource):
-    """``format("twophase-files")``: files in ``path`` (local, ``hdfs://``, ``s3://``), by
-    temp-file-rename or multipart upload; ``format`` parquet (default), json or csv, with the
-    options of Spark's file sink and its writers (``compression``, the csv and json writer options,
-    ``maxRecordsPerFile``, S3A and WebHDFS addresses): each has Spark's meaning or is refused by
-    name (``FileSink``'s ``spark_file_options``; the table in docs/datasource.md)."""
-
-    kind = "files"
-    #: FileSink's ``SPARK_FILE_OPTIONS`` (tests/test_datasource_options.py checks they agree) and
-    #: ``prefix``; ``fs.s3a.*`` reaches the sink, which names the S3A settings it takes.
-    known_options = frozenset({
-        "format", "compression", "header", "prefix", "maxrecordsperfile", "dfs.namenode.http-address",
-        "sep", "delimiter", "quote", "escape", "nullvalue", "emptyvalue", "quoteall", "escapequotes",
-        "ignoreleadingwhitespace", "ignoretrailingwhitespace", "linesep", "ignorenullfields",
-        "dateformat", "timestampformat", "timestampntzformat", "encoding", "charset", "locale",
-        "chartoescapequoteescaping", "writenonasciicharacterascodepoint"})
-    passed_prefixes = ("fs.s3a.",)
-
-    @classmethod
-    def name(cls) -> str:
-        return "twophase-files"
-
-    def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
-        path = self.options.get("path")
-        if not path:
-            raise ConfigurationError("twophase-files needs a path: .start(path) or .option('path', ...)")
-        path = _local(path)
-        files: Any = sink_class("files")
-        args = files.spark_file_options(path, dict(self.options))
-        cols = [c.strip() for c in str(self.options.get("twophase.partitionby") or "").split(",") if c.strip()]
-        return _sink("files", path, prefix=self.options.get("prefix", "part"), writer="arrow",
-                     partition_by=cols or None, **args)
+def _class_name(kind: str) -> str:
+    return "".join(p.capitalize() for p in re.split(r"[^0-9A-Za-z]+", kind) if p) + "DataSource"
 
 
-def jdbc_url_for_sink(url: str, user: str | None) -> str:
-    """Spark's ``url`` option as PostgresSink's dsn: the JDBC URL itself, which the sink reads as
-    pgjdbc does (multi-host, ``ssl=true``, ``currentSchema``, ``ApplicationName``, ...; a property
-    with no libpq meaning is refused by name), with the ``user`` option added.  A password in the
-    URL is refused without showing it (it belongs in ``.option('password', ...)``)."""
-    from urllib.parse import parse_qsl, quote_plus
-
-    if not url.lower().startswith("jdbc:postgresql:"):
-        raise ConfigurationError(
-            "twophase-jdbc writes to PostgreSQL (prepared transactions): url must start with "
-            f"jdbc:postgresql://, got {':'.join(url.split(':')[:2])}:...")
-    query = url.partition("?")[2]
-    keys = {k.lower() for k, _ in parse_qsl(query, keep_blank_values=True)}
-    if "password" in keys:
-        raise ConfigurationError("twophase-jdbc: give the password as .option('password', ...), not in the url "
-                                 "(the url is not shown)")
-    if user:
-        if "user" in keys:
-            raise ConfigurationError("twophase-jdbc: the role is given twice, as .option('user', ...) and in the "
-                                     "url's user=: give it once")
-        url += ("&" if query else "?") + "user=" + quote_plus(user)
-    return url
+def data_source(kind: str) -> type[TwoPhaseDataSource]:
+    """The data source class of ``format("twophase-<kind>")``, made from the registry's entry the
+    first time: a class of this module by name (``FilesDataSource`` for ``files``), as Spark
+    pickles it by reference (a worker that imports this module makes it again)."""
+    name = _class_name(kind)
+    cls = globals().get(name)
+    if not (isinstance(cls, type) and issubclass(cls, TwoPhaseDataSource) and cls.kind == kind):
+        cls = type(name, (TwoPhaseDataSource,), {"kind": kind, "__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+    return cls
 
 
-def jdbc_table(dbtable: str) -> tuple[str | None, str]:
-    """``dbtable`` as Spark's JDBC writer means it, which puts it into its SQL as written: an
-    unquoted name is folded to lower case by PostgreSQL (``public.Events`` is ``public.events``),
-    a double-quoted one is exact (``"Events"``).  (schema or None, table)."""
-    parts = re.findall(r'"((?:[^"]|"")*)"|([^."]+)', dbtable.strip())
-    names = [q.replace('""', '"') if q else u.strip().lower() for q, u in parts]
-    if not 1 <= len(names) <= 2 or not all(names):
-        raise ConfigurationError(f"twophase-jdbc: dbtable must be [schema.]table, got {dbtable!r}")
-    return (names[0] if len(names) == 2 else None), names[-1]
+def sources() -> tuple[type[TwoPhaseDataSource], ...]:
+    """The data source of every format in the registry (built in, then entry points'); a
+    third-party format that fails to load is left out with a warning (this module must import
+    wherever pyspark does: Spark's discovery imports it)."""
+    out = []
+    for kind in format_kinds():
+        try:
+            out.append(data_source(kind))
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not take the others down
+            if kind in BUILTIN_FORMATS:
+                raise
+            log.warning("twophase: the Spark format twophase-%s cannot be loaded (%s: %s)", kind,
+                        type(e).__name__, e)
+    return tuple(out)
 
 
-#: Spark's JDBC writer options that change nothing here: ``truncate`` and ``cascadeTruncate`` act in
-#: Overwrite mode only (refused: the formats append); ``createTable*`` only when Spark creates a
-#: missing table (the sink never creates one: its open() refuses a missing table, naming it).
-_JDBC_NO_EFFECT = frozenset({"truncate", "cascadetruncate", "createtableoptions", "createtablecolumntypes"})
-_JDBC_SPELLING = {"refreshkrb5config": "refreshKrb5Config", "connectionprovider": "connectionProvider",
-                  "sessioninitstatement": "sessionInitStatement"}
-#: Spark's JDBC options for writing that have no meaning for the sink's libpq connections.
-_JDBC_REFUSED = {
-    "keytab": "Kerberos login from a keytab is the JVM's; libpq authenticates with GSSAPI from the ticket cache "
-              "(kinit) where the tasks run: drop keytab and principal",
-    "principal": "Kerberos login from a keytab is the JVM's; libpq authenticates with GSSAPI from the ticket "
-                 "cache (kinit) where the tasks run: drop keytab and principal",
-    "refreshkrb5config": "Kerberos configuration is the JVM's; libpq reads krb5.conf itself: drop it",
-    "connectionprovider": "JDBC connection providers are JVM classes; the sink connects with libpq: drop it",
-    "sessioninitstatement": "the sink runs no user SQL in its prepared transactions; set session defaults on "
-                            "the role (ALTER ROLE ... SET) instead",
-}
-
-
-class JdbcDataSource(TwoPhaseDataSource):
-    """``format("twophase-jdbc")``: rows into a PostgreSQL table by prepared transactions, with the
-    options of Spark's JDBC sink: ``url`` (``jdbc:postgresql://...``), ``dbtable``, ``user``,
-    ``password``; ``twophase.mode`` insert (default) or upsert with ``twophase.keyColumns``."""
-
-    kind = "jdbc"
-    known_options = frozenset({"url", "dbtable", "user", "password", "driver", "twophase.mode",
-                               "twophase.keycolumns", "twophase.gidprefix", "batchsize", "isolationlevel",
-                               "querytimeout", "numpartitions", *_JDBC_NO_EFFECT, *_JDBC_REFUSED})
-
-    @classmethod
-    def name(cls) -> str:
-        return "twophase-jdbc"
-
-    def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
-        url, table = self.options.get("url"), self.options.get("dbtable")
-        if self.options.get("twophase.partitionby"):
-            raise ConfigurationError(
-                f"twophase-jdbc: partitionBy({self.options['twophase.partitionby']}) has no meaning for a table "
-                "(Spark's JDBC writer has no partitioned output either): drop it; nothing was written")
-        if not url or not table:
-            raise ConfigurationError("twophase-jdbc needs .option('url', 'jdbc:postgresql://host:port/db') and "
-                                     ".option('dbtable', 'schema.table')")
-        for option, why in _JDBC_REFUSED.items():
-            if option in self.options:
-                raise ConfigurationError(f"twophase-jdbc: {_JDBC_SPELLING.get(option, option)} is not supported: "
-                                         f"{why}; nothing was written")
-        driver = self.options.get("driver")
-        if driver and driver != "org.postgresql.Driver":
-            raise ConfigurationError(f"twophase-jdbc writes to PostgreSQL only; driver {driver!r} is not its")
-        level = str(self.options.get("isolationlevel") or "READ_UNCOMMITTED").upper()
-        if level not in ("NONE", "READ_UNCOMMITTED", "READ_COMMITTED"):
-            raise ConfigurationError(
-                f"twophase-jdbc: isolationLevel={level} is not supported: the sink's transactions run at "
-                "PostgreSQL's READ COMMITTED (what Spark's default READ_UNCOMMITTED means in PostgreSQL)")
-        if str(self.options.get("querytimeout") or "0").strip() != "0":
-            raise ConfigurationError(
-                "twophase-jdbc: queryTimeout is not supported (a statement cancelled mid-batch fails the "
-                "batch, which then runs again); drop it")
-        if self.options.get("numpartitions"):
-            raise ConfigurationError(
-                "twophase-jdbc: numPartitions is not supported: Spark's JDBC writer coalesces the rows to that "
-                "many partitions, which a Python data source cannot do; give df.coalesce(N) before the write")
-        dsn = jdbc_url_for_sink(url, self.options.get("user"))
-        schema, name = jdbc_table(table)
-        keys = [k.strip() for k in (self.options.get("twophase.keycolumns") or "").split(",") if k.strip()]
-        return _sink("postgres", dsn, name, schema=schema,
-                            mode=self.options.get("twophase.mode", "insert"), key_columns=keys or None,
-                            password=self.options.get("password"),
-                            gid_prefix=self.options.get("twophase.gidprefix", "tp"))
-
-
-#: Producer settings KafkaSink owns, with the values it sets itself (lower case): given so, accepted.
-_AGREEING = {"acks": ("all", {"all", "-1"}), "request.required.acks": ("all", {"all", "-1"}),
-             "enable.idempotence": ("true", {"true"})}
-
-#: Producer settings KafkaSink owns that a by-name user sets with an option of its own.
-_BY_NAME = {"transaction.timeout.ms": "twophase.transactionTimeoutMs",
-            "transactional.id": "twophase.transactionalIdPrefix"}
-
-
-class KafkaDataSource(TwoPhaseDataSource):
-    """``format("twophase-kafka")``: Kafka transactions, with the options of Spark's Kafka sink:
-    ``kafka.bootstrap.servers``, ``topic`` (else a ``topic`` column), every other ``kafka.*``
-    option to the producer (security settings included); the rows' ``value`` (and ``key``)
-    columns, binary or string, as Spark's Kafka sink.  Transactional ids come from a pool named
-    ``twophase.transactionalIdPrefix`` (default: derived from checkpointLocation, so stable
-    across restarts and unique per query)."""
-
-    kind = "kafka"
-    #: ``includeheaders``: Spark's Kafka *source* option, which its sink ignores (a ``headers``
-    #: column is written when the rows have one); so does this one.
-    known_options = frozenset({"topic", "twophase.transactionalidprefix", "twophase.transactiontimeoutms",
-                               "includeheaders"})
-    passed_prefixes = ("kafka.",)
-    appends_in_complete_mode = True
-    #: Each planned partition is a few pooled transactional ids described at every plan.
-    default_max_partitions = 64
-
-    @classmethod
-    def name(cls) -> str:
-        return "twophase-kafka"
-
-    def build_sink(self) -> TwoPhaseCommitSink[Any, Any]:
-        servers = self.options.get("kafka.bootstrap.servers")
-        if not servers:
-            raise ConfigurationError("twophase-kafka needs .option('kafka.bootstrap.servers', 'host:port')")
-        producer = {k[len("kafka."):]: v for k, v in self.options.items()
-                    if k.startswith("kafka.") and k != "kafka.bootstrap.servers"}
-        spark_only = sorted(k for k in producer if k in ("key.serializer", "value.serializer"))
-        if spark_only:
-            raise ConfigurationError(f"twophase-kafka: kafka.{spark_only[0]} is not supported (as in Spark's "
-                                     "Kafka sink, key and value are written as bytes)")
-        for key, option in _BY_NAME.items():  # KafkaSink's refusal names a constructor argument
-            if key in producer:
-                raise ConfigurationError(f"twophase-kafka: kafka.{key} is the sink's own setting; use "
-                                         f".option('{option}', ...) instead")
-        # Settings the sink owns, given with the value the sink sets anyway (a job that set them for
-        # Spark's sink): the same meaning, so accepted.  Another value is refused, naming the option.
-        for key, (value, agree) in _AGREEING.items():
-            if key in producer:
-                if str(producer[key]).strip().lower() not in agree:
-                    raise ConfigurationError(
-                        f"twophase-kafka: kafka.{key}={producer[key]} cannot be: Kafka transactions need "
-                        f"{key}={value}, which the sink sets itself; drop the option")
-                del producer[key]
-        # Spark's sink writes a null value as a tombstone; kafka.allow.auto.create.topics=true lets the
-        # producer create a missing topic, so the sink's own missing-topic check is lifted with it.
-        auto_create = str(producer.get("allow.auto.create.topics", "false")).strip().lower() == "true"
-        producer = java_security_to_librdkafka(producer)
-        try:  # librdkafka's own message would not name the option, nor say it is a Java client's setting
-            kafka: Any = sink_class("kafka")
-            kafka.check_producer_settings(producer, option_prefix="kafka.")
-        except ConfigurationError as e:
-            raise ConfigurationError(f"twophase-kafka: {e}") from None
-        prefix = self.options.get("twophase.transactionalidprefix")
-        if not prefix:  # stable across restarts, one per query (or per log, for batch writes)
-            where = _local(self.options.get("checkpointlocation") or self.options.get("twophase.loglocation") or "")
-            prefix = f"twophase-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
-        timeout = self.options.get("twophase.transactiontimeoutms")
-        extra: dict[str, Any] = {}
-        if timeout:
-            try:
-                extra["transaction_timeout_ms"] = int(timeout)
-            except ValueError:
-                raise ConfigurationError(f"twophase.transactionTimeoutMs must be milliseconds, got {timeout!r}") from None
-        return _sink("kafka", servers, self.options.get("topic"), prefix, producer_config=producer or None,
-                     tombstones=True, auto_create_topics=auto_create, **extra)
-
-
-_JAAS_VALUE = re.compile(r'(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
-
-def java_security_to_librdkafka(config: dict[str, str]) -> dict[str, str]:
-    """Spark's Kafka sink takes the Java client's security settings (``kafka.sasl.jaas.config``, a
-    truststore); KafkaSink's producers are librdkafka's.  Translate those a Spark user sets, and
-    refuse, naming the option (never its value), what librdkafka cannot read:
-
-    - ``sasl.jaas.config`` with ``PlainLoginModule`` or ``ScramLoginModule``: its ``username`` and
-      ``password`` become ``sasl.username`` / ``sasl.password``;
-    - ``ssl.truststore.location`` of type PEM becomes ``ssl.ca.location`` (JKS and PKCS12 refused);
-    - ``ssl.keystore.location`` of type PEM becomes ``ssl.certificate.location`` and
-      ``ssl.key.location`` (a PKCS12 keystore goes on as is: the sink says what it needs);
-    - ``ssl.endpoint.identification.algorithm`` empty (the Java client's "no check") becomes ``none``.
-
-    Every other setting goes on unchanged (``security.protocol``, ``sasl.mechanism``,
-    ``ssl.key.password`` and most producer settings have the same names in both clients).
-    """
-    out = dict(config)
-    jaas = out.pop("sasl.jaas.config", None)
-    if jaas is not None:
-        module = (jaas.split() or [""])[0].rsplit(".", 1)[-1]
-        if module not in ("PlainLoginModule", "ScramLoginModule"):
-            raise ConfigurationError(
-                f"twophase-kafka: kafka.sasl.jaas.config with {module or 'no login module'} is not translated "
-                "(the producers are librdkafka's): give librdkafka's settings instead, e.g. "
-                "kafka.sasl.oauthbearer.method and kafka.sasl.oauthbearer.* for OAUTHBEARER")
-        values = {k: re.sub(r"\\(.)", r"\1", v) for k, v in _JAAS_VALUE.findall(jaas)}  # \" and \\ unescaped
-        if "username" not in values or "password" not in values:
-            raise ConfigurationError(f"twophase-kafka: kafka.sasl.jaas.config ({module}) needs username=\"...\" "
-                                     "and password=\"...\"")
-        out.setdefault("sasl.username", values["username"])
-        out.setdefault("sasl.password", values["password"])
-    store = out.pop("ssl.truststore.location", None)
-    store_type = (out.pop("ssl.truststore.type", None) or "JKS").upper()
-    if store is not None:
-        if store_type != "PEM":
-            raise ConfigurationError(
-                f"twophase-kafka: kafka.ssl.truststore.location is a {store_type} truststore, which librdkafka "
-                "(the producers' client) cannot read: export its CA certificates as PEM (keytool -exportcert -rfc "
-                "-keystore ...) and give kafka.ssl.ca.location instead")
-        out.setdefault("ssl.ca.location", store)
-        out.pop("ssl.truststore.password", None)  # a PEM file has none
-    key_type = (out.get("ssl.keystore.type") or "").upper()
-    if key_type == "PEM" and "ssl.keystore.location" in out:
-        out.pop("ssl.keystore.type")
-        pem = out.pop("ssl.keystore.location")
-        out.setdefault("ssl.certificate.location", pem)
-        out.setdefault("ssl.key.location", pem)
-    elif key_type == "JKS":
-        raise ConfigurationError("twophase-kafka: kafka.ssl.keystore.location is a JKS keystore, which librdkafka "
-                                 "cannot read: convert it to PEM (or PKCS12) and give kafka.ssl.certificate.location "
-                                 "and kafka.ssl.key.location")
-    else:
-        out.pop("ssl.keystore.type", None)
-    if out.get("ssl.endpoint.identification.algorithm") == "":
-        out["ssl.endpoint.identification.algorithm"] = "none"
-    return out
-
-
-SOURCES: tuple[type[TwoPhaseDataSource], ...] = (FilesDataSource, JdbcDataSource, KafkaDataSource)
+#: Every registered format's class, made at import: a worker unpickling one by reference finds it.
+SOURCES = sources()
+#: The built-in formats' classes under their names (discovery/, tests and benchmarks import them).
+FilesDataSource, JdbcDataSource, KafkaDataSource = (data_source(k) for k in ("files", "jdbc", "kafka"))
 
 
 def register(spark) -> None:
@@ -736,7 +510,7 @@ def register(spark) -> None:
     wrap this process's streaming writers (see :func:`wrap_stream_writers`): a query on a
     ``twophase-*`` format gets its ``.partitionBy(...)``, its options checked at ``start()`` and
     its micro-batches coalesced to the application's cores."""
-    for cls in SOURCES:
+    for cls in sources():
         spark.dataSource.register(cls)
     wrap_stream_writers()
 
@@ -752,7 +526,8 @@ _WRAPPED: set[Any] = set()
 
 def _source_of(fmt: Any) -> type[TwoPhaseDataSource] | None:
     name = str(fmt or "").lower()
-    return next((cls for cls in SOURCES if cls.name() == name), None)
+    kind = name[len("twophase-"):] if name.startswith("twophase-") else None
+    return data_source(kind) if kind in format_kinds() else None
 
 
 def _coalesce_to(spark: Any, cls: type[TwoPhaseDataSource], options: dict[str, str],
