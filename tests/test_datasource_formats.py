@@ -141,3 +141,31 @@ def test_any_other_url_is_refused_naming_its_scheme(url):
                                                  "jdbc:mariadb://") as e:
         JdbcDataSource(dict(JDBC, url=url)).build_sink()
     assert f"got {':'.join(url.split(':')[:2])}:..." in str(e.value)
+
+
+def test_twophase_jdbc_with_a_mariadb_url_writes_each_row_once_into_mariadb(spark, mariadb_service, mdb, tmp_path):
+    """The by-name form on a ``jdbc:mariadb:`` url, on the real MariaDB: a batch write commits its
+    rows by XA, the same batch id again writes nothing, and no branch is left prepared."""
+    import uuid
+
+    import twophase.datasource
+
+    twophase.datasource.register(spark)
+    s, table = mariadb_service, f"ds_{uuid.uuid4().hex[:8]}"
+    with mdb.cursor() as cur:
+        cur.execute(f"CREATE TABLE `{table}` (id BIGINT, v VARCHAR(20)) ENGINE=InnoDB")
+    try:
+        df = spark.range(0, 60, 1, 2).selectExpr("id", "CAST(id AS STRING) AS v")
+        for _ in range(2):
+            (df.write.format("twophase-jdbc").mode("append")
+             .option("url", f"jdbc:mariadb://{s['host']}:{s['port']}/{s['database']}").option("dbtable", table)
+             .option("user", s["user"]).option("password", s["password"]).option("twophase.gidPrefix", table)
+             .option("twophase.logLocation", str(tmp_path / "log")).option("twophase.batchId", "0").save())
+        with mdb.cursor() as cur:
+            cur.execute(f"SELECT id FROM `{table}` ORDER BY id")
+            assert [r[0] for r in cur.fetchall()] == list(range(60))
+            cur.execute("XA RECOVER")
+            assert [r for r in cur.fetchall() if table in str(r[3])] == []
+    finally:
+        with mdb.cursor() as cur:
+            cur.execute(f"DROP TABLE IF EXISTS `{table}`")
