@@ -6,8 +6,7 @@ In cluster mode this runs inside the ApplicationMaster's container; a second att
 first was killed) runs it again from the start, and the query resumes from its checkpoint while the
 coordinator recovers its transaction log.  One input file per micro-batch
 (``trigger(availableNow=True)``); exits 0 once all are committed.  Paths are absolute (the driver's
-working directory is its container's).  ``--batch-pause`` sleeps after each committed batch, so a
-kill lands while batches remain.
+working directory is its container's).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--name", default="yarn-files")
     ap.add_argument("--partitions", type=int, default=2)
-    ap.add_argument("--batch-pause", type=float, default=0.0)
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -45,14 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = Coordinator(FileSink(args.output, format="parquet"), checkpoint_location=args.checkpoint,
                               name=args.name, retry_backoff=0.1, shared_storage=True)
 
-    def batch(df, batch_id: int) -> None:
-        coordinator(df, batch_id)
-        if args.batch_pause:
-            time.sleep(args.batch_pause)
-
     df = (spark.readStream.schema("id STRING, file INT, amount INT").option("maxFilesPerTrigger", 1)
           .json(args.input)).repartition(args.partitions)
-    query = (df.writeStream.foreachBatch(batch).option("checkpointLocation", args.checkpoint)
+    query = (df.writeStream.foreachBatch(coordinator).option("checkpointLocation", args.checkpoint)
              .trigger(availableNow=True).start())
     query.awaitTermination()
     spark.stop()
