@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", required=True)
     ap.add_argument("--marker-table", default="twophase_commits")
     ap.add_argument("--name", default="mychaos")
+    ap.add_argument("--gid-prefix", default="tp", help="the XA gtrids' prefix (the sink's gid_prefix)")
     # More input partitions than local[2]'s two writer slots: every batch (and every replay,
     # whose rows land in other partitions) is coalesced to the transactions its INTENT planned.
     ap.add_argument("--partitions", type=int, default=6)
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     spark = local_session("local[2]", app_name=f"twophase-{args.name}", conf={
         "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
     sink = MySqlSink(args.host, args.port, args.database, args.table, user=args.user,
-                     password={"env": "MYSQL_PWD"}, marker_table=args.marker_table, lock_wait_timeout=20)
+                     password={"env": "MYSQL_PWD"}, marker_table=args.marker_table, gid_prefix=args.gid_prefix,
+                     lock_wait_timeout=20)
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name, retry_backoff=0.1)
     df = (spark.readStream.schema("id LONG, k LONG, v LONG").option("maxFilesPerTrigger", 1)
           .json(args.input).repartition(args.partitions))
