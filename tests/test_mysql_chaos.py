@@ -108,7 +108,8 @@ def test_coordinator_insert_exactly_once_under_crash_points_and_a_sigkill(tmp_pa
     info = mariadb_service
     uid = uuid.uuid4().hex[:6]
     table, markers, name = _new_table(info, "mychaos"), f"mychaos_markers_{uid}", f"mychaos-{uid}"
-    # A gtrid prefix of the test's own: the query name goes into the gtrid as a digest (it has a '-').
+    # A gtrid prefix of the test's own: the sink sees the query as ``{name}.{log scope}``, longer than
+    # 24 characters, so the gtrid holds a digest of it, not the name (tp:<name>: would find nothing).
     gid = f"my{uid}"
     expected, _ = _write_input(tmp_path / "in", files=6, rows=200, keys=50)
     ck = tmp_path / "ck"
