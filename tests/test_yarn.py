@@ -135,7 +135,8 @@ def test_the_application_master_sigkilled_mid_batch_is_restarted_by_yarn_and_eve
         before = _log_files(ck)
         wait_until(lambda: _log_files(ck) > before, 120, "the next batch to start",
                    tmp_path / "submit.log", interval=0.05)
-        time.sleep(random.uniform(0.2, 1.5))
+        delay = random.uniform(0.2, 1.5)
+        time.sleep(delay)
         first = yarn.app_attempts(app_id)
         assert len(first) == 1, first
         am = yarn.SERVICE.container_pid(app_id, first[0]["containerId"], first[0]["nodeId"])
@@ -156,7 +157,14 @@ def test_the_application_master_sigkilled_mid_batch_is_restarted_by_yarn_and_eve
     assert rc == 0, tail
     app = yarn.app(app_id)
     assert app is not None and (app["state"], app["finalStatus"]) == ("FINISHED", "SUCCEEDED"), app
-    attempts = yarn.app_attempts(app_id)
+    # An attempt is FINISHING until its AM container has exited, which may come after
+    # spark-submit saw the application FINISHED.
+    attempts: list[dict] = []
+
+    def settled() -> bool:
+        attempts[:] = yarn.app_attempts(app_id)
+        return bool(attempts) and attempts[-1]["appAttemptState"] not in ("RUNNING", "FINISHING")
+    wait_until(settled, 60, f"the last attempt of {app_id} to end")
     # YARN itself started the second attempt (nobody resubmitted): same application, attempt 2 in
     # a new AM container, after attempt 1's container exited killed.
     assert [a["id"] for a in attempts] == [1, 2], attempts
@@ -177,7 +185,8 @@ def test_the_application_master_sigkilled_mid_batch_is_restarted_by_yarn_and_eve
     lease = _lease(ck)
     assert lease["epoch"] == 2, lease
     _check_output(tmp_path, ids)
-    print(f"AM killed at {killed_at:.1f}s; spark-submit with two attempts: {took:.1f}s")
+    print(f"AM killed at {killed_at:.1f}s ({delay:.1f}s into batch {len(committed_at_kill)}); "
+          f"spark-submit with two attempts: {took:.1f}s")
 
 
 def test_start_all_leaves_yarn_to_its_fixture_and_stop_all_stops_it(monkeypatch):

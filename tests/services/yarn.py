@@ -249,7 +249,8 @@ class YarnService(Service):
         except (OSError, ValueError):
             return None
         cmd = _cmdline(pid)
-        ours = d.main_class.encode() in cmd and str(self.daemon_conf_dir(d)).encode() in cmd
+        # Its conf dir is the first classpath entry (conf/ is a prefix of conf-nodemanager-1/).
+        ours = d.main_class.encode() in cmd and f"\0{self.daemon_conf_dir(d)}:".encode() in cmd
         return pid if ours and pid_alive(pid) else None
 
     def _command(self, d: Daemon) -> list[str]:
