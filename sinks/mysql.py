@@ -765,6 +765,19 @@ def _py_value(v: Any) -> Any:
     return str(v)
 
 
+#: JDBC url properties that ask for TLS (Connector/J's and MariaDB Connector/J's): refused, as the
+#: sink's PyMySQL connections take no TLS settings yet (a silent drop would not verify the server).
+_URL_TLS = frozenset({"sslmode", "usessl", "requiressl", "verifyservercertificate", "trustcertificatekeystoreurl",
+                      "trustcertificatekeystorepassword", "clientcertificatekeystoreurl",
+                      "clientcertificatekeystorepassword", "ssl", "servercerts", "trustservercertificate",
+                      "enabledsslprotocolsuites", "tlsversions"})
+#: JDBC url properties with the same meaning here: the role and its password (as the options),
+#: and Connector/J settings that change nothing of what is written (utf8mb4 text, batched inserts,
+#: the MariaDB driver's mysql: scheme).
+_URL_ACCEPTED = frozenset({"user", "password", "useunicode", "characterencoding", "rewritebatchedstatements",
+                           "permitmysqlscheme"})
+
+
 def _parse_jdbc_url(url: str) -> dict[str, Any]:
     """``jdbc:mysql://host[:port][/database][?k=v&...]`` (or ``jdbc:mariadb:``) as its parts."""
     m = re.fullmatch(r"jdbc:(mysql|mariadb)://([^/?]*)(?:/([^?]*))?(?:\?(.*))?", url.strip(), re.IGNORECASE)
@@ -772,16 +785,38 @@ def _parse_jdbc_url(url: str) -> dict[str, Any]:
         raise ConfigurationError("url must be jdbc:mysql://host:port/database or jdbc:mariadb://host:port/database "
                                  "(the url is not quoted here: it may hold a password)")
     hostport = m.group(2)
+    if "@" in hostport or "(" in hostport or "=" in hostport:
+        # Connector/J's user:password@host and address=(host=...)(password=...) forms: never parsed
+        # into a host name, which messages and the sink's config show.
+        raise ConfigurationError("the JDBC url's host part holds credentials or Connector/J's address=(...) "
+                                 "form, which MySqlSink does not take: give host:port in the url and the user "
+                                 "and password as options (the url is not quoted here: it may hold a password)")
     if "," in hostport:
         raise ConfigurationError("MySqlSink takes one host in the JDBC url (failover lists are not supported)")
-    host, port = hostport, 3306
+    host, port_text = hostport, ""
     if hostport.startswith("["):
         host, _, rest = hostport[1:].partition("]")
-        port = int(rest[1:]) if rest.startswith(":") else 3306
+        port_text = rest[1:] if rest.startswith(":") else ""
     elif ":" in hostport:
-        host, p = hostport.rsplit(":", 1)
-        port = int(p)
+        host, port_text = hostport.rsplit(":", 1)
+    if port_text and not port_text.isdigit():
+        raise ConfigurationError("the JDBC url's port is not a number (the url is not quoted here: it may hold "
+                                 "a password)")
+    port = int(port_text) if port_text else 3306
     params = {k: v for k, v in parse_qsl(m.group(4) or "", keep_blank_values=True)}
+    for key in params:
+        name = key.lower()
+        if name in _URL_TLS:
+            raise ConfigurationError(
+                f"the JDBC url's {key} is not supported: MySqlSink's connections (PyMySQL) take no TLS "
+                "settings yet, and would not verify the server as the url asks; drop it only where the "
+                "network to the server is trusted")
+        if name == "characterencoding" and params[key].strip().lower() not in ("utf8", "utf-8", "utf8mb4"):
+            raise ConfigurationError(f"the JDBC url's {key}={params[key]} is not supported: MySqlSink writes text "
+                                     "as utf8mb4; drop it")
+        if name not in _URL_ACCEPTED:
+            raise ConfigurationError(f"the JDBC url's {key} is not supported by MySqlSink (PyMySQL); drop it "
+                                     f"(accepted: {', '.join(sorted(_URL_ACCEPTED))})")
     return {"host": host or "127.0.0.1", "port": port, "database": unquote(m.group(3) or "") or None,
             "params": params}
 
