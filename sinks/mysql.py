@@ -201,9 +201,18 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         """A pooled driver connection, or a new one (driver; thread-safe).  Each connection costs PyMySQL
         ~50 ms of TLS context set-up, so the driver keeps up to 8 (the executors' branches are never on
         them: an XA COMMIT always runs in a session other than the one that prepared the branch)."""
-        with self._lock:
-            conn = self._pool.pop() if self._pool else None
-        return conn if conn is not None and conn.open else self._connect()
+        while True:
+            with self._lock:
+                conn = self._pool.pop() if self._pool else None
+            if conn is None:
+                return self._connect()
+            try:
+                # A pooled connection the server closed since (a restart, wait_timeout, KILL) still
+                # looks open to PyMySQL until it is used: ask the server, a round trip per use.
+                conn.ping(reconnect=False)
+                return conn
+            except Exception:  # noqa: BLE001 - any failure: that connection is done, take another
+                _close_quietly(conn)
 
     def _release(self, conn: Any) -> None:
         """Back to the pool if it is still usable (PyMySQL closes a connection that broke), else closed."""
@@ -510,15 +519,29 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                         cur.execute("XA ROLLBACK %s, %s", (gtrid, bqual))
                     n += 1
                 except my.Error as e:
-                    if _errno(e) == ER_XAER_NOTA:
-                        continue
-                    msg = f"XA ROLLBACK {gtrid}/{bqual} at {self.where} failed: {self._describe(e)}"
+                    if _errno(e) == ER_XAER_NOTA and not self._listed(conn, gtrid, bqual):
+                        continue  # gone already (committed or rolled back)
+                    # 1397 for a branch XA RECOVER still lists: MariaDB has not yet processed the
+                    # disconnect of the session that prepared it, and nothing was rolled back.
+                    msg = (f"XA ROLLBACK {gtrid}/{bqual} at {self.where} failed: {self._describe(e)}"
+                           + (" (the branch is still attached to the session that prepared it)"
+                              if _errno(e) == ER_XAER_NOTA else ""))
                     if strict:
                         raise TwoPhaseError(msg) from None
                     log.warning("%s; the next batch's cleanup tries again", msg)
         finally:
             self._release(conn)
         return n
+
+    def _listed(self, conn: Any, gtrid: str, bqual: str) -> bool:
+        """Does ``XA RECOVER`` (on ``conn``) list the branch?  True when it cannot be asked: an
+        abort is confirmed only by the branch's absence."""
+        try:
+            with conn.cursor() as cur:
+                cur.execute("XA RECOVER")
+                return any(self._split_xid(r) == (gtrid, bqual) for r in cur.fetchall())
+        except _my().Error:
+            return True
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]) -> int:
         """Roll back this ballot's prepared branches except ``keep``, and every prepared branch of an
@@ -771,6 +794,9 @@ _URL_TLS = frozenset({"sslmode", "usessl", "requiressl", "verifyservercertificat
                       "trustcertificatekeystorepassword", "clientcertificatekeystoreurl",
                       "clientcertificatekeystorepassword", "ssl", "servercerts", "trustservercertificate",
                       "enabledsslprotocolsuites", "tlsversions"})
+#: Of those, the ones that can say "no TLS" (``useSSL=false``, ``sslMode=DISABLED``): the same meaning here.
+_URL_TLS_OFF = frozenset({"usessl", "requiressl", "sslmode", "ssl", "verifyservercertificate"})
+_OFF = frozenset({"false", "disabled", "disable", "0", "no", "off"})
 #: JDBC url properties with the same meaning here: the role and its password (as the options),
 #: and Connector/J settings that change nothing of what is written (utf8mb4 text, batched inserts,
 #: the MariaDB driver's mysql: scheme).
@@ -806,7 +832,7 @@ def _parse_jdbc_url(url: str) -> dict[str, Any]:
     params = {k: v for k, v in parse_qsl(m.group(4) or "", keep_blank_values=True)}
     for key in params:
         name = key.lower()
-        if name in _URL_TLS:
+        if name in _URL_TLS and not (name in _URL_TLS_OFF and params[key].strip().lower() in _OFF):
             raise ConfigurationError(
                 f"the JDBC url's {key} is not supported: MySqlSink's connections (PyMySQL) take no TLS "
                 "settings yet, and would not verify the server as the url asks; drop it only where the "
@@ -814,7 +840,7 @@ def _parse_jdbc_url(url: str) -> dict[str, Any]:
         if name == "characterencoding" and params[key].strip().lower() not in ("utf8", "utf-8", "utf8mb4"):
             raise ConfigurationError(f"the JDBC url's {key}={params[key]} is not supported: MySqlSink writes text "
                                      "as utf8mb4; drop it")
-        if name not in _URL_ACCEPTED:
+        if name not in _URL_ACCEPTED and name not in _URL_TLS_OFF:
             raise ConfigurationError(f"the JDBC url's {key} is not supported by MySqlSink (PyMySQL); drop it "
                                      f"(accepted: {', '.join(sorted(_URL_ACCEPTED))})")
     return {"host": host or "127.0.0.1", "port": port, "database": unquote(m.group(3) or "") or None,

@@ -290,3 +290,48 @@ def test_identifiers_are_quoted_with_backticks(env, mariadb_service):
         assert q(env["db"], f"SELECT * FROM `{name.replace('`', '``')}`") == ((5,),)
     finally:
         q(env["db"], f"DROP TABLE IF EXISTS `{name.replace('`', '``')}`")
+
+
+def test_a_pooled_connection_the_server_closed_does_not_fail_the_next_call(env):
+    """Read-only review, F5: pooled driver connections were reused unchecked (PyMySQL's ``open``
+    asks nothing of the server), so after a server restart or an idle connection past
+    ``wait_timeout`` the next batch failed with a raw 2013.  Killed here as the server would."""
+    sink = env["sink"]
+    _, (h0,) = prepare(sink, "q", 0, [[batch([1])]])
+    assert sink.commit(h0).outcome is CommitOutcome.COMMITTED
+    assert sink._pool, "the commit left its connection in the pool"
+    for c in list(sink._pool):
+        q(env["db"], f"KILL CONNECTION {c.thread_id()}")
+    _, (h1,) = prepare(sink, "q", 1, [[batch([2])]])
+    assert sink.sweep_late("q", 1) == 0
+    assert sink.commit(h1).outcome is CommitOutcome.COMMITTED
+    assert [r[0] for r in rows(env)] == [1, 2]
+
+
+def test_an_abort_of_a_branch_still_attached_to_its_session_is_not_taken_for_done(env, monkeypatch):
+    """Read-only review, F2: MariaDB answers ``XA ROLLBACK`` with 1397 for a branch still attached
+    to the session that prepared it (its disconnect not yet processed), which the sink took for
+    "already gone": the abort was reported done and the branch stayed prepared (then committed).
+    Now the abort is confirmed only by the branch's absence from ``XA RECOVER``."""
+    import twophase.sinks.mysql as my
+
+    sink = env["sink"]
+    intent = sink.plan_batch("q", 0, 1)
+    txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, intent))
+    sink.write(txn, batch([7]))
+    monkeypatch.setattr(my, "_close_quietly", lambda c: None)  # the executor's session not yet closed
+    h = sink.pre_commit(txn)
+    monkeypatch.undo()
+    try:
+        try:
+            sink.recover_and_abort(h)
+        except Exception as e:  # noqa: BLE001 - refused: the branch is still there
+            assert "still attached" in str(e) or "XA ROLLBACK" in str(e), e
+        else:
+            # MariaDB took the rollback from another session after all: then it must be gone.
+            assert xa_recover(env["db"], env["prefix"] + ":") == []
+            return
+        assert xa_recover(env["db"], env["prefix"] + ":") == [(h["gtrid"], h["bqual"])]
+    finally:
+        txn.conn.close()
+    assert rows(env) == []
