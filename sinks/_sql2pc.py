@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from twophase.errors import TwoPhaseError
@@ -111,3 +112,52 @@ def close_quietly(conn: Any) -> None:
         conn.close()
     except Exception:
         pass
+
+
+class ConnectionPool:
+    """Up to ``size`` idle driver connections, shared by the driver's threads (commits run in
+    parallel).  Pickled empty: a sink unpickled on an executor opens its own connections."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+
+    def take(self, connect: Callable[[], Any], alive: Callable[[Any], bool]) -> Any:
+        """An idle connection that ``alive`` accepts (the others are closed), else ``connect()``."""
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return connect()
+            if alive(conn):
+                return conn
+            close_quietly(conn)
+
+    def give(self, conn: Any, usable: bool) -> None:
+        """Back to the pool if ``usable`` and there is room, else closed."""
+        if usable:
+            with self._lock:
+                if len(self._idle) < self.size:
+                    self._idle.append(conn)
+                    return
+        close_quietly(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            close_quietly(c)
+
+    def __iter__(self) -> Iterator[Any]:
+        with self._lock:
+            return iter(list(self._idle))
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["size"])  # type: ignore[misc]

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import re
-import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,51 +183,21 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         self.insert_rows = max(1, int(insert_rows))
         self._password_ref = password if is_secret_ref(password) else None
         self._password_inline = password if isinstance(password, str) else None
-        self._pool: list[Any] = []
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_pool"] = []
-        state["_lock"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._pool = names.ConnectionPool()
 
     def _driver_conn(self) -> Any:
         """A pooled driver connection, or a new one (driver; thread-safe).  Each connection costs PyMySQL
         ~50 ms of TLS context set-up, so the driver keeps up to 8 (the executors' branches are never on
         them: an XA COMMIT always runs in a session other than the one that prepared the branch)."""
-        while True:
-            with self._lock:
-                conn = self._pool.pop() if self._pool else None
-            if conn is None:
-                return self._connect()
-            try:
-                # A pooled connection the server closed since (a restart, wait_timeout, KILL) still
-                # looks open to PyMySQL until it is used: ask the server, a round trip per use.
-                conn.ping(reconnect=False)
-                return conn
-            except Exception:  # noqa: BLE001 - any failure: that connection is done, take another
-                _close_quietly(conn)
+        return self._pool.take(self._connect, _alive)
 
     def _release(self, conn: Any) -> None:
         """Back to the pool if it is still usable (PyMySQL closes a connection that broke), else closed."""
-        if conn.open:
-            with self._lock:
-                if len(self._pool) < 8:
-                    self._pool.append(conn)
-                    return
-        _close_quietly(conn)
+        self._pool.give(conn, bool(conn.open))
 
     def close(self) -> None:
         """Close the driver's pooled connections."""
-        with self._lock:
-            pool, self._pool = self._pool, []
-        for c in pool:
-            _close_quietly(c)
+        self._pool.close()
 
     def __repr__(self) -> str:
         return f"MySqlSink({self.where}, table={self.table}, mode={self.mode!r})"
@@ -773,6 +742,16 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
 
 _ConnectError = names.ConnectError
 _close_quietly = names.close_quietly
+
+
+def _alive(conn: Any) -> bool:
+    """A pooled connection the server closed since (a restart, wait_timeout, KILL) still looks open
+    to PyMySQL until it is used: ask the server, a round trip per use."""
+    try:
+        conn.ping(reconnect=False)
+        return True
+    except Exception:  # noqa: BLE001 - any failure: that connection is done
+        return False
 
 
 def _py_value(v: Any) -> Any:

@@ -31,7 +31,6 @@ import io
 import json
 import logging
 import re
-import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -353,19 +352,9 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         # The marker table's schema: marker_schema, else the role's current schema, fixed by open()
         # (not left to the search_path, where another role's table in a later schema would win).
         self._marker_home: str | None = marker_schema
-        self._pool: list[Any] = []
-        self._lock = threading.Lock()
+        self._pool = _names.ConnectionPool()
 
     # -------------------------------------------------------------- plumbing
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_pool"] = []
-        state["_lock"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"PostgresSink({self.where}, table={self.target_name}, mode={self.mode!r})"
@@ -439,12 +428,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         A connection that failed is closed, never returned to the pool.
         """
         pg = _pg()
-        with self._lock:
-            conn = self._pool.pop() if self._pool else None
-        if conn is not None and conn.closed:
-            conn = None
-        if conn is None:
-            conn = self._connect(autocommit=True)
+        conn = self._pool.take(lambda: self._connect(autocommit=True), lambda c: not c.closed)
         ok = False
         try:
             with conn.cursor() as cur:
@@ -455,26 +439,11 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             ok = conn.closed == 0 and not isinstance(e, (pg.OperationalError, pg.InterfaceError))
             raise
         finally:
-            if ok:
-                with self._lock:
-                    if len(self._pool) < 8:
-                        self._pool.append(conn)
-                        conn = None
-            if conn is not None:
-                try:
-                    conn.close()
-                except Exception:
-                    pass
+            self._pool.give(conn, ok)
 
     def close(self) -> None:
         """Close the driver's pooled connections."""
-        with self._lock:
-            pool, self._pool = self._pool, []
-        for c in pool:
-            try:
-                c.close()
-            except Exception:
-                pass
+        self._pool.close()
 
     def target(self) -> str:
         # What is written, not the way there: a job reached through another host name, port (a
