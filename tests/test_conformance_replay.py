@@ -34,7 +34,9 @@ from twophase.testing import (
 )
 from twophase.testing.conformance import BatchModel, _DriverDied, _HarnessCommitter
 
-SEEDS = range(20)
+#: 20 seeds found issue 30's race; CI runs 8 of them (about a minute less), the regression itself is
+#: test_issue_30_run_replays below; TWOPHASE_FULL_CHAOS=1 runs all 20.
+SEEDS = range(20 if os.environ.get("TWOPHASE_FULL_CHAOS") else 8)
 
 
 class JitteryCommitSink(SQLiteSink):
@@ -81,8 +83,8 @@ def where(tmp_path):
 
 
 @pytest.mark.parametrize("sink", sorted(SINKS))
-def test_shipped_sinks_pass_under_20_seeds(where, sink):
-    """Many seeds, few examples each: the variety of seeds is what finds a flaky definition."""
+def test_shipped_sinks_pass_under_many_seeds(where, sink):
+    """Many seeds (8 in CI, 20 under TWOPHASE_FULL_CHAOS), few examples each: the variety of seeds is what finds a flaky definition."""
     problems = []
     for s in SEEDS:
         run = where / f"seed{s}"
