@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from twophase import crash
 from twophase.coordinator.task_input import (
     CONVERSION_FAILED,
-    TASK_INPUTS,
+    INPUTS,
     record_batches,
     rows_schema,
 )
@@ -39,6 +39,8 @@ _RESULT_SCHEMA = "partition INT, attempt INT, rows LONG, handle STRING"
 #: Coordinator names: they become part of directory names, gids and marker rows.
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Physical operators that keep state across micro-batches (their state stores must commit each batch).
+#: How the driver path's log line and progress note begin for a batch over its bound.
+_OVER_BOUND = "more rows than driver_batch_rows ="
 _STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "StreamingSymmetricHashJoin",
                      "StreamingGlobalLimit")
 
@@ -199,6 +201,18 @@ class Coordinator:
     record batches in the task: a cheaper Spark job, for small batches) or ``"auto"``
     (default): rows when the previous batch this coordinator wrote had at most
     ``small_batch_rows`` rows, else Arrow. Spark Connect has no RDDs: always Arrow there.
+
+    ``task_input="driver"`` runs no task at all: the batch's rows are collected to the driver as
+    Arrow record batches (one JVM action, ``df.limit(driver_batch_rows + 1).toArrow()``) and the
+    sink writes them there, in one transaction (partition 0, attempt 0, the ballot planned for one
+    partition), which the driver pre-commits and decides like a task's.  ``driver_batch_rows`` bounds
+    it, checked by that very collect: a batch with more rows takes the Arrow task path (the plan
+    runs again; the log line and progress say so).  ``"auto"`` takes the driver path when the
+    previous batch had at most ``driver_batch_rows`` rows (0: never), the rows or Arrow path
+    otherwise as above.  Never on the driver path: a streaming query with state (the collect's
+    limit may leave partitions, and their state stores, unrun; over Spark Connect every streaming
+    query counts as one), and a sink that prepares whole batches with a Spark job of its own
+    (``FileSink(writer="spark")``): they take the task paths.  See docs/usage.md.
     """
 
     def __init__(
@@ -222,6 +236,7 @@ class Coordinator:
         shared_storage: bool = False,
         task_input: str = "auto",
         small_batch_rows: int = 2000,
+        driver_batch_rows: int = 10000,
     ):
         if not isinstance(sink, TwoPhaseCommitSink):
             raise ConfigurationError(f"sink must be a twophase.TwoPhaseCommitSink, got {type(sink).__name__}")
@@ -236,10 +251,12 @@ class Coordinator:
                 f"(it becomes part of directory names and transaction ids), got {name!r}")
         if commit_parallelism < 1 or commit_retries < 0:
             raise ConfigurationError("commit_parallelism must be >= 1 and commit_retries >= 0")
-        if task_input not in TASK_INPUTS:
-            raise ConfigurationError(f"task_input must be one of {', '.join(TASK_INPUTS)}, got {task_input!r}")
+        if task_input not in INPUTS:
+            raise ConfigurationError(f"task_input must be one of {', '.join(INPUTS)}, got {task_input!r}")
         if not isinstance(small_batch_rows, int) or small_batch_rows < 0:
             raise ConfigurationError(f"small_batch_rows must be an integer >= 0, got {small_batch_rows!r}")
+        if not isinstance(driver_batch_rows, int) or isinstance(driver_batch_rows, bool) or driver_batch_rows < 0:
+            raise ConfigurationError(f"driver_batch_rows must be an integer >= 0, got {driver_batch_rows!r}")
         if parallelism is not None and (not isinstance(parallelism, int) or parallelism < 1):
             raise ConfigurationError(f"parallelism must be a positive integer or None, got {parallelism!r}")
         self.sink = sink
@@ -258,6 +275,10 @@ class Coordinator:
         self.shared_storage = shared_storage
         self.task_input = task_input
         self.small_batch_rows = small_batch_rows
+        self.driver_batch_rows = driver_batch_rows
+        self._batch_query: tuple[str, bool] = ("", False)  # (query id, streaming) of the batch being run
+        self._input_note = ""          # why the batch left the driver path (its log line says it)
+        self._collect_ms = 0.0         # the driver path's collect
         self._last_rows: int | None = None  # rows of the last batch this coordinator's tasks wrote
         self._rows_refused = False     # a row did not convert: the Arrow path from then on
         self._batch_input = ""         # the path the current batch's tasks took
@@ -568,7 +589,8 @@ class Coordinator:
     # ----------------------------------------------------------------- a batch
     def _run(self, df, batch_id: int, query_id: str, streaming: bool) -> None:
         t_start = time.perf_counter()
-        self._batch_input = ""
+        self._batch_input, self._input_note, self._collect_ms = "", "", 0.0
+        self._batch_query = (query_id, streaming)
         self._start(df.sparkSession, query_id, streaming)
         assert self._protocol is not None
         prog = BatchProgress(self.name, batch_id, query_id, "committed")
@@ -617,6 +639,12 @@ class Coordinator:
         """
         if not streaming:
             return
+        if self._is_stateful(df, query_id):
+            df.write.format("noop").mode("overwrite").save()
+
+    def _is_stateful(self, df, query_id: str) -> bool:
+        """Does the streaming query keep state across batches (state stores)?  Asked once per query;
+        True when it cannot be told (Spark Connect shows no physical plan)."""
         if self._stateful is None and is_connect(df.sparkSession):
             self._stateful = True  # Connect shows no physical plan: recomputing is always safe
         if self._stateful is None:
@@ -628,8 +656,58 @@ class Coordinator:
                 log.debug("could not inspect the plan of query %s; assuming it is stateful", query_id,
                           exc_info=True)
                 self._stateful = True
-        if self._stateful:
-            df.write.format("noop").mode("overwrite").save()
+        return bool(self._stateful)
+
+    # ------------------------------------------------------------ the driver path
+    def _driver_rows(self, df) -> Any | None:
+        """The batch's rows as an Arrow table when it takes the driver path, else None (tasks).
+
+        Checked before anything of the batch is planned: the path (``task_input``, the previous
+        batch's rows under "auto"), then the bound, by the collect itself: at most
+        ``driver_batch_rows + 1`` rows come to the driver, and that one more sends the batch to the
+        Arrow task path (a burst after small batches), its plan run again there."""
+        bound = self.driver_batch_rows
+        if self.task_input not in ("auto", "driver") or bound <= 0:
+            return None
+        if self.task_input == "auto" and (self._last_rows is None or self._last_rows > bound):
+            return None
+        if getattr(self.sink, "writer", None) == "spark":
+            self._input_note = "the sink prepares batches with a Spark job of its own"
+            return None
+        query_id, streaming = self._batch_query
+        if streaming and self._is_stateful(df, query_id):
+            # A limit may leave partitions (and their state stores) unrun, and the fallback would run
+            # the stateful plan twice in one batch.
+            self._input_note = "a stateful query keeps the task path"
+            return None
+        t0 = time.perf_counter()
+        table = df.limit(bound + 1).toArrow()
+        self._collect_ms += _ms(t0)
+        if table.num_rows > bound:
+            self._input_note = f"{_OVER_BOUND} {bound} rows: the Arrow task path"
+            log.info("%s: %s %d rows: this batch takes the Arrow task path", self.name, _OVER_BOUND, bound)
+            return None
+        return table
+
+    def _prepare_in_driver(self, table, name: str, batch_id: int, intent: dict[str, Any],
+                           run: str) -> list[dict[str, Any]]:
+        """The driver path: the batch's one transaction, run here (partition 0, attempt 0) over the
+        collected rows.  The crash points ``before_begin`` and ``after_pre_commit`` fire in this
+        process, the driver."""
+        from twophase.context import TransactionContext, run_transaction
+
+        self._batch_input = "driver"
+        if self.log is not None and self.log.fenced:
+            self.log.check_fence()  # raises: fenced before anything was begun
+        # task_attempt_id -1: no Spark task; ``run`` is the ballot's own, and no task writes in a
+        # ballot the driver writes, so (partition 0, attempt 0, run) names one transaction.
+        ctx = TransactionContext(name, batch_id, 0, 0, intent, run, task_attempt_id=-1)
+        # The record batches as the JVM cut them (maxRecordsPerBatch, per partition), as tasks get them.
+        rows, envelope = run_transaction(self.sink, ctx, table.to_batches())
+        self._last_rows = rows
+        if envelope is None:
+            return []
+        return [{"partition": 0, "attempt": 0, "rows": rows, "handle": json.loads(envelope)}]
 
     # ---------------------------------------------------------------- executors
     def _prepare(self, df, name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
@@ -737,8 +815,10 @@ class Coordinator:
 
     def _rows_target(self, df) -> Any | None:
         """The Arrow schema for the rows path (``task_input``) if this batch's tasks take it, else None."""
-        if self.task_input == "arrow" or is_connect(df.sparkSession):
+        if self.task_input in ("arrow", "driver") or is_connect(df.sparkSession):
             return None
+        if self._input_note.startswith(_OVER_BOUND):
+            return None  # a burst the driver path's collect found: the columnar path
         if self.task_input == "auto" and (self._rows_refused or self._last_rows is None
                                           or self._last_rows > self.small_batch_rows):
             return None
@@ -819,12 +899,18 @@ class Coordinator:
     def _finish(self, prog: BatchProgress, t_start: float) -> None:
         prog.total_ms = _ms(t_start)
         d = prog.to_dict()
-        d["task_input"] = self._batch_input  # "arrow", "rows", "batch" (the sink's own job) or "" (none ran)
+        # "arrow", "rows", "driver" (no tasks: written by the driver), "batch" (the sink's own job)
+        # or "" (nothing ran); why a batch left the driver path, and what its collect cost.
+        d["task_input"] = self._batch_input
+        d["input_note"] = self._input_note
+        d["collect_ms"] = self._collect_ms
         self.last_progress = d
         self.recent_progress = (self.recent_progress + [d])[-100:]
-        log.info("%s: batch %d %s: %d rows, %d handles, tasks' input %s, prepare %.0f ms, commit %.0f ms, "
-                 "log %.0f ms", prog.name, prog.batch_id, prog.action, prog.rows, prog.handles,
-                 self._batch_input or "none", prog.prepare_ms, prog.commit_ms, prog.log_ms)
+        note = f" ({self._input_note})" if self._input_note and self._batch_input != "driver" else ""
+        log.info("%s: batch %d %s: %d rows, %d handles, input %s%s, collect %.0f ms, prepare %.0f ms, "
+                 "commit %.0f ms, log %.0f ms", prog.name, prog.batch_id, prog.action, prog.rows, prog.handles,
+                 self._batch_input or "none", note, self._collect_ms, prog.prepare_ms, prog.commit_ms,
+                 prog.log_ms)
 
 
 class _SparkBatch:
@@ -834,8 +920,15 @@ class _SparkBatch:
     def __init__(self, coordinator: Coordinator, df):
         self.coordinator = coordinator
         self.df = df
+        self.driver_rows: Any | None = None  # the driver path's rows (an Arrow table), once collected
+        self._asked = False
 
     def partitions(self, planned: int | None) -> int:
+        if not self._asked:  # a ballot run again keeps the path (and the rows) of the first
+            self._asked = True
+            self.driver_rows = self.coordinator._driver_rows(self.df)
+        if self.driver_rows is not None:
+            return 1  # the driver's one transaction (inside any earlier ballot's plan)
         df = self.df
         if planned and _batch_partitions(df, planned)[1]:
             # A re-run stays inside the transactions its first ballot planned (coalesce never adds
@@ -851,6 +944,8 @@ class _SparkBatch:
         return num_partitions
 
     def prepare(self, query_name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
+        if self.driver_rows is not None:
+            return self.coordinator._prepare_in_driver(self.driver_rows, query_name, batch_id, intent, run)
         return self.coordinator._prepare(self.df, query_name, batch_id, intent, run)
 
     def source_offsets(self, batch_id: int) -> dict[str, Any] | None:

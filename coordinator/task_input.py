@@ -23,6 +23,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 TASK_INPUTS = ("auto", "arrow", "rows")
+#: ``Coordinator(task_input=...)``'s values: the task paths above, and ``"driver"``, where no task
+#: runs: a small batch is collected to the driver as Arrow record batches and written there, in one
+#: transaction (see ``Coordinator``, docs/usage.md "Small batches: the driver path").
+INPUTS = TASK_INPUTS + ("driver",)
 
 # Marks a conversion failure in the task's error, so that the driver can tell it from a lost
 # executor and stop choosing the rows path for this coordinator (see Coordinator._prepare).

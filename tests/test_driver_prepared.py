@@ -1,0 +1,209 @@
+"""Small batches prepared in the driver (issue 51): ``Coordinator(task_input="driver")`` and the driver
+path ``"auto"`` takes after a batch of at most ``driver_batch_rows`` rows.
+
+In-process (local[2], FileSink on local disk): the choice per batch, the bound checked by the collect
+(a burst falls back to the Arrow task path, and says so), progress and log line, stateful queries kept
+on tasks.  Against the real servers: each shipped sink (files, Kafka, PostgreSQL, MySQL) writes a
+small batch through the driver path, then a burst through tasks with the same sink object, and each
+id lands once.  The kill run (crash points in the driver) is at the end (``chaos``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from twophase.coordinator import Coordinator
+from twophase.errors import ConfigurationError
+from twophase.sinks.files import FileSink
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _frame(spark, lo: int, n: int, parts: int = 2):
+    return spark.range(lo, lo + n, numPartitions=parts).selectExpr("id", "concat('v', id) as v")
+
+
+def _file_ids(out: Path) -> list[int]:
+    return sorted(i for p in out.glob("*.parquet") for i in pq.read_table(p).column("id").to_pylist())
+
+
+def _write_all(c: Coordinator, spark, sizes: list[int]) -> list[dict]:
+    progress, lo = [], 0
+    for batch_id, n in enumerate(sizes):
+        progress.append(dict(c.write(_frame(spark, lo, n), batch_id=batch_id)))
+        lo += n
+    return progress
+
+
+# ------------------------------------------------------------------ the choice, in-process
+def test_auto_takes_the_driver_path_after_a_small_batch_and_tasks_for_a_burst(spark, tmp_path, caplog):
+    out = tmp_path / "out"
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="drv", driver_batch_rows=1000,
+                    small_batch_rows=2000)
+    caplog.set_level(logging.INFO, logger="twophase.coordinator")
+    sizes = [100, 100, 5000, 100, 1000, 300]
+    progress = _write_all(c, spark, sizes)
+    c.close()
+    paths = [p["task_input"] for p in progress]
+    # First batch: no previous one, Arrow.  After a small one: the driver.  The burst (5,000 rows after
+    # 100) is found by the collect's bound and goes to the Arrow tasks, not the rows path the previous
+    # batch's size would pick; after it, Arrow again (5,000 > every threshold); 1,000 rows = the bound:
+    # the driver (the previous batch had 100 rows).
+    assert paths == ["arrow", "driver", "arrow", "arrow", "driver", "driver"], progress
+    assert progress[2]["input_note"].startswith("more rows than driver_batch_rows = 1000"), progress[2]
+    assert progress[2]["collect_ms"] > 0 and progress[2]["handles"] == 2
+    for p in (progress[1], progress[4], progress[5]):
+        # One transaction, written by the driver: one handle, every row of the batch.
+        assert (p["handles"], p["input_note"]) == (1, ""), p
+        assert p["collect_ms"] > 0
+    assert [p["rows"] for p in progress] == sizes
+    assert _file_ids(out) == list(range(sum(sizes)))
+    lines = [r.getMessage() for r in caplog.records if " rows, " in r.getMessage()]
+    assert any("batch 1 committed: 100 rows, 1 handles, input driver," in m for m in lines), lines
+    assert any("batch 2 committed: 5000 rows, 2 handles, input arrow (more rows than driver_batch_rows = 1000"
+               in m for m in lines), lines
+
+
+def test_driver_input_stays_on_the_driver_up_to_the_bound_and_no_further(spark, tmp_path):
+    out = tmp_path / "out"
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="bound", task_input="driver",
+                    driver_batch_rows=50)
+    progress = _write_all(c, spark, [50, 51, 1, 0])
+    # The same batch id again: decided before, nothing is collected or written.
+    again = c.write(_frame(spark, 0, 50), batch_id=0)
+    c.close()
+    assert [p["task_input"] for p in progress] == ["driver", "arrow", "driver", "driver"], progress
+    assert progress[1]["input_note"].startswith("more rows than driver_batch_rows = 50"), progress[1]
+    assert progress[3]["handles"] == 0 and progress[3]["rows"] == 0  # empty: no transaction opened
+    assert (again["action"], again["task_input"], again["collect_ms"]) == ("skipped", "", 0.0)
+    assert _file_ids(out) == list(range(102))
+
+
+def test_driver_path_settings_are_checked(tmp_path):
+    with pytest.raises(ConfigurationError, match="task_input must be one of auto, arrow, rows, driver"):
+        Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"), task_input="pickle")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigurationError, match="driver_batch_rows"):
+            Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"), driver_batch_rows=bad)
+
+
+def test_driver_batch_rows_zero_keeps_auto_on_the_task_paths(spark, tmp_path):
+    out = tmp_path / "out"
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="zero", driver_batch_rows=0)
+    progress = _write_all(c, spark, [100, 100])
+    c.close()
+    assert [p["task_input"] for p in progress] == ["arrow", "rows"]
+    assert _file_ids(out) == list(range(200))
+
+
+def _stream(spark, src: Path, ck: Path, coordinator: Coordinator, stateful: bool) -> None:
+    df = spark.readStream.schema("id LONG").option("maxFilesPerTrigger", 1).json(str(src))
+    if stateful:
+        df = df.dropDuplicates(["id"])
+    q = (df.writeStream.foreachBatch(coordinator).option("checkpointLocation", str(ck))
+         .trigger(availableNow=True).start())
+    q.awaitTermination(300)
+    assert q.exception() is None, q.exception()
+
+
+def test_streaming_stateless_takes_the_driver_path_and_a_stateful_query_keeps_tasks(spark, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    base = int(time.time()) - 10
+    for f in range(3):
+        path = src / f"part-{f}.json"
+        path.write_text("".join(json.dumps({"id": f * 100 + i}) + "\n" for i in range(100)))
+        os.utime(path, (base + f, base + f))
+    found = {}
+    for stateful in (False, True):
+        out = tmp_path / f"out-{stateful}"
+        c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / f"log-{stateful}"), name=f"st{int(stateful)}",
+                        task_input="driver")
+        _stream(spark, src, tmp_path / f"ck-{stateful}", c, stateful)
+        c.close()
+        found[stateful] = [(p["task_input"], p["input_note"]) for p in c.recent_progress]
+        assert _file_ids(out) == list(range(300))
+    assert found[False] == [("driver", "")] * 3, found
+    # dropDuplicates keeps a state store per shuffle partition: a limit could leave some unrun.
+    assert found[True] == [("arrow", "a stateful query keeps the task path")] * 3, found
+
+
+# ------------------------------------------------------------------ every shipped sink, real servers
+def _small_then_burst(spark, sink, tmp_path, frame) -> list[dict]:
+    """Batches of 100 (Arrow: no previous batch), 100 (driver), 100 again under batch 1 (skipped),
+    600 (over the bound of 500: Arrow tasks, the same sink object shipped), 100 (rows tasks: 600 is over
+    the driver's bound, under small_batch_rows)."""
+    c = Coordinator(sink, log_location=str(tmp_path / "log"), name=f"d{uuid.uuid4().hex[:6]}", driver_batch_rows=500)
+    progress = []
+    try:
+        for batch_id, (lo, n) in enumerate([(0, 100), (100, 100), (100, 100), (200, 600), (800, 100)]):
+            progress.append(dict(c.write(frame(lo, n), batch_id=batch_id if batch_id < 2 else batch_id - 1)))
+    finally:
+        c.close()
+    assert [(p["action"], p["task_input"]) for p in progress] == [
+        ("committed", "arrow"), ("committed", "driver"), ("skipped", ""), ("committed", "arrow"),
+        ("committed", "rows")], progress
+    assert progress[1]["handles"] == 1
+    return progress
+
+
+def test_file_sink_driver_path(spark, tmp_path):
+    out = tmp_path / "out"
+    _small_then_burst(spark, FileSink(str(out)), tmp_path, lambda lo, n: _frame(spark, lo, n))
+    assert _file_ids(out) == list(range(900))
+
+
+@pytest.mark.kafka
+def test_kafka_sink_driver_path(spark, kafka_service, tmp_path):
+    from tests.test_kafka_sink import _topic, read_committed
+    from twophase.sinks.kafka import KafkaSink
+
+    bs = kafka_service["bootstrap_servers"]
+    topic = _topic(bs, 2)
+    sink = KafkaSink(bs, topic, f"drv-{uuid.uuid4().hex[:8]}")
+    _small_then_burst(spark, sink, tmp_path, lambda lo, n: _frame(spark, lo, n).selectExpr(
+        "cast(id as string) as key", "cast(id as string) as value"))
+    got = sorted(int(v) for v in read_committed(bs, topic, timeout=60, idle=3))
+    assert got == list(range(900))
+
+
+@pytest.mark.postgres
+def test_postgres_sink_driver_path(spark, postgres_service, db, tmp_path):
+    from twophase.sinks.postgres import PostgresSink
+
+    t = f"drv_{uuid.uuid4().hex[:8]}"
+    with db.cursor() as cur:
+        cur.execute(f'CREATE TABLE "{t}" (id bigint NOT NULL, v text)')
+    _small_then_burst(spark, PostgresSink(postgres_service["dsn"], table=t), tmp_path,
+                      lambda lo, n: _frame(spark, lo, n))
+    with db.cursor() as cur:
+        cur.execute(f'SELECT id FROM "{t}" ORDER BY id')
+        assert [r[0] for r in cur.fetchall()] == list(range(900))
+
+
+@pytest.mark.mysql
+def test_mysql_sink_driver_path(spark, mariadb_service, mdb, tmp_path):
+    from twophase.sinks.mysql import MySqlSink
+
+    s, uid = mariadb_service, uuid.uuid4().hex[:8]
+    tbl = f"drv_{uid}"
+    with mdb.cursor() as cur:
+        cur.execute(f"CREATE TABLE `{tbl}` (id BIGINT PRIMARY KEY, v VARCHAR(100)) ENGINE=InnoDB")
+    try:
+        sink = MySqlSink(s["host"], s["port"], s["database"], tbl, user=s["user"], password=s["password"],
+                         gid_prefix=f"dm{uid}", marker_table=f"m_{uid}")
+        _small_then_burst(spark, sink, tmp_path, lambda lo, n: _frame(spark, lo, n))
+        with mdb.cursor() as cur:
+            cur.execute(f"SELECT id FROM `{tbl}` ORDER BY id")
+            assert [r[0] for r in cur.fetchall()] == list(range(900))
+    finally:
+        with mdb.cursor() as cur:
+            cur.execute(f"DROP TABLE IF EXISTS `{tbl}`, `m_{uid}`")
