@@ -26,7 +26,7 @@ STATE_DIR = Path(os.environ.get("TWOPHASE_SERVICES_DIR", Path.home() / ".cache" 
 #: Where downloaded jars are cached (outside the repository; never committed).
 JAR_CACHE = Path(os.environ.get("TWOPHASE_JAR_CACHE", Path.home() / ".cache" / "twophase" / "jars"))
 
-NAMES = ("hosts", "kafka", "kafka_host", "postgres", "postgres_host", "mariadb", "hdfs", "hdfs_host", "s3", "minio", "minio_host",
+NAMES = ("hosts", "kafka", "kafka_host", "postgres", "postgres_host", "mariadb", "mariadb_host", "hdfs", "hdfs_host", "s3", "minio", "minio_host",
          "spark_cluster", "spark_hosts", "spark_connect", "yarn")
 #: Started by name or by their pytest fixture only, not by ``start all`` (``stop all`` and
 #: ``status all`` include them): YARN (three JVMs) is needed by tests/test_yarn.py alone.
