@@ -20,7 +20,7 @@ from benchmarks import datasource, latency
 from benchmarks.common import SECTIONS as _COMMON_SECTIONS
 from benchmarks.common import SHAPES, Params, make_data, progress, session
 
-SECTIONS = (*_COMMON_SECTIONS, "latency", "datasource")
+SECTIONS = (*_COMMON_SECTIONS, "latency", "datasource", "mysql")
 
 #: Sections --quick leaves out unless named in --only: connect costs about a minute even at
 #: --quick sizes (first use of a Connect client, then its streaming queries).
@@ -28,7 +28,8 @@ NOT_QUICK = ("connect",)
 NEEDS = {"kafka": ("kafka",), "postgres": ("postgres",), "files": ("hdfs", "s3", "minio"), "recovery": ("postgres",),
          "coordinator": (), "partitions": ("kafka", "postgres"),
          "connect": ("kafka", "postgres"), "latency": (),  # latency: latency.needs(params)
-         "datasource": ()}  # datasource.needs(params)
+         "datasource": (),  # datasource.needs(params)
+         "mysql": ("mariadb",)}
 
 
 def parse(argv: list[str] | None) -> tuple[Params, list[str]]:
@@ -146,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         datasource.targets(params) if "datasource" in only else set())
     if streaming_sinks:  # Spark's own streaming sinks of the latency and datasource sections
         extra_jars = (extra_jars or []) + latency.jars(params, only, streaming_sinks)
+    if "mysql" in only:  # Spark's JDBC writer to MariaDB: MariaDB Connector/J
+        from benchmarks.mysql import jars as mysql_jars
+
+        progress("resolving MariaDB Connector/J")
+        extra_jars = (extra_jars or []) + mysql_jars()
     spark = session(only, params.cluster, extra_jars)
     progress(f"data: {params.rows} rows x {params.row_size} B in {params.partitions} partitions")
     df = make_data(spark, params.rows, params.row_size, params.partitions, params.data_shape)
@@ -172,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import report
 
     paths = report.write(res, params.out)
+    if "mysql" in res["sections"]:  # report.py knows the older sections only: add this one's tables
+        from benchmarks.mysql import markdown as mysql_markdown
+
+        md = paths["md"].read_text()
+        head, sep, goals = md.partition("## Goals")
+        paths["md"].write_text(head + "\n".join(mysql_markdown(res["sections"]["mysql"])) + "\n" + sep + goals)
     spark.stop()
     progress(f"done in {res['duration_s']:.0f}s")
     for g in res["goals"]:

@@ -26,6 +26,8 @@ from tests.services import JAR_CACHE, ServiceError
 #: Pinned so the result does not depend on Maven's (old) default plugin version.
 DEPENDENCY_PLUGIN_VERSION = "3.6.1"
 MVN_TIMEOUT = 1800.0
+#: MariaDB Connector/J: Spark's JDBC writer to MariaDB in the MySQL benchmark (benchmarks/mysql.py).
+MARIADB_CONNECTOR_J = "org.mariadb.jdbc:mariadb-java-client:3.5.7"
 
 
 def _dependency_xml(coord: str) -> str:
