@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.postgres, pytest.mark.hdfs, pytest.mark.s3]
+pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.postgres, pytest.mark.hdfs, pytest.mark.s3,
+              pytest.mark.mysql]
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "partitions", "latency", "datasource"}
+SECTIONS = {"kafka", "postgres", "files", "coordinator", "recovery", "partitions", "latency", "datasource", "mysql"}
 
 
 def _check_variants(variants: dict, rows: int) -> None:
@@ -34,6 +35,28 @@ def _check_variants(variants: dict, rows: int) -> None:
 
 def _ratio(variants: dict, cand: str, base: str) -> float:
     return statistics.median(variants[base]["seconds"]) / statistics.median(variants[cand]["seconds"])
+
+
+def _check_mysql(my: dict, partition_counts: list, rows: int) -> None:
+    """The mysql section: MySqlSink against Spark's JDBC writer (MariaDB Connector/J) at each partition
+    count, and the loaders (the sink's multi-row INSERT, LOAD DATA LOCAL INFILE) in one XA branch each."""
+    assert [p["partitions"] for p in my["points"]] == list(partition_counts)
+    for p in my["points"]:
+        _check_variants(p["variants"], rows)
+        assert list(p["variants"]) == ["MySqlSink (exactly-once)", my["baseline"]]
+        assert p["ratio"] == pytest.approx(_ratio(p["variants"], "MySqlSink (exactly-once)", my["baseline"]),
+                                           rel=1e-2, abs=1e-3)
+        assert p["transactions_per_batch"] and max(p["transactions_per_batch"]) <= 2 < p["partitions"], p
+        assert all(v["server_cpu_s"] for v in p["variants"].values())  # MariaDB's CPU during each run
+    ld = my["loaders"]
+    _check_variants(ld["variants"], rows)
+    ins, load = ld["variants"]["multi-row INSERT (the sink's loader)"], ld["variants"]["LOAD DATA LOCAL INFILE"]
+    assert ld["ratio_load_data_over_insert"] == pytest.approx(
+        statistics.median(ins["seconds"]) / statistics.median(load["seconds"]), rel=1e-2, abs=1e-3)
+    assert ld["ratio_load_step_only"] == pytest.approx(
+        statistics.median(ins["load_s"]) / statistics.median(load["load_s"]), rel=1e-2, abs=1e-3)
+    assert all(0 < a < b for v in (ins, load) for a, b in zip(v["load_s"], v["seconds"]))
+    assert ld["server_local_infile"] is True
 
 
 @pytest.mark.timeout(600)
@@ -149,9 +172,11 @@ def test_quick_benchmark_writes_every_section(tmp_path):
                                                - g["variants"][g["coordinator"]]["trigger_ms_median"], abs=0.2)
     assert ds["in_process"]["files"]["plan_ms_median"] > 0 and ds["in_process"]["files"]["commit_ms_median"] > 0
 
+    _check_mysql(sec["mysql"], res["params"]["partition_counts"], rows)
+
     # Goals are reported, each against a value measured above.
     names = " ".join(g["goal"] for g in res["goals"])
-    for word in ("Kafka", "JDBC", "COPY", "file sink", "overhead"):
+    for word in ("Kafka", "JDBC", "COPY", "file sink", "overhead", "MySqlSink"):
         assert word in names
     assert all(isinstance(g["met"], bool) for g in res["goals"])
 
