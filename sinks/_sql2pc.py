@@ -84,6 +84,69 @@ def split_leftovers(names: Iterable[str], *, ballot_prefix: str, query_head: str
     return own, late
 
 
+def claims_name(marker_table: str, max_bytes: int) -> str:
+    """The claims table's name: ``{marker_table}_claims``, or, where that would pass the server's
+    identifier limit (PostgreSQL 63 bytes, MySQL 64 characters) and be cut or refused, a shortened
+    marker name and a digest of the whole one."""
+    name = f"{marker_table}_claims"
+    if len(name.encode()) <= max_bytes:
+        return name
+    head = marker_table.encode()[:max_bytes - 14].decode(errors="ignore")
+    return f"{head}_{hashlib.sha1(marker_table.encode()).hexdigest()[:6]}_claims"
+
+
+_ATTEMPT_RE = re.compile(r"([0-9]+)(?:\.([0-9]+))?:(.+)")
+
+
+def earlier_attempts(candidates: Iterable[tuple[Any, str]], *, attempt: int, task_attempt_id: int | None,
+                     run: str) -> list[Any]:
+    """Of ``(key, attempt name)`` pairs (the names of one partition of one ballot found prepared),
+    the keys a retried task attempt may take for its own earlier attempts (to claim ``doomed``,
+    then roll back): for each attempt number below ``attempt``, of the same ``run`` (its
+    :func:`run_token`), the one with the highest task attempt id below ``task_attempt_id``.  Not
+    knowing its own task attempt id, the lower attempts of the old form (no id) instead.  Names
+    without a run, of another run, with higher ids, or lower ids of the same number (attempts of an
+    older stage attempt, maybe the result Spark accepted) are never returned.  See
+    ``PostgresSink._roll_back_earlier_attempts`` for why, and why it is only a guess that a claim fences.
+    """
+    token = run_token(run)
+    own_id = task_attempt_id if task_attempt_id is not None else -1
+    old_form: list[Any] = []
+    latest: dict[int, tuple[int, Any]] = {}  # attempt number -> (task attempt id, key)
+    for key, name in candidates:
+        m = _ATTEMPT_RE.fullmatch(name)
+        if not m or m.group(3) != token or int(m.group(1)) >= attempt:
+            continue
+        number, tid = int(m.group(1)), None if m.group(2) is None else int(m.group(2))
+        if own_id < 0:
+            if tid is None:
+                old_form.append(key)
+        elif tid is not None and tid < own_id and (number not in latest or latest[number][0] < tid):
+            latest[number] = (tid, key)
+    return sorted(old_form + [k for _, k in latest.values()])
+
+
+def refuse_undecidable(batch_id: int, total: int, doomed: list[str], gone: list[str], *, where: str,
+                       what: str) -> None:
+    """:meth:`verify_prepared`'s verdict: raise (nothing decided) if a retried task doomed some of the
+    batch's ``total`` prepared ``what`` (claimed first) or some are gone."""
+
+    def some(xs: list[str]) -> str:
+        return ", ".join(xs[:5]) + (", ..." if len(xs) > 5 else "")
+
+    why = []
+    if doomed:
+        why.append(f"{len(doomed)} were doomed by a retried task attempt of their partition, which took "
+                   f"each for its own earlier attempt (a resubmitted stage, SPARK-24589) and rolls it back "
+                   f"({some(doomed)})")
+    if gone:
+        why.append(f"{len(gone)} no longer exist at {where} ({some(gone)}): someone rolled them back "
+                   "(an operator, or another coordinator cleaning up this batch)")
+    if why:
+        raise TwoPhaseError(f"batch {batch_id}: of its {total} {what}, {'; '.join(why)}. Nothing was "
+                            "decided; restart the query and the batch is written again.")
+
+
 def marker_values(ctx: Any, target_table: str, rows: int) -> tuple[Any, ...]:
     """The values of :data:`MARKER_COLUMNS` for the transaction of ``ctx`` (a TransactionContext)."""
     return (ctx.query_name, ctx.batch_id, ctx.partition_id, ctx.attempt, target_table, rows)

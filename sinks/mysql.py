@@ -13,6 +13,14 @@ tells "already committed" (present) from "lost" (absent).  Branches of attempts 
 the decision are found by ``XA RECOVER`` and rolled back by the driver (``abort_lingering``), and
 so are late attempts' branches of earlier batches (``sweep_late``): they hold their row locks.
 
+Who may roll back a branch is settled by one row per branch in a claims table beside the marker
+table (as the PostgreSQL sink's): the driver claims every branch of a batch ``decided`` before the
+decision, a retried task claims its earlier attempt's branch ``doomed`` before it rolls it back, and
+so does the cleanup for a late leftover; whichever claim comes first wins, so a decided branch is
+never rolled back.  On MariaDB a prepared branch stays attached to its preparing session until that
+session disconnects (``XA COMMIT`` elsewhere answers 1397 meanwhile): the handle names that session,
+and a commit that meets a lingering one kills it (only a connection of the sink's own user).
+
 Names: the XID's gtrid (at most 64 bytes) is the ballot's prefix and the partition,
 ``{gid_prefix}:{query}:{batch}:{token}:{partition}``; its bqual (at most 64 bytes) is the attempt,
 ``{attempt}.{task attempt id}[:{run}]`` (see ``sinks/_sql2pc.py``, shared with the PostgreSQL sink).
@@ -52,11 +60,18 @@ MAX_PLANNED_ATTEMPTS = 9999
 ER_XAER_NOTA = 1397  # unknown XID: committed or rolled back already, or never prepared
 ER_XAER_RMFAIL = 1399  # the branch is in a state that forbids the command (e.g. still attached)
 ER_XAER_OUTSIDE = 1400
+ER_XAER_RMERR = 1401  # MySQL 8: XA RECOVER of other sessions' branches without XA_RECOVER_ADMIN
 ER_XA_RBROLLBACK = 1402
 ER_XAER_DUPID = 1440
 ER_NO_SUCH_TABLE = 1146
 ER_LOCK_WAIT_TIMEOUT = 1205
 ER_LOCK_DEADLOCK = 1213
+ER_NO_SUCH_THREAD = 1094  # KILL of a connection that is gone already
+#: How long a commit waits, after it KILLed the session a branch is still attached to, for the server
+#: to process that disconnect (it detaches the branch; then XA COMMIT works from any session).
+DETACH_WAIT_SECONDS = 10.0
+#: Claims (one row per branch, beside the marker table): who may XA ROLLBACK it.
+DOOMED, DECIDED = "doomed", "decided"
 # Client-side and server-going-away errors: transient for the driver's commit.
 _TRANSIENT = {1040, 1053, 1205, 1213, 2002, 2003, 2006, 2013, 2014, 2055, 1927}
 
@@ -272,6 +287,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             with conn.cursor() as cur:
                 cur.execute("SELECT VERSION()")
                 self._check_version(cur.fetchone()[0])
+                self._check_xa_recover(cur)
                 cur.execute("SELECT table_type FROM information_schema.tables WHERE table_schema = %s "
                             "AND table_name = %s", (self.database, self.table))
                 row = cur.fetchone()
@@ -289,6 +305,16 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 if self.mode == "upsert":
                     self._check_keys(cur)
                 cur.execute(self._marker_ddl())
+                cur.execute(self._claims_ddl())
+                for what, name in (("marker table", self.marker_table), ("claims table", self.claims_table)):
+                    cur.execute("SELECT engine FROM information_schema.tables WHERE table_schema = %s "
+                                "AND table_name = %s", (self.database, name))
+                    engine = (cur.fetchone() or ("",))[0] or ""
+                    if engine.lower() != "innodb":
+                        raise ConfigurationError(
+                            f"the {what} {quote_ident(name)} uses engine {engine or '(unknown)'}; its rows must be "
+                            "written inside the XA branches (InnoDB only), or a rolled-back branch would leave "
+                            f"them behind: ALTER TABLE {quote_ident(name)} ENGINE=InnoDB")
         except my.Error as e:
             raise ConfigurationError(f"MySqlSink could not check {self.table} at {self.where}: "
                                      f"{self._describe(e)}") from None
@@ -307,6 +333,23 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 f"{'MariaDB' if maria else 'MySQL'} {version} at {self.where} rolls prepared XA transactions "
                 f"back when their session ends or the server restarts; MySqlSink needs "
                 f"{'MariaDB >= 10.5.2' if maria else 'MySQL >= 5.7.7'}")
+
+    def _check_xa_recover(self, cur: Any) -> None:
+        """``XA RECOVER`` must list every session's branches: the driver checks, commits and cleans up
+        branches prepared by executor sessions.  MySQL 8 answers 1401 (XAER_RMERR) to a user without
+        ``XA_RECOVER_ADMIN``; refused here, naming the grant, not at the first batch."""
+        try:
+            cur.execute("XA RECOVER")
+            cur.fetchall()
+        except _my().Error as e:
+            if _errno(e) != ER_XAER_RMERR:
+                raise
+            user = quote_ident(self.user) if self.user else "<the sink's user>"
+            raise ConfigurationError(
+                f"XA RECOVER at {self.where} fails for user {self.user!r} ({self._describe(e)}): on MySQL 8 "
+                "listing other sessions' prepared XA branches needs XA_RECOVER_ADMIN, and MySqlSink's "
+                "driver must list the branches its executors prepared; have an administrator run: "
+                f"GRANT XA_RECOVER_ADMIN ON *.* TO {user}") from None
 
     def _check_keys(self, cur: Any) -> None:
         cur.execute("SELECT index_name, column_name FROM information_schema.statistics WHERE table_schema = %s "
@@ -328,6 +371,89 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 "target_table VARCHAR(255) NOT NULL, row_count BIGINT NOT NULL, "
                 "prepared_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), PRIMARY KEY (gtrid, bqual), "
                 "KEY query_batch (query_name, batch_id)) ENGINE=InnoDB")
+
+    @property
+    def claims_table(self) -> str:
+        """``{marker_table}_claims`` (or a shortened name and a digest past 64 characters)."""
+        return names.claims_name(self.marker_table, 64)
+
+    def _claims_ddl(self) -> str:
+        return (f"CREATE TABLE IF NOT EXISTS {quote_ident(self.claims_table)} ("
+                "gtrid VARBINARY(64) NOT NULL, bqual VARBINARY(64) NOT NULL, "
+                "state VARCHAR(16) NOT NULL, at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), "
+                "PRIMARY KEY (gtrid, bqual)) ENGINE=InnoDB")
+
+    def _claim(self, conn: Any, xids: list[tuple[str, str]], state: str) -> set[tuple[str, str]]:
+        """Claim ``xids`` as ``state`` (``doomed`` or ``decided``); return those now claimed so.
+
+        One statement on the branches' claim rows, ``INSERT ... ON DUPLICATE KEY UPDATE``, which keeps
+        an existing claim of the other state: InnoDB's row lock orders two claims of one branch, and
+        whichever comes first wins.  A branch claimed ``decided`` (by :meth:`verify_prepared`, before
+        the decision) is never claimed ``doomed``, so never rolled back by a retried task or a sweep of
+        late leftovers; one claimed ``doomed`` is never decided.  The rows are read back in the same
+        transaction, under their locks.  Errors (a missing claims table: 1146) are raised."""
+        if not xids:
+            return set()
+        other = DECIDED if state == DOOMED else DOOMED
+        xids = sorted(set(xids))  # one lock order for every claimer
+        claims = quote_ident(self.claims_table)
+        conn.begin()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {claims} (gtrid, bqual, state) VALUES "
+                            + ", ".join(["(%s, %s, %s)"] * len(xids))
+                            + " ON DUPLICATE KEY UPDATE state = IF(state = %s, state, VALUES(state))",
+                            [v for g, b in xids for v in (g, b, state)] + [other])
+                cur.execute(f"SELECT gtrid, bqual FROM {claims} WHERE state = %s AND (gtrid, bqual) IN ("
+                            + ", ".join(["(%s, %s)"] * len(xids)) + ")", [state] + [v for x in xids for v in x])
+                won = {(_text(g), _text(b)) for g, b in cur.fetchall()}
+            conn.commit()
+        except BaseException:
+            try:
+                conn.rollback()
+            except Exception:  # noqa: BLE001 - the connection broke: the server rolls back
+                pass
+            raise
+        return won
+
+    def _doom(self, conn: Any, label: str, xids: list[tuple[str, str]],
+              strict: bool = True) -> list[tuple[str, str]] | None:
+        """Claim ``xids`` as doomed; return those the caller may roll back (see :meth:`_claim`).  A
+        branch claimed ``decided`` is in a decision and left alone.  When the claims cannot be written:
+        ``strict`` (an executor), none; else None, and the caller decides."""
+        if not xids:
+            return []
+        try:
+            won = self._claim(conn, xids, DOOMED)
+        except _my().Error as e:
+            if not strict:
+                log.debug("%s: cannot claim %s as doomed (%s)", label, _xids(xids), self._describe(e))
+                return None
+            log.warning("%s: cannot claim %s as doomed (%s); none is rolled back and this attempt may wait on "
+                        "their locks", label, _xids(xids), self._describe(e))
+            return []
+        for x in xids:
+            if x not in won:
+                log.warning("%s: %s looks like a leftover but is claimed by its batch's decision: left alone "
+                            "(what needs its locks may wait on them)", label, _xids([x]))
+        return [x for x in sorted(xids) if x in won]
+
+    def _drop_claims(self, conn: Any, head: str, listed: set[tuple[str, str]], before: Any) -> int:
+        """Delete claims of branches under ``head`` that were claimed before ``before`` (the server's
+        time when ``listed``, an ``XA RECOVER``, was read) and are not listed: a branch is claimed only
+        once prepared, so such a branch was committed or rolled back and never comes back.  A claim
+        made after the listing is kept, whatever its branch looked like then."""
+        claims = quote_ident(self.claims_table)
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT gtrid, bqual FROM {claims} WHERE LEFT(gtrid, %s) = %s AND at < %s",
+                        (len(head.encode()), head, before))
+            done = [x for x in ((_text(g), _text(b)) for g, b in cur.fetchall()) if x not in listed]
+            n = 0
+            for i in range(0, len(done), 500):
+                part = done[i:i + 500]
+                n += cur.execute(f"DELETE FROM {claims} WHERE at < %s AND (gtrid, bqual) IN ("
+                                 + ", ".join(["(%s, %s)"] * len(part)) + ")", [before] + [v for x in part for v in x])
+            return n
 
     def batch_prefix(self, query_name: str, batch_id: int) -> str:
         return f"{self.query_prefix(query_name)}{int(batch_id)}:"
@@ -370,16 +496,15 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         """``(gtrid, bqual)`` of every prepared XA branch whose gtrid starts with ``prefix`` (driver)."""
         conn = self._driver_conn()
         try:
-            with conn.cursor() as cur:
-                cur.execute("XA RECOVER")
-                out = []
-                for row in cur.fetchall():
-                    gtrid, bqual = self._split_xid(row)
-                    if gtrid.startswith(prefix):
-                        out.append((gtrid, bqual))
-                return sorted(out)
+            return sorted(x for x in self._recover(conn) if x[0].startswith(prefix))
         finally:
             self._release(conn)
+
+    def _recover(self, conn: Any) -> set[tuple[str, str]]:
+        """``(gtrid, bqual)`` of every prepared XA branch of the server (``XA RECOVER`` on ``conn``)."""
+        with conn.cursor() as cur:
+            cur.execute("XA RECOVER")
+            return {self._split_xid(row) for row in cur.fetchall()}
 
     @staticmethod
     def _split_xid(row: tuple[Any, ...]) -> tuple[str, str]:
@@ -389,21 +514,42 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         return raw[:glen].decode(errors="replace"), raw[glen:glen + blen].decode(errors="replace")
 
     def verify_prepared(self, batch_id: int, handles: list[dict], *, prepare_started_at: float) -> None:
-        """Check every handle's branch is still prepared before the decision is logged (driver)."""
+        """Claim every handle's branch as decided, then check it is still prepared, before the decision
+        is logged (driver).
+
+        From the claim on, no retried task and no sweep of late leftovers rolls the branch back (they
+        claim ``doomed`` first, which a ``decided`` claim refuses: :meth:`_claim`).  A branch a retried
+        task doomed first, or one ``XA RECOVER`` no longer lists (rolled back by an operator or by
+        another coordinator cleaning up this batch), fails the batch now, while it is undecided.  If
+        the server cannot be asked, the batch fails too.  Without a claims table (1146: a sink never
+        opened) only the listing is checked."""
         if not handles:
             return
+        my = _my()
+        xids = sorted({(h["gtrid"], h["bqual"]) for h in handles})
+        decided: set[tuple[str, str]] | None = None
         try:
-            present = set(self.prepared(self.gid_prefix + ":"))
-        except (_ConnectError, _my().Error) as e:
-            raise TwoPhaseError(f"batch {batch_id}: cannot check its prepared XA branches at {self.where}: "
-                                f"{e if isinstance(e, _ConnectError) else self._describe(e)}. Nothing was "
-                                "decided; restart the query and the batch is written again.") from None
-        gone = [h for h in handles if (h["gtrid"], h["bqual"]) not in present]
-        if gone:
-            some = ", ".join(f"{h['gtrid']}/{h['bqual']}" for h in gone[:5])
-            raise TwoPhaseError(f"batch {batch_id}: {len(gone)} of its {len(handles)} prepared XA branches no "
-                                f"longer exist at {self.where} ({some}): someone rolled them back. Nothing was "
-                                "decided; restart the query and the batch is written again.")
+            conn = self._driver_conn()
+            try:
+                try:
+                    decided = self._claim(conn, xids, DECIDED)
+                except my.Error as e:
+                    if _errno(e) != ER_NO_SUCH_TABLE:
+                        raise
+                    log.warning("batch %d: no claims table %s (%s): checking only that its %d XA branches are "
+                                "still prepared", batch_id, quote_ident(self.claims_table), self._describe(e),
+                                len(xids))
+                present = self._recover(conn)
+            finally:
+                self._release(conn)
+        except (_ConnectError, my.Error) as e:
+            raise TwoPhaseError(f"batch {batch_id}: cannot claim its {len(xids)} prepared XA branches as decided "
+                                f"at {self.where}: {e if isinstance(e, _ConnectError) else self._describe(e)}. "
+                                "Nothing was decided; restart the query and the batch is written again.") from None
+        doomed = [x for x in xids if decided is not None and x not in decided]
+        gone = [x for x in xids if x not in present and x not in doomed]
+        names.refuse_undecidable(batch_id, len(xids), [_xids([x]) for x in doomed], [_xids([x]) for x in gone],
+                                 where=self.where, what="prepared XA branches")
 
     def commit(self, handle: dict) -> CommitResult:
         """``XA COMMIT`` the handle's branch on a driver connection, never the session that prepared it (driver; idempotent).
@@ -451,8 +597,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 # then, and only a commit or rollback takes it off the list.
                 cur.execute("XA RECOVER")
                 if any(self._split_xid(r) == (handle["gtrid"], handle["bqual"]) for r in cur.fetchall()):
-                    return CommitResult.retry_later(f"XA branch {name} is still attached to the session that "
-                                                    "prepared it")
+                    return self._commit_detached(conn, handle)
                 cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s",
                             (handle["gtrid"], handle["bqual"]))
                 found = cur.fetchone() is not None
@@ -465,6 +610,61 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             self._release(conn)
         if found:
             return CommitResult.already_committed(f"marker row of {name} present")
+        return CommitResult.lost(
+            f"XA branch {name} does not exist and its marker row is absent: it was rolled back (XA ROLLBACK "
+            "by someone else, or the database was restored from an older backup)", never_visible=True)
+
+    def _commit_detached(self, conn: Any, handle: dict) -> CommitResult:
+        """The branch is listed by ``XA RECOVER`` but ``XA COMMIT`` answers 1397: on MariaDB it is still
+        attached to the session that prepared it, an executor's that has not disconnected (paused, or
+        its disconnect not yet processed); it stays so for as long as that session lives.  A fence, not
+        a timer: the handle names that session (``session``, its CONNECTION_ID()), and if
+        ``information_schema.PROCESSLIST`` shows that id under this sink's own user, it is KILLed; the
+        server then detaches the branch, still prepared, and the commit is retried until it is (at most
+        :data:`DETACH_WAIT_SECONDS`).  A handle without a session, or an id that is not our user's:
+        retried later, as before.  (MySQL 8.0.30+ detaches a branch at XA PREPARE by default,
+        ``xa_detach_on_prepare``, so this is never reached there.)"""
+        import time
+
+        my = _my()
+        name = f"{handle['gtrid']}/{handle['bqual']}"
+        session = handle.get("session")
+        still = CommitResult.retry_later(f"XA branch {name} is still attached to the session that prepared it")
+        if not isinstance(session, int) or session <= 0:
+            return still
+        with conn.cursor() as cur:
+            cur.execute("SELECT p.user FROM information_schema.PROCESSLIST p WHERE p.id = %s "
+                        "AND p.user = SUBSTRING_INDEX(USER(), '@', 1)", (session,))
+            if cur.fetchone() is None:
+                # Not our user's (or gone already: then its disconnect is on its way).
+                log.info("XA branch %s is attached to session %d, which is not one of this sink's user's "
+                         "connections (or is gone): retried later", name, session)
+            else:
+                log.warning("XA branch %s is still attached to session %d, which prepared it and did not "
+                            "disconnect (a paused or hung executor): killing that connection so the branch "
+                            "can be committed", name, session)
+                try:
+                    cur.execute("KILL CONNECTION %s", (session,))
+                except my.Error as e:
+                    if _errno(e) != ER_NO_SUCH_THREAD:
+                        raise
+            deadline = time.monotonic() + DETACH_WAIT_SECONDS
+            while True:
+                try:
+                    cur.execute("XA COMMIT %s, %s", (handle["gtrid"], handle["bqual"]))
+                    return CommitResult.committed()
+                except my.Error as e:
+                    if _errno(e) != ER_XAER_NOTA:
+                        raise
+                if not self._listed(conn, handle["gtrid"], handle["bqual"]):
+                    break  # gone: the marker row says committed or rolled back
+                if time.monotonic() > deadline:
+                    return still
+                time.sleep(0.05)
+            cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s",
+                        (handle["gtrid"], handle["bqual"]))
+            if cur.fetchone() is not None:
+                return CommitResult.already_committed(f"marker row of {name} present")
         return CommitResult.lost(
             f"XA branch {name} does not exist and its marker row is absent: it was rolled back (XA ROLLBACK "
             "by someone else, or the database was restored from an older backup)", never_visible=True)
@@ -514,35 +714,73 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]) -> int:
         """Roll back this ballot's prepared branches except ``keep``, and every prepared branch of an
-        *earlier* batch of this query (a late task attempt's: it holds row locks), found by XA RECOVER;
-        prune marker rows older than the retention (driver)."""
+        *earlier* batch of this query (a late task attempt's: it holds row locks) that can be claimed
+        doomed, found by XA RECOVER; prune marker rows older than the retention and the claims of this
+        query's branches that are no longer prepared (driver)."""
+        my = _my()
         prefix = self._intent_prefix(query_name, batch_id, intent)
+        head = self.query_prefix(query_name)
         keep_xids = {(h["gtrid"], h["bqual"]) for h in keep}
         try:
-            found = [x for x in self.prepared(self.query_prefix(query_name)) if x not in keep_xids]
+            conn = self._driver_conn()
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT NOW(6)")
+                    listed_at = cur.fetchone()[0]
+                listed = self._recover(conn)
+            finally:
+                self._release(conn)
+            found = sorted(x for x in listed if x[0].startswith(head) and x not in keep_xids)
             by_name = {f"{g}\n{b}": (g, b) for g, b in found}
-            own, late = names.split_leftovers(
-                [g + "\n" + b for g, b in found], ballot_prefix=prefix, query_head=self.query_prefix(query_name),
-                batch_id=batch_id)
+            own, late = names.split_leftovers(by_name, ballot_prefix=prefix, query_head=head, batch_id=batch_id)
             n = self._rollback([by_name[k] for k in own])
             if n:
                 log.info("batch %d: rolled back %d prepared XA branches under %s", batch_id, n, prefix)
             n += self._rollback_late(query_name, batch_id, [by_name[k] for k in late])
             self._prune_markers(query_name, batch_id)
+            conn = self._driver_conn()
+            try:
+                self._drop_claims(conn, head, listed, listed_at)
+            except my.Error as e:
+                if _errno(e) != ER_NO_SUCH_TABLE:
+                    log.warning("cannot delete claims of finished XA branches (%s); the next batch's cleanup "
+                                "tries again", self._describe(e))
+            finally:
+                self._release(conn)
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover XA branches: {e}") from None
+        except my.Error as e:
+            raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover XA branches at {self.where}: "
+                                f"{self._describe(e)}") from None
         return n
 
     def _rollback_late(self, query_name: str, batch_id: int, late: list[tuple[str, str]]) -> int:
-        n = self._rollback(late, strict=False)
+        """Roll back late leftovers of earlier batches, each only once claimed ``doomed``: a branch
+        claimed ``decided`` is in a decision (another run of the job, a batch decided and not yet
+        committed) and is left alone, however it looked."""
+        if not late:
+            return 0
+        conn = self._driver_conn()
+        try:
+            doomed = self._doom(conn, f"batch {batch_id}", late, strict=False)
+        finally:
+            self._release(conn)
+        if doomed is None:
+            # No claims table: decided branches are not marked either (verify_prepared checks only the
+            # listing then), so the leftovers are rolled back as they are, as before claims existed.
+            log.warning("batch %d: rolling back late leftovers without claiming them (no claims table %s): two "
+                        "overlapping runs of one job may roll back each other's decided branches; open() the "
+                        "sink to create it", batch_id, quote_ident(self.claims_table))
+            doomed = late
+        n = self._rollback(doomed, strict=False)
         if n:
             log.warning("batch %d: rolled back %d prepared XA branches of earlier, finished batches of %s, "
-                        "prepared late (after their batch's cleanup): %s", batch_id, n, query_name,
-                        ", ".join(f"{g}/{b}" for g, b in late[:5]) + (", ..." if len(late) > 5 else ""))
+                        "prepared late (after their batch's cleanup): %s", batch_id, n, query_name, _xids(doomed))
         return n
 
     def sweep_late(self, query_name: str, batch_id: int) -> int:
-        """Roll back this query's prepared branches of batches before ``batch_id`` (driver)."""
+        """Roll back this query's prepared branches of batches before ``batch_id`` that can be claimed
+        doomed (driver)."""
         head = self.query_prefix(query_name)
         try:
             late = [(g, b) for g, b in self.prepared(head)
@@ -595,8 +833,14 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             raise TwoPhaseError(f"{ctx.label}: {e}") from None
         txn = MySqlTransaction(ctx, gtrid, bqual, conn, {})
         try:
+            if ctx.attempt > 0 and ctx.run:
+                self._roll_back_earlier_attempts(conn, ctx, f"{prefix}{int(ctx.partition_id)}")
             with conn.cursor() as cur:
                 cur.execute("SET SESSION innodb_lock_wait_timeout = %s", (self.lock_wait_timeout,))
+                # The session the branch stays attached to on MariaDB until it disconnects: in the
+                # handle, so a commit can end a lingering one (see _commit_detached).
+                cur.execute("SELECT CONNECTION_ID()")
+                txn.extra["session"] = int(cur.fetchone()[0])
                 cur.execute("SELECT column_name, data_type, is_nullable, column_default, extra "
                             "FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
                             "ORDER BY ordinal_position", (self.database, self.table))
@@ -618,6 +862,36 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                       errno=_errno(e)) from None
             raise
         return txn
+
+    def _roll_back_earlier_attempts(self, conn: Any, ctx: TransactionContext, gtrid: str) -> int:
+        """``XA ROLLBACK`` what earlier attempts of this task left prepared, each only once claimed
+        ``doomed`` (executor, before ``XA START``).  Which branches count as this task's own earlier
+        attempts is the PostgreSQL sink's rule (``_sql2pc.earlier_attempts``): same gtrid (ballot and
+        partition), same run, for each lower attempt number the highest task attempt id below this
+        one's.  The rule is a guess and the claim is the fence: a branch the driver claimed
+        ``decided`` is left alone (this attempt then waits on its locks and fails after
+        ``lock_wait_timeout``; the decided branch commits).  Failures only log."""
+        my = _my()
+        n = 0
+        try:
+            candidates = names.earlier_attempts(((x, x[1]) for x in self._recover(conn) if x[0] == gtrid),
+                                                attempt=ctx.attempt, task_attempt_id=ctx.task_attempt_id,
+                                                run=ctx.run)
+            for g, b in self._doom(conn, ctx.label, candidates) or []:
+                try:
+                    with conn.cursor() as cur:
+                        cur.execute("XA ROLLBACK %s, %s", (g, b))
+                    n += 1
+                    log.info("%s: rolled back %s/%s, left prepared by an earlier attempt of this task",
+                             ctx.label, g, b)
+                except my.Error as e:
+                    if _errno(e) != ER_XAER_NOTA or self._listed(conn, g, b):
+                        log.warning("%s: cannot roll back %s/%s of an earlier attempt (%s); this attempt may "
+                                    "wait on its locks", ctx.label, g, b, self._describe(e))
+        except my.Error as e:
+            log.warning("%s: cannot look for earlier attempts' branches (%s); this attempt may wait on their "
+                        "locks", ctx.label, self._describe(e))
+        return n
 
     def _map_columns(self, txn: MySqlTransaction, schema: pa.Schema) -> list[str]:
         label = f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}, table {self.table})"
@@ -712,7 +986,8 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         _close_quietly(txn.conn)
         txn.closed = True
         return {"gtrid": txn.gtrid, "bqual": txn.bqual, "database": self.database, "table": self.table,
-                "rows": txn.rows, "batch": ctx.batch_id, "partition": ctx.partition_id}
+                "rows": txn.rows, "batch": ctx.batch_id, "partition": ctx.partition_id,
+                "session": txn.extra.get("session")}
 
     def abort(self, txn: MySqlTransaction) -> None:
         """Roll back the branch, open or prepared (executor; best effort, idempotent)."""
@@ -742,6 +1017,14 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
 
 _ConnectError = names.ConnectError
 _close_quietly = names.close_quietly
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def _xids(xids: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{g}/{b}" for g, b in xids[:5]) + (", ..." if len(xids) > 5 else "")
 
 
 def _alive(conn: Any) -> bool:

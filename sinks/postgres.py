@@ -97,12 +97,8 @@ _run_token = _names.run_token
 def _claims_name(marker_table: str) -> str:
     """The claims table's name: ``{marker_table}_claims``, or, where that would pass PostgreSQL's
     63 bytes (and be cut, maybe to the marker table's own name), a shortened marker name and a
-    digest of the whole one."""
-    name = f"{marker_table}_claims"
-    if len(name.encode()) <= 63:
-        return name
-    head = marker_table.encode()[:49].decode(errors="ignore")
-    return f"{head}_{hashlib.sha1(marker_table.encode()).hexdigest()[:6]}_claims"
+    digest of the whole one (shared with the MySQL sink: ``_sql2pc.claims_name``)."""
+    return _names.claims_name(marker_table, 63)
 
 
 def _pg() -> Any:
@@ -752,22 +748,8 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                 "again.") from None
         doomed = [g for g in gids if decided is not None and g not in decided]
         gone = [g for g in gids if g not in set(present) and g not in doomed]
-
-        def some(xs: list[str]) -> str:
-            return ", ".join(xs[:5]) + (", ..." if len(xs) > 5 else "")
-
-        why = []
-        if doomed:
-            why.append(f"{len(doomed)} were doomed by a retried task attempt of their partition, which took "
-                       f"each for its own earlier attempt (a resubmitted stage, SPARK-24589) and rolls it back "
-                       f"({some(doomed)})")
-        if gone:
-            why.append(f"{len(gone)} no longer exist at {self.where} ({some(gone)}): someone rolled them back "
-                       "(an operator, or another coordinator cleaning up this batch)")
-        if why:
-            raise TwoPhaseError(
-                f"batch {batch_id}: of its {len(gids)} prepared transactions, {'; '.join(why)}. Nothing was "
-                "decided; restart the query and the batch is written again.")
+        _names.refuse_undecidable(batch_id, len(gids), doomed, gone, where=self.where,
+                                  what="prepared transactions")
 
     def commit(self, handle: dict) -> CommitResult:
         """``COMMIT PREPARED`` the handle's gid (driver; idempotent).
@@ -1129,26 +1111,15 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         log: the write then waits on the leftover's locks and fails after ``lock_timeout``.
         """
         pg = _pg()
-        run = _run_token(ctx.run)
         head = f"{prefix}{int(ctx.partition_id)}:"
-        own_id = ctx.task_attempt_id if ctx.task_attempt_id is not None else -1
         n = 0
         with conn.cursor() as cur:
             cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
                         "AND left(gid, length(%s)) = %s", (head, head))
-            old_form: list[str] = []
-            latest: dict[int, tuple[int, str]] = {}  # attempt number -> (task attempt id, gid)
-            for (gid,) in cur.fetchall():
-                m = re.fullmatch(r"([0-9]+)(?:\.([0-9]+))?:(.+)", gid[len(head):])
-                if not m or m.group(3) != run or int(m.group(1)) >= ctx.attempt:
-                    continue
-                number, tid = int(m.group(1)), None if m.group(2) is None else int(m.group(2))
-                if own_id < 0:
-                    if tid is None:
-                        old_form.append(gid)
-                elif tid is not None and tid < own_id and (number not in latest or latest[number][0] < tid):
-                    latest[number] = (tid, gid)
-            for gid in self._doom(cur, ctx.label, sorted(old_form + [g for _, g in latest.values()])) or []:
+            candidates = _names.earlier_attempts(((gid, gid[len(head):]) for (gid,) in cur.fetchall()),
+                                                 attempt=ctx.attempt, task_attempt_id=ctx.task_attempt_id,
+                                                 run=ctx.run)
+            for gid in self._doom(cur, ctx.label, candidates) or []:
                 try:
                     cur.execute("ROLLBACK PREPARED %s", (gid,))
                     n += 1

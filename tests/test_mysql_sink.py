@@ -64,7 +64,7 @@ def env(mariadb_service, mdb):
     yield {"db": mdb, "table": tbl, "markers": markers, "prefix": prefix, "make": make, "sink": sink}
     for g, b in xa_recover(mdb, prefix + ":"):
         q(mdb, "XA ROLLBACK %s, %s", (g, b))
-    q(mdb, f"DROP TABLE IF EXISTS `{tbl}`, `{markers}`")
+    q(mdb, f"DROP TABLE IF EXISTS `{tbl}`, `{markers}`, `{markers}_claims`")
 
 
 def batch(ids, vs=None) -> pa.RecordBatch:
@@ -335,3 +335,85 @@ def test_an_abort_of_a_branch_still_attached_to_its_session_is_not_taken_for_don
     finally:
         txn.conn.close()
     assert rows(env) == []
+
+
+class _FakeCursor:
+    """Answers as MySQL 8 does to a user without XA_RECOVER_ADMIN: XA RECOVER fails with 1401."""
+
+    def __init__(self) -> None:
+        self.last = ""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def execute(self, statement, args=None):
+        import pymysql
+
+        self.last = statement
+        if statement.strip().upper() == "XA RECOVER":
+            raise pymysql.err.OperationalError(1401, "XAER_RMERR: Fatal error occurred in the transaction "
+                                                     "branch - check your data for consistency")
+
+    def fetchone(self):
+        # Everything else as a MySQL 8.0.36 server with the table in place (InnoDB) would answer.
+        if "VERSION" in self.last:
+            return ("8.0.36",)
+        if "table_type" in self.last:
+            return ("BASE TABLE",)
+        if "engine" in self.last:
+            return ("InnoDB",)
+        return None
+
+    def fetchall(self):
+        return ()
+
+
+class _FakeConn:
+    open = True
+
+    def cursor(self):
+        return _FakeCursor()
+
+
+def test_open_on_mysql8_without_xa_recover_admin_is_refused_naming_the_grant(monkeypatch):
+    """Read-only review, F7 (unit test: MySQL 8 is not installable here; its real-server twin is
+    test_open_on_mariadb_passes_xa_recover_of_other_sessions_branches).  Was: open() passed and the
+    first batch failed with the raw 1401 of verify_prepared's XA RECOVER."""
+    sink = MySqlSink("db.example", 3306, "shop", "orders", user="writer", password="pw")
+    monkeypatch.setattr(sink, "_driver_conn", lambda: _FakeConn())
+    monkeypatch.setattr(sink, "_release", lambda conn: None)
+    with pytest.raises(ConfigurationError) as ei:
+        sink.open()
+    msg = str(ei.value)
+    assert "GRANT XA_RECOVER_ADMIN ON *.* TO `writer`" in msg and "1401" in msg and "pw" not in msg
+
+
+def test_open_on_mariadb_passes_xa_recover_of_other_sessions_branches(env):
+    """The real-server twin of the 1401 test: on MariaDB the sink's user lists, by XA RECOVER, a
+    branch another session (an executor's) prepared, and open() passes."""
+    sink = env["sink"]
+    intent = sink.plan_batch("q", 0, 1)
+    txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, intent))
+    sink.write(txn, batch([1]))
+    h = sink.pre_commit(txn)
+    fresh = env["make"]()
+    fresh.open()
+    assert (h["gtrid"], h["bqual"]) in fresh.prepared(env["prefix"] + ":")
+
+
+@pytest.mark.parametrize("which", ["marker", "claims"])
+def test_a_marker_or_claims_table_that_is_not_innodb_is_refused_by_open(env, which):
+    """Read-only review, F8: a pre-existing MyISAM marker table took the marker row outside the XA
+    branch (a rolled-back branch left its marker behind: "already committed" for a lost batch)."""
+    markers = f"m_{_uid()}"
+    name = markers if which == "marker" else f"{markers}_claims"
+    q(env["db"], f"CREATE TABLE `{name}` (gtrid VARBINARY(64) NOT NULL, bqual VARBINARY(64) NOT NULL, "
+                 "PRIMARY KEY (gtrid, bqual)) ENGINE=MyISAM")
+    try:
+        with pytest.raises(ConfigurationError, match=f"`{name}` uses engine MyISAM"):
+            env["make"](marker_table=markers).open()
+    finally:
+        q(env["db"], f"DROP TABLE IF EXISTS `{markers}`, `{markers}_claims`")

@@ -1,0 +1,187 @@
+"""MySqlSink: who may XA ROLLBACK a prepared branch (issue 49, faults F1 and F6 of its review).
+
+- F1 (loss): two runs of one batch job on one log.  The next run's sweep of late attempts'
+  leftovers (``sweep_late``) rolled back a prepared branch of a backfill's decided, partly committed
+  batch; the backfill's commit then found it gone (1397) and the batch was half visible.  Now a
+  leftover is rolled back only once claimed ``doomed`` in the claims table, which a branch claimed
+  ``decided`` (by ``verify_prepared``, before the decision) refuses; first claim wins.
+- A retried task whose earlier attempt prepared on the same upsert keys waited
+  ``lock_wait_timeout`` and failed; now it claims that branch doomed and rolls it back itself.
+- F6 (stall): on MariaDB a prepared branch stays attached to the session that prepared it until that
+  session disconnects, and ``XA COMMIT`` from another session answers 1397 meanwhile; a paused
+  executor stalled the batch's commit for as long as it kept its connection.  Now the handle
+  carries the preparing session's CONNECTION_ID() and the commit KILLs that connection (only one
+  of the sink's own user) and commits.
+
+Without Spark (tests/inprocess.py drivers): real local files for the log, the real MariaDB server.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from tests.inprocess import Driver, ids, run_attempt
+from twophase import TransactionContext
+from twophase.log import batch_query_id
+from twophase.protocol import BatchProgress
+from twophase.recovery import Committer
+from twophase.sink import CommitOutcome
+from twophase.sinks.mysql import MySqlSink, MySqlWriteError
+
+pytestmark = [pytest.mark.mysql, pytest.mark.timeout(300)]
+
+
+class MyTable:
+    """A table of a test's own on the MariaDB server, ``(id BIGINT PRIMARY KEY, v VARCHAR)``, and what a
+    MySqlSink leaves beside it; on exit its branches are rolled back and its tables dropped."""
+
+    def __init__(self, service: dict[str, Any], stem: str):
+        import pymysql
+
+        self.s = service
+        uid = uuid.uuid4().hex[:8]
+        self.name, self.markers, self.prefix = f"{stem}_{uid}", f"{stem}_{uid}_m", f"t{uid}"
+        self.db = pymysql.connect(host=service["host"], port=service["port"], user=service["user"],
+                                  password=service["password"], database=service["database"], autocommit=True)
+        self.q(f"CREATE TABLE `{self.name}` (id BIGINT PRIMARY KEY, v VARCHAR(100)) ENGINE=InnoDB")
+
+    def __enter__(self) -> MyTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for g, b in self.prepared():
+            try:
+                self.q("XA ROLLBACK %s, %s", (g, b))
+            except Exception:  # noqa: BLE001 - still attached to a test's held session: closed below
+                pass
+        self.q(f"DROP TABLE IF EXISTS `{self.name}`, `{self.markers}`, `{self.markers}_claims`")
+        self.db.close()
+
+    def sink(self, **kw: Any) -> MySqlSink:
+        s = self.s
+        return MySqlSink(s["host"], s["port"], s["database"], self.name, user=s["user"], password=s["password"],
+                         marker_table=self.markers, gid_prefix=self.prefix, **kw)
+
+    def q(self, statement: str, args: Any = None) -> list[tuple]:
+        with self.db.cursor() as cur:
+            cur.execute(statement, args)
+            return list(cur.fetchall()) if cur.description else []
+
+    def ids(self) -> list[int]:
+        return [r[0] for r in self.q(f"SELECT id FROM `{self.name}` ORDER BY id")]
+
+    def prepared(self) -> list[tuple[str, str]]:
+        out = []
+        for _f, glen, blen, data in self.q("XA RECOVER"):
+            g, b = data[:glen].decode(), data[glen:glen + blen].decode()
+            if g.startswith(self.prefix + ":"):
+                out.append((g, b))
+        return sorted(out)
+
+
+def kv(keys: list[int], v: str) -> pa.RecordBatch:
+    return pa.record_batch({"id": pa.array(keys, pa.int64()), "v": pa.array([v] * len(keys), pa.string())})
+
+
+def test_the_next_runs_sweep_of_late_leftovers_leaves_a_backfills_decided_branches_alone(mariadb_service, tmp_path):
+    log_url = str(tmp_path / "log")
+    with MyTable(mariadb_service, "sweepdec") as t:
+        qid = batch_query_id("daily", t.sink().target())
+        y = Driver(t.sink(), log_url, qid, takeover=True)
+        x_state: dict = {}
+
+        def y_partitions(planned):
+            # Y (batch 7) has recovered and pauses before its INTENT; X (a backfill of batch 5) runs:
+            # INTENT, two tasks, the check (claim as decided), the decision, the first of its two commits.
+            x = Driver(t.sink(), log_url, qid, takeover=True)
+            opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
+            assert opened is not None
+            results = []
+            for part, rows in ((0, ids(50, 51)), (1, ids(52, 53))):
+                ctx = TransactionContext(opened.query_name, 5, part, 0, opened.intent, opened.run)
+                results.append({"partition": part, "attempt": 0, "rows": 2,
+                                "handle": x.sink.encode_handle(run_attempt(x.sink, ctx, rows))})
+            x.protocol.check_prepared(opened, results, started_at=0)
+            assert x.tlog.mine(x.tlog.decide(5, opened.number, {"handles": [r["handle"] for r in results],
+                                                                "rows": 4, "partitions": [0, 1]}))
+            assert x.sink.commit(x.sink.decode_handle(results[0]["handle"])).outcome is CommitOutcome.COMMITTED
+            x_state.update(x=x, results=results)
+            return 1
+
+        prog = BatchProgress("pipe", 7, None, "committed")
+        y.protocol.open_ballot(7, y_partitions, prog)   # its INTENT, then its sweep of late leftovers
+        assert prog.aborted_lingering == 0
+        x, results = x_state["x"], x_state["results"]
+        # X resumes its commit: was DataLossError (partition 1 rolled back by Y's sweep, 52 and 53 lost).
+        Committer(x.sink, backoff=0.01).commit(5, [x.sink.decode_handle(r["handle"]) for r in results],
+                                               recovering=False)
+        assert t.ids() == [50, 51, 52, 53] and t.prepared() == []
+        # abort_lingering of the next batch drops the claims of branches no longer prepared.
+        x.sink.abort_lingering(x.query_name, 8, {}, [])
+        assert t.q(f"SELECT COUNT(*) FROM `{t.markers}_claims`") == [(0,)]
+        x.close()
+        y.close()
+
+
+def test_a_retried_task_rolls_back_its_earlier_attempts_branch_on_the_same_upsert_keys(mariadb_service):
+    with MyTable(mariadb_service, "retry") as t:
+        sink = t.sink(mode="upsert", key_columns=["id"], lock_wait_timeout=3)
+        sink.open()
+        intent = sink.plan_batch("q", 0, 1)
+        # Attempt 0 prepared on keys 1 and 2 and its executor was lost (its result never reached the driver).
+        run_attempt(sink, TransactionContext("q", 0, 0, 0, intent, "r1", task_attempt_id=10), kv([1, 2], "a0"))
+        # Attempt 1 of the same task writes the same keys: was 1205 after lock_wait_timeout.
+        h = run_attempt(sink, TransactionContext("q", 0, 0, 1, intent, "r1", task_attempt_id=11), kv([1, 2], "a1"))
+        assert t.prepared() == [(h["gtrid"], h["bqual"])]
+        sink.verify_prepared(0, [h], prepare_started_at=0)
+        assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+        assert t.q(f"SELECT id, v FROM `{t.name}` ORDER BY id") == [(1, "a1"), (2, "a1")]
+
+
+def test_a_decided_branch_is_never_doomed_and_a_doomed_one_is_never_decided(mariadb_service):
+    with MyTable(mariadb_service, "firstclaim") as t:
+        sink = t.sink(mode="upsert", key_columns=["id"], lock_wait_timeout=1)
+        sink.open()
+        intent = sink.plan_batch("q", 0, 1)
+        # Decided first: a late attempt 1 (which takes attempt 0's branch for its own earlier one)
+        # leaves it alone, waits on its locks and fails; the decided branch commits.
+        h0 = run_attempt(sink, TransactionContext("q", 0, 0, 0, intent, "r1", task_attempt_id=10), kv([1], "a0"))
+        sink.verify_prepared(0, [h0], prepare_started_at=0)
+        with pytest.raises(MySqlWriteError, match="1205"):
+            run_attempt(sink, TransactionContext("q", 0, 0, 1, intent, "r1", task_attempt_id=11), kv([1], "a1"))
+        assert sink.commit(h0).outcome is CommitOutcome.COMMITTED
+        # Doomed first: the driver refuses to decide a branch a retried attempt claimed (and rolled back).
+        intent = sink.plan_batch("q", 1, 1)
+        h0 = run_attempt(sink, TransactionContext("q", 1, 0, 0, intent, "r2", task_attempt_id=20), kv([2], "b0"))
+        h1 = run_attempt(sink, TransactionContext("q", 1, 0, 1, intent, "r2", task_attempt_id=21), kv([2], "b1"))
+        with pytest.raises(Exception, match="doomed"):
+            sink.verify_prepared(1, [h0], prepare_started_at=0)
+        assert sink.commit(h1).outcome is CommitOutcome.COMMITTED
+        assert t.q(f"SELECT id, v FROM `{t.name}` ORDER BY id") == [(1, "a0"), (2, "b1")]
+
+
+def test_a_commit_is_not_stalled_by_an_executor_session_that_prepared_and_lingers(mariadb_service, monkeypatch):
+    import twophase.sinks.mysql as my
+
+    with MyTable(mariadb_service, "linger") as t:
+        sink = t.sink()
+        sink.open()
+        intent = sink.plan_batch("q", 0, 1)
+        txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, intent))
+        sink.write(txn, ids(1, 2))
+        # The executor prepared and then paused (SIGSTOP) before it disconnected: its session is held.
+        monkeypatch.setattr(my, "_close_quietly", lambda c: None)
+        h = sink.pre_commit(txn)
+        monkeypatch.undo()
+        try:
+            assert txn.conn.open
+            # Was: retry_later ("still attached") for as long as the session lives.
+            r = t.sink().commit(h)
+            assert r.outcome is CommitOutcome.COMMITTED, r
+            assert t.ids() == [1, 2] and t.prepared() == []
+        finally:
+            txn.conn.close()
