@@ -1,13 +1,15 @@
 """The nemesis: real faults injected while batches flow, on test hosts that really are apart.
 
-    python -m tests.nemesis --sink postgres|postgres-upsert|files-s3|files-hdfs|kafka --minutes 2 --seed 7 [--cluster] [--out DIR]
+    python -m tests.nemesis --sink postgres|postgres-upsert|mysql-upsert|files-s3|files-hdfs|kafka --minutes 2 --seed 7 [--cluster] [--out DIR]
 
 The cluster (tests/services/hosts.py): drivers on the hosts ``driver-a`` and ``driver-b`` (each
 its own network namespace, address, hostname and folder; Spark ``local[2]`` inside), the
 transaction log on MinIO on the host ``s3``, reached through a fault proxy (tests/netproxy.py)
 on the bridge's root address; the target a table on PostgreSQL on the host ``pg`` (``--sink
 postgres``, inserts; ``postgres-upsert``, upserts on the id, the ids counted in a journal of every
-committed write, which a trigger fills), files on that MinIO, reached directly
+committed write, which a trigger fills), a table on MariaDB on the same host (``mysql-upsert``:
+MySqlSink's XA branches upserting on the id, counted through such a journal too), files on that
+MinIO, reached directly
 (``--sink files-s3``, FileSink's multipart uploads), files on HDFS on the host ``hdfs`` (``--sink
 files-hdfs``, FileSink's Arrow writer through WebHDFS: staged files renamed), or a topic on Kafka on the host ``kafka``
 (``--sink kafka``, read back ``read_committed``).  A
@@ -228,6 +230,95 @@ def journaled_upsert_target(info: dict[str, Any]) -> Any:
     return JournaledUpsertTarget()
 
 
+def _mysql_upsert_target(info: dict[str, Any]) -> Any:
+    """MySqlSink upserting on ``id`` into a table of the run's own on MariaDB on the ``pg`` host
+    (tests/services/mariadb_host.py): each partition's rows in an XA branch, so a zombie's prepared
+    branch holds the row locks the successor's upsert waits for.  Ids counted through a journal of
+    committed writes, as for ``postgres-upsert``; leftovers: prepared XA branches of the run's
+    gtrid prefix."""
+    return journaled_mysql_upsert_target(info["mariadb_host"])
+
+
+def journaled_mysql_upsert_target(info: dict[str, Any]) -> Any:
+    """A MariaDB upsert target on the server ``info`` (``mode="upsert"`` on the primary key ``id``,
+    a marker table of its own) whose ``ids()`` counts every committed write of an id: ``AFTER
+    INSERT`` and ``AFTER UPDATE`` row triggers append the id to a journal table in the writing XA
+    branch (``INSERT ... ON DUPLICATE KEY UPDATE`` of a key already there fires the update
+    trigger, changed or not), so a branch committed adds its ids once, a branch rolled back none,
+    and two branches of one partition both committed count twice where the table shows one row."""
+    import pymysql
+
+    class JournaledMySqlUpsertTarget:
+        shape = "rows"
+
+        def __init__(self) -> None:
+            self.info = info
+            self.table = f"nemm_{uuid.uuid4().hex[:8]}"
+            self.journal, self.markers = f"{self.table}_w", f"{self.table}_m"
+            self.gid_prefix = f"nm{uuid.uuid4().hex[:6]}"
+            with self._conn() as cur:
+                cur.execute(f"CREATE TABLE `{self.table}` (id BIGINT PRIMARY KEY, v VARCHAR(64)) ENGINE=InnoDB")
+                cur.execute(f"CREATE TABLE `{self.journal}` (id BIGINT NOT NULL) ENGINE=InnoDB")
+                for event in ("INSERT", "UPDATE"):
+                    cur.execute(f"CREATE TRIGGER `{self.table}_{event[0].lower()}` AFTER {event} ON `{self.table}` "
+                                f"FOR EACH ROW INSERT INTO `{self.journal}` (id) VALUES (NEW.id)")
+
+        @contextlib.contextmanager
+        def _conn(self) -> Any:
+            c = pymysql.connect(host=info["host"], port=info["port"], user=info["user"], password=info["password"],
+                                database=info["database"], autocommit=True, connect_timeout=10)
+            try:
+                with c.cursor() as cur:
+                    yield cur
+            finally:
+                c.close()
+
+        def sink_config(self) -> dict[str, Any]:
+            from twophase.sinks.mysql import MySqlSink
+
+            i = self.info
+            return MySqlSink(i["host"], i["port"], i["database"], self.table, user=i["user"],
+                             password={"env": "TP_MYSQL_PASSWORD"}, mode="upsert", key_columns=["id"],
+                             marker_table=self.markers, gid_prefix=self.gid_prefix,
+                             lock_wait_timeout=20).to_config()
+
+        def env(self) -> dict[str, str]:
+            return {"TP_MYSQL_PASSWORD": self.info["password"]}
+
+        def ids(self) -> Counter:
+            with self._conn() as cur:
+                cur.execute(f"SELECT id FROM `{self.journal}`")
+                return Counter(r[0] for r in cur.fetchall())
+
+        def _branches(self, cur: Any) -> list[tuple[str, str]]:
+            cur.execute("XA RECOVER")
+            out = []
+            for _fmt, glen, blen, data in cur.fetchall():
+                data = data if isinstance(data, bytes) else data.encode()
+                out.append((data[:glen].decode(errors="replace"), data[glen:glen + blen].decode(errors="replace")))
+            return [(g, b) for g, b in out if g.startswith(self.gid_prefix + ":")]
+
+        def leftovers(self) -> list[str]:
+            with self._conn() as cur:
+                return [f"{g}/{b}" for g, b in self._branches(cur)]
+
+        def cleanup(self) -> None:
+            # A prepared branch left by a failed run holds its rows' locks: the DROP would wait for it.
+            with self._conn() as cur:
+                for g, b in self._branches(cur):
+                    with contextlib.suppress(pymysql.err.OperationalError):  # gone meanwhile (1397)
+                        cur.execute("XA ROLLBACK %s, %s", (g, b))
+                # The table, its journal, the marker table and whatever else the sink made beside it
+                # under the marker table's name: every table named after the run's.
+                cur.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() "
+                            "AND LEFT(table_name, %s) = %s", (len(self.table), self.table))
+                tables = [r[0] for r in cur.fetchall()]
+                if tables:
+                    cur.execute("DROP TABLE IF EXISTS " + ", ".join(f"`{t}`" for t in tables))
+
+    return JournaledMySqlUpsertTarget()
+
+
 def _files_s3_target(info: dict[str, Any]) -> Any:
     """FileSink into a prefix of the run's own on MinIO on the ``s3`` host (reached directly, not
     through the log's proxy); leftovers: open multipart uploads and staged objects."""
@@ -253,13 +344,15 @@ def _kafka_target(info: dict[str, Any]) -> Any:
     return KafkaTarget(None, None, info=info["kafka_host"])
 
 
-TARGETS = {"postgres": _postgres_target, "postgres-upsert": _postgres_upsert_target, "files-s3": _files_s3_target,
+TARGETS = {"postgres": _postgres_target, "postgres-upsert": _postgres_upsert_target,
+           "mysql-upsert": _mysql_upsert_target, "files-s3": _files_s3_target,
            "files-hdfs": _files_hdfs_target, "kafka": _kafka_target}
 #: The servers on hosts each sink's run needs besides the log's MinIO.
-SERVERS = {"postgres": ("postgres_host",), "postgres-upsert": ("postgres_host",), "files-s3": (),
-           "files-hdfs": ("hdfs_host",), "kafka": ("kafka_host",)}
+SERVERS = {"postgres": ("postgres_host",), "postgres-upsert": ("postgres_host",), "mysql-upsert": ("mariadb_host",),
+           "files-s3": (), "files-hdfs": ("hdfs_host",), "kafka": ("kafka_host",)}
 #: What "nothing left behind" looked for, per sink.
 NOTHING_LEFT = {"postgres": "no prepared transaction", "postgres-upsert": "no prepared transaction",
+                "mysql-upsert": "no prepared XA branch",
                 "files-s3": "no open upload, no staged object", "files-hdfs": "no staged file",
                 "kafka": "no open transaction"}
 

@@ -1,18 +1,23 @@
 """The nemesis's short schedules (issue 27): faults injected while batches flow, on hosts that
 really are apart, then the history checker's verdict.  ``python -m tests.nemesis --cluster
---minutes 30`` is the long run; these are the CI ones, per sink (PostgreSQL upserts, FileSink on S3
-and on HDFS, Kafka), the drivers' batches on the Spark cluster across the worker hosts, checked by
-unique id (on PostgreSQL the ids of a journal of every committed write, which an upserted table
-cannot show twice), and each fault checked to have made what it is there for (a stage retry's
-two attempts of a partition at once, a decision delivered during the takeover).  The fault kinds (driver: kill, pause past the lease, a decision held on the wire past a
-takeover, the log store cut from the driver only, the driver's host isolated; executor: SIGKILL
-with its shuffle output (a stage retry beside the old attempt), SIGSTOP past the network timeout
-(a zombie), cut from the driver only) are shared out: four or five per sink instead of all
-eight, every kind on two or three sinks (``SCHEDULES``), which saves about 5 of CI's minutes.
-Where a kind matters most to a sink, that sink has it: Kafka the isolated driver (its plan fence:
-tests/test_late_plan.py) and the executor faults that leave a late attempt running; FileSink on HDFS
-all three executor faults (its staged files); PostgreSQL the stage retry and the cut executor
-(prepared transactions of two attempts)."""
+--minutes 30`` is the long run; these are the CI ones, per sink (PostgreSQL upserts, MariaDB
+upserts by XA branches, FileSink on S3 and on HDFS, Kafka), the drivers' batches on the Spark
+cluster across the worker hosts, checked by unique id (on PostgreSQL and MariaDB the ids of a
+journal of every committed write, which an upserted table cannot show twice), and each fault
+checked to have made what it is there for (a stage retry's two attempts of a partition at once, a
+decision delivered during the takeover).  The fault kinds (driver: kill, pause past the lease, a
+decision held on the wire past a takeover, the log store cut from the driver only, the driver's
+host isolated; executor: SIGKILL with its shuffle output (a stage retry beside the old attempt),
+SIGSTOP past the network timeout (a zombie), cut from the driver only) are shared out: three or
+four per sink instead of all eight, every kind on two or three sinks (``SCHEDULES``), 17 faults
+in all as before MariaDB joined (issue 49), so that CI's time for faults does not grow.  Where a
+kind matters most to a sink, that sink has it: Kafka the isolated driver (its plan fence:
+tests/test_late_plan.py) and the executor faults that leave a late attempt running; FileSink on
+HDFS the executor faults that leave a late attempt's staged files (paused, cut); PostgreSQL the
+stage retry (prepared transactions of two attempts) and the delayed decision; MariaDB the stage
+retry (XA branches of two attempts), the cut executor (when the batch is written by tasks: the
+cut attempt's branch prepared, holding the row locks its retry's upsert of those ids waits for)
+and a paused driver (a zombie woken while its successor recovers its branches)."""
 
 from __future__ import annotations
 
@@ -36,25 +41,29 @@ def _run_marks(f):
 
 #: Each sink's schedule, played in order after a quiet spell each: every fault kind on two sinks,
 #: the stage retry (``executor-kill``) on three (see above), 17 faults in all (each costs about
-#: 19 s of CI).  A driver's SIGKILL is on Kafka's and S3's; PostgreSQL's and HDFS's kill tests
-#: kill their drivers (tests/test_postgres_chaos.py, tests/test_files_remote_chaos.py).
+#: 19 s of CI).  A driver's SIGKILL is on Kafka's and S3's; PostgreSQL's, MariaDB's and HDFS's kill
+#: tests kill their drivers (tests/test_postgres_chaos.py, tests/test_mysql_chaos.py,
+#: tests/test_files_remote_chaos.py).
 SCHEDULES = {
-    "kafka": ["kill", "executor-kill", "isolate", "executor-pause", "pause"],
-    "postgres-upsert": ["executor-kill", "delay", "executor-cut", "pause"],
+    "kafka": ["kill", "executor-kill", "isolate", "executor-pause"],
+    "postgres-upsert": ["executor-kill", "delay", "pause"],
+    "mysql-upsert": ["executor-kill", "executor-cut", "pause"],
     "files-s3": ["kill", "partition-log", "delay", "isolate"],
-    "files-hdfs": ["executor-kill", "partition-log", "executor-pause", "executor-cut"],
+    "files-hdfs": ["partition-log", "executor-pause", "executor-cut"],
 }
 _SEEN = [k for kinds in SCHEDULES.values() for k in kinds]
 assert all(_SEEN.count(k) >= 2 for k in nemesis.ALL_FAULTS) and len(_SEEN) == 17, \
     "every fault kind on two sinks' schedules at least, 17 faults"
 
 
-# PostgreSQL as upserts (the issue's schedule: a zombie's prepared transaction holds the locks of
-# rows the successor upserts), each id counted in a journal of committed writes (a trigger), so a
-# row committed twice counts twice as it would in an insert table; its inserts meet the same faults
-# in tests/test_ownership_processes.py and the PostgreSQL kill tests.
+# PostgreSQL and MariaDB as upserts (the issue's schedule: a zombie's prepared transaction, or XA
+# branch, holds the locks of rows the successor upserts), each id counted in a journal of committed
+# writes (a trigger), so a row committed twice counts twice as it would in an insert table;
+# PostgreSQL's inserts meet the same faults in tests/test_ownership_processes.py and the PostgreSQL
+# kill tests.
 @_run_marks
-@pytest.mark.parametrize("sink", [pytest.param("postgres-upsert", marks=pytest.mark.postgres), "files-s3",
+@pytest.mark.parametrize("sink", [pytest.param("postgres-upsert", marks=pytest.mark.postgres),
+                                  pytest.param("mysql-upsert", marks=pytest.mark.mysql), "files-s3",
                                   pytest.param("files-hdfs", marks=pytest.mark.hdfs),
                                   pytest.param("kafka", marks=pytest.mark.kafka)])
 def test_short_schedule(sink, tmp_path):
@@ -115,6 +124,56 @@ def test_the_upsert_journal_counts_a_row_committed_twice(postgres_service):
             assert cur.fetchone() == (nemesis.ROWS, nemesis.ROWS)  # the table cannot show it
         v = once()
         assert not v.ok and "duplicated 1 [3]" in v.detail, v
+    finally:
+        target.cleanup()
+
+
+@pytest.mark.mysql
+@pytest.mark.hosts
+@pytest.mark.skipif(hosts.available() is not None, reason=f"test hosts: {hosts.available()}")
+def test_the_mysql_upsert_journal_counts_a_branch_committed_twice_and_a_row_lost():
+    """The MariaDB upsert target's ids are its journal's, written inside each XA branch: a branch
+    committed adds its ids, one rolled back (after XA PREPARE) none, and an id two committed branches
+    upserted is one row of the table and two of the journal ("duplicated"); an id no committed
+    branch wrote is "lost"; a prepared branch of the run's gtrid prefix is left behind until
+    cleanup rolls it back."""
+    from tests.services import ensure
+
+    target = nemesis.journaled_mysql_upsert_target(ensure("mariadb_host")["mariadb_host"])
+    upsert = f"INSERT INTO `{target.table}` (`id`, `v`) VALUES (%s, %s) ON DUPLICATE KEY UPDATE `v` = VALUES(`v`)"
+    history = nemesis.History("mysql-upsert", 0, 0.0, 6.0)
+    history.drivers.append(nemesis.DriverLife("d1", "driver-a", 0.0, exit=0, events=[{"event": "done", "last": 0}]))
+
+    def verdict(name: str) -> nemesis.Verdict:
+        return next(v for v in nemesis.check(history, target, progress_bound=60) if v.name == name)
+
+    def branch(cur, n: int, ids: list[int], end: str | None) -> None:
+        xid = (f"{target.gid_prefix}:q:0:t:{n}", "0.1")
+        cur.execute("XA START %s, %s", xid)
+        cur.executemany(upsert, [(i, f"row-{i}") for i in ids])
+        cur.execute("XA END %s, %s", xid)
+        cur.execute("XA PREPARE %s, %s", xid)
+        if end is not None:
+            cur.execute(f"XA {end} %s, %s", xid)
+    try:
+        with target._conn() as cur:
+            branch(cur, 0, list(range(nemesis.ROWS - 1)), "COMMIT")
+            v = verdict("every id exactly once")
+            assert not v.ok and f"lost 1 [{nemesis.ROWS - 1}]" in v.detail, v
+            branch(cur, 1, [nemesis.ROWS - 1], "COMMIT")
+            assert verdict("every id exactly once").ok, verdict("every id exactly once")
+            branch(cur, 2, [3], "ROLLBACK")  # prepared, then rolled back: nothing
+            assert verdict("every id exactly once").ok, verdict("every id exactly once")
+            branch(cur, 3, [3], None)  # prepared and left: its row lock is held, its id not counted
+            assert verdict("every id exactly once").ok, verdict("every id exactly once")
+            v = verdict("nothing left behind")
+            assert not v.ok and f"{target.gid_prefix}:q:0:t:3/0.1" in v.detail, v
+            cur.execute("XA COMMIT %s, %s", (f"{target.gid_prefix}:q:0:t:3", "0.1"))  # a second attempt's, committed too
+            cur.execute(f"SELECT count(*), count(DISTINCT id) FROM `{target.table}`")
+            assert cur.fetchone() == (nemesis.ROWS, nemesis.ROWS)  # the table cannot show it
+        v = verdict("every id exactly once")
+        assert not v.ok and "duplicated 1 [3]" in v.detail, v
+        assert verdict("nothing left behind").ok, verdict("nothing left behind")
     finally:
         target.cleanup()
 
