@@ -63,7 +63,8 @@ class MyTable:
 
     def sink(self, **kw: Any) -> MySqlSink:
         s = self.s
-        return MySqlSink(s["host"], s["port"], s["database"], self.name, user=s["user"], password=s["password"],
+        kw.setdefault("password", s["password"])
+        return MySqlSink(s["host"], s["port"], s["database"], self.name, user=s["user"],
                          marker_table=self.markers, gid_prefix=self.prefix, **kw)
 
     def q(self, statement: str, args: Any = None) -> list[tuple]:
@@ -185,3 +186,50 @@ def test_a_commit_is_not_stalled_by_an_executor_session_that_prepared_and_linger
             assert t.ids() == [1, 2] and t.prepared() == []
         finally:
             txn.conn.close()
+
+
+_PAUSED_EXECUTOR = r"""
+import json, os, signal, sys
+import pyarrow as pa
+import twophase.sinks.mysql as my
+from twophase import TransactionContext
+from twophase.config import sink_from_config
+
+sink = sink_from_config(json.loads(sys.argv[1]))
+intent = json.loads(sys.argv[2])
+txn = sink.begin_transaction(TransactionContext("q", 0, 0, 0, intent))
+sink.write(txn, pa.record_batch({"id": pa.array([3, 4], pa.int64()), "v": ["v3", "v4"]}))
+my._close_quietly = lambda conn: None  # paused right after XA PREPARE, before it disconnects
+print(json.dumps(sink.pre_commit(txn)), flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_commit_is_not_stalled_by_a_paused_executor_process_that_prepared(mariadb_service, monkeypatch):
+    """F6 with a real second process: it prepares its branch and stops itself (SIGSTOP) before it
+    disconnects; the driver's commit kills that process's connection and commits."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with MyTable(mariadb_service, "paused") as t:
+        sink = t.sink(password={"env": "TWOPHASE_TEST_MYSQL_PW"})
+        monkeypatch.setenv("TWOPHASE_TEST_MYSQL_PW", mariadb_service["password"])
+        sink.open()
+        intent = sink.plan_batch("q", 0, 1)
+        child = subprocess.Popen([sys.executable, "-c", _PAUSED_EXECUTOR, json.dumps(sink.to_config()),
+                                  json.dumps(intent)], stdout=subprocess.PIPE, text=True,
+                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            h = json.loads(child.stdout.readline())
+            os.waitpid(child.pid, os.WUNTRACED)  # stopped, its connection open
+            assert t.prepared() == [(h["gtrid"], h["bqual"])]
+            r = sink.commit(h)
+            assert r.outcome is CommitOutcome.COMMITTED, r
+            assert t.ids() == [3, 4] and t.prepared() == []
+        finally:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait(30)
