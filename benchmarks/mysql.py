@@ -91,6 +91,9 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
                   for p in params.partition_counts]
         loaders = _loaders(df, params, info, create(f"bench_load_{tag}"), sql, pgid, nbytes)
     finally:
+        # and what the sink made beside its marker table (e.g. ``{marker_table}_claims``)
+        made += [r[0] for r in sql("SELECT table_name FROM information_schema.tables WHERE table_schema = "
+                                   "DATABASE() AND table_name LIKE %s", (f"bench\\_markers\\_{tag}\\_%",))]
         for t in made:
             sql(f"DROP TABLE IF EXISTS `{t}`")
         conn.close()

@@ -101,7 +101,10 @@ def main() -> None:
                 f"sql: {sql}"]
     finally:
         cur.execute(f"DROP TABLE IF EXISTS `{table}`")
-        cur.execute(f"DROP TABLE IF EXISTS `{markers}`")
+        cur.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() "
+                    "AND table_name LIKE %s", (markers.replace("_", "\\_") + "%",))
+        for (m,) in cur.fetchall():  # the marker table and what the sink made beside it (``_claims``)
+            cur.execute(f"DROP TABLE IF EXISTS `{m}`")
         conn.close()
     (HERE / "profile_sink.txt").write_text("\n".join(out) + "\n")
     print("\n".join(out))
