@@ -1,6 +1,7 @@
-"""docs/clusters.md's YARN submission is the one the YARN kill test runs (issue 50): every option of
-its ``spark-submit`` block is what ``tests.services.yarn.spark_submit_command`` builds (the venv's
-path aside).  No YARN needed."""
+"""docs/clusters.md's YARN submissions are the ones the YARN kill tests run (issue 50): every
+option of each ``spark-submit`` block of its YARN section (cluster mode, client mode) is what
+``tests.services.yarn.spark_submit_command`` builds for the same mode, attempts, staging dir and
+environment (the venv's path aside).  No YARN needed."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import sys
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "clusters.md"
+#: Variables spark_submit_command sets for every job (the rest of a block's executorEnv is the job's).
+BUILT_IN_ENV = ("PYSPARK_PYTHON", "SPARK_LOCAL_IP")
 
 
-def _block() -> list[str]:
+def _blocks() -> list[list[str]]:
     text = DOC.read_text()
     section = text[text.index("### YARN"):]
-    body = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert body, "docs/clusters.md's YARN section has no bash block"
-    return shlex.split(body.group(1).replace("\\\n", " "))
+    section = section[:section.index("\n## ")]
+    bodies = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [shlex.split(b.replace("\\\n", " ")) for b in bodies if "spark-submit" in b]
 
 
 def _options(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -34,14 +37,28 @@ def _options(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     return flags, confs
 
 
-def test_the_documented_yarn_submission_is_the_one_the_kill_test_runs():
+def test_the_documented_yarn_submissions_are_the_ones_the_kill_tests_run():
     from tests.services.yarn import spark_submit_command
 
-    doc_flags, doc_confs = _options(_block())
-    built_flags, built_confs = _options(spark_submit_command("job.py"))
-    assert doc_flags == {k: v for k, v in built_flags.items() if k in ("--master", "--deploy-mode", "--name")}
-    assert len(doc_confs) >= 8
-    for key, value in doc_confs.items():
-        assert key in built_confs, f"docs/clusters.md sets {key}, which the test's submission does not"
-        want = built_confs[key].replace(sys.executable, "/path/to/venv/bin/python")
-        assert value == want, (key, value, want)
+    blocks = _blocks()
+    assert [_options(b)[0].get("--deploy-mode") for b in blocks] == ["cluster", "client"]
+    for block in blocks:
+        doc_flags, doc_confs = _options(block)
+        env = {k.removeprefix("spark.executorEnv."): v for k, v in doc_confs.items()
+               if k.startswith("spark.executorEnv.") and k.removeprefix("spark.executorEnv.") not in BUILT_IN_ENV}
+        built_flags, built_confs = _options(spark_submit_command(
+            "job.py", deploy_mode=doc_flags["--deploy-mode"],
+            max_app_attempts=int(doc_confs["spark.yarn.maxAppAttempts"]),
+            staging_dir=doc_confs.get("spark.yarn.stagingDir"), env=env))
+        assert doc_flags == {k: v for k, v in built_flags.items() if k in ("--master", "--deploy-mode", "--name")}
+        assert len(doc_confs) >= 7
+        for key, value in doc_confs.items():
+            assert key in built_confs, f"docs/clusters.md sets {key}, which the test's submission does not"
+            want = built_confs[key].replace(sys.executable, "/path/to/venv/bin/python")
+            assert value == want, (key, value, want)
+        # What the tests pass the job's driver in cluster mode reaches it as appMasterEnv, documented too.
+        for k in env:
+            if doc_flags["--deploy-mode"] == "cluster":
+                assert f"spark.yarn.appMasterEnv.{k}" in doc_confs, k
+            else:
+                assert f"spark.yarn.appMasterEnv.{k}" not in built_confs, k

@@ -451,15 +451,17 @@ def apps_named(name: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda a: a.get("startedTime", 0), reverse=True)
 
 
-def submit_env(conf_dir: str | Path | None = None) -> dict[str, str]:
+def submit_env(conf_dir: str | Path | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for ``spark-submit --master yarn`` on this machine: the ResourceManager's
-    HADOOP_CONF_DIR, the wheel's SPARK_HOME, loopback binding, the venv's Python."""
+    HADOOP_CONF_DIR, the wheel's SPARK_HOME, loopback binding, the venv's Python; plus ``extra``
+    (what a client-mode driver needs, which runs in spark-submit's process)."""
     from tests.services.spark_cluster import spark_home
 
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SPARK_", "PYSPARK_", "HADOOP_", "YARN_")) and k != "PYTHONPATH"}
     env.update(HADOOP_CONF_DIR=str(conf_dir or SERVICE.conf_dir), SPARK_HOME=str(spark_home()),
                SPARK_LOCAL_IP=HOST, PYSPARK_PYTHON=sys.executable)
+    env.update(extra or {})
     return env
 
 
@@ -467,7 +469,7 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
                          name: str = "twophase-yarn", python: str | None = None,
                          staging_dir: str | Path | None = None, max_app_attempts: int = 2,
                          executors: int = 2, conf: dict[str, str] | None = None,
-                         py_files: Sequence[str] = ()) -> list[str]:
+                         py_files: Sequence[str] = (), env: dict[str, str] | None = None) -> list[str]:
     """``spark-submit --master yarn --deploy-mode cluster|client ...`` for a PySpark script.
 
     Loopback (this machine's YARN): the driver and executors run ``python`` (default: this
@@ -480,6 +482,14 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
     (``spark.yarn.appMasterEnv.PYSPARK_PYTHON`` too in cluster mode; tests/test_cluster_archives.py
     packs such a venv), drop ``spark.yarn.jars`` (or point it at the jars on HDFS), and put staging
     on HDFS (the default: the submitting user's home there).
+
+    ``staging_dir`` is a local path or a URL (``hdfs://namenode:port/dir``: the NodeManagers
+    localize the job's files from HDFS, as on a real cluster).  ``env``: variables the driver
+    and the executors need (a password a sink reads by ``{"env": ...}``, a crash plan), as
+    ``spark.yarn.appMasterEnv.*`` (cluster mode: the driver is the AM; every attempt gets them)
+    and ``spark.executorEnv.*``; a client-mode driver has spark-submit's environment instead
+    (:func:`submit_env`'s ``extra``).  Spark redacts such values in its logs when the name says
+    secret/password/token, but they are on spark-submit's command line.
     """
     from tests.services.spark_cluster import spark_home
 
@@ -487,10 +497,10 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
         raise ValueError(f"deploy_mode {deploy_mode!r}: cluster or client")
     home = spark_home()
     py = python or sys.executable
-    staging = Path(staging_dir or SERVICE.staging_dir)
+    staging = str(staging_dir or SERVICE.staging_dir)
     confs: dict[str, str] = {
         "spark.yarn.jars": f"local:{home / 'jars'}/*",
-        "spark.yarn.stagingDir": staging.as_uri(),
+        "spark.yarn.stagingDir": staging if "://" in staging else Path(staging).as_uri(),
         "spark.yarn.maxAppAttempts": str(max_app_attempts),
         "spark.yarn.submit.waitAppCompletion": "true",
         "spark.pyspark.python": py,
@@ -518,6 +528,10 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
     }
     if deploy_mode == "client":
         confs.update({"spark.driver.host": HOST, "spark.driver.bindAddress": HOST})
+    for k, v in (env or {}).items():
+        if deploy_mode == "cluster":
+            confs[f"spark.yarn.appMasterEnv.{k}"] = v
+        confs[f"spark.executorEnv.{k}"] = v
     confs.update(conf or {})
     cmd = [str(home / "bin" / "spark-submit"), "--master", "yarn", "--deploy-mode", deploy_mode,
            "--name", name]
