@@ -16,8 +16,8 @@ so are late attempts' branches of earlier batches (``sweep_late``): they hold th
 Who may roll back a branch is settled by one row per branch in a claims table beside the marker
 table (as the PostgreSQL sink's): the driver claims every branch of a batch ``decided`` before the
 decision, a retried task claims its earlier attempt's branch ``doomed`` before it rolls it back, and
-so does the cleanup for a late leftover; whichever claim comes first wins, so a decided branch is
-never rolled back.  On MariaDB a prepared branch stays attached to its preparing session until that
+so do the cleanup and a retried task for a late leftover of an earlier batch; whichever claim comes
+first wins, so a decided branch is never rolled back.  On MariaDB a prepared branch stays attached to its preparing session until that
 session disconnects (``XA COMMIT`` elsewhere answers 1397 meanwhile): the handle names that session,
 and a commit that meets a lingering one kills it (only a connection of the sink's own user).
 
@@ -835,6 +835,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         try:
             if ctx.attempt > 0 and ctx.run:
                 self._roll_back_earlier_attempts(conn, ctx, f"{prefix}{int(ctx.partition_id)}")
+                self._roll_back_late_leftovers(conn, ctx)
             with conn.cursor() as cur:
                 cur.execute("SET SESSION innodb_lock_wait_timeout = %s", (self.lock_wait_timeout,))
                 # The session the branch stays attached to on MariaDB until it disconnects: in the
@@ -891,6 +892,32 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         except my.Error as e:
             log.warning("%s: cannot look for earlier attempts' branches (%s); this attempt may wait on their "
                         "locks", ctx.label, self._describe(e))
+        return n
+
+    def _roll_back_late_leftovers(self, conn: Any, ctx: TransactionContext) -> int:
+        """A retried attempt (its first failed, perhaps on the row locks of a late attempt's branch of
+        an earlier batch, after ``lock_wait_timeout``) rolls back this query's prepared branches of
+        earlier batches that it can claim ``doomed`` (executor), as the driver's :meth:`sweep_late`
+        does before a batch: in the data source form no driver runs the batch again, so the retry is
+        where it can pass.  A branch claimed ``decided`` is left alone.  Failures only log."""
+        my = _my()
+        head = self.query_prefix(ctx.query_name)
+        n = 0
+        try:
+            late = sorted(x for x in self._recover(conn)
+                          if (k := names.batch_of(head, x[0])) is not None and k < int(ctx.batch_id))
+            for g, b in self._doom(conn, ctx.label, late) or []:
+                try:
+                    with conn.cursor() as cur:
+                        cur.execute("XA ROLLBACK %s, %s", (g, b))
+                    n += 1
+                    log.info("%s: rolled back %s/%s, a late leftover of an earlier batch", ctx.label, g, b)
+                except my.Error as e:
+                    if _errno(e) != ER_XAER_NOTA or self._listed(conn, g, b):
+                        log.warning("%s: cannot roll back %s/%s, a late leftover of an earlier batch (%s)",
+                                    ctx.label, g, b, self._describe(e))
+        except my.Error as e:
+            log.warning("%s: cannot look for late leftovers of earlier batches (%s)", ctx.label, self._describe(e))
         return n
 
     def _map_columns(self, txn: MySqlTransaction, schema: pa.Schema) -> list[str]:

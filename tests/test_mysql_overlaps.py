@@ -233,3 +233,33 @@ def test_a_commit_is_not_stalled_by_a_paused_executor_process_that_prepared(mari
             child.send_signal(signal.SIGCONT)
             child.kill()
             child.wait(30)
+
+
+def test_a_retried_task_rolls_back_a_late_leftover_of_an_earlier_batch_but_never_a_decided_one(mariadb_service):
+    """The data source form: no driver runs a failed batch again, so a task that met the row locks
+    of a late attempt's branch of an earlier batch must get past it on its retry.  Was: every
+    attempt waited lock_wait_timeout and failed until the next batch's driver swept the leftover."""
+    with MyTable(mariadb_service, "lateexec") as t:
+        sink = t.sink(mode="upsert", key_columns=["id"], lock_wait_timeout=1)
+        sink.open()
+        intent0 = sink.plan_batch("q", 0, 1)
+        h0 = run_attempt(sink, TransactionContext("q", 0, 0, 0, intent0, "r0", task_attempt_id=1), kv([1], "a"))
+        assert sink.commit(h0).outcome is CommitOutcome.COMMITTED
+        # A late attempt of batch 0 prepares on key 1 after its batch was committed and cleaned up.
+        late = run_attempt(sink, TransactionContext("q", 0, 0, 1, intent0, "r0", task_attempt_id=2), kv([1], "late"))
+        intent1 = sink.plan_batch("q", 1, 1)
+        with pytest.raises(MySqlWriteError, match="1205"):
+            run_attempt(sink, TransactionContext("q", 1, 0, 0, intent1, "r1", task_attempt_id=3), kv([1], "b"))
+        h1 = run_attempt(sink, TransactionContext("q", 1, 0, 1, intent1, "r1", task_attempt_id=4), kv([1], "b"))
+        assert (late["gtrid"], late["bqual"]) not in t.prepared()
+        assert sink.commit(h1).outcome is CommitOutcome.COMMITTED
+        # A branch of an earlier batch claimed decided (another run's backfill, not yet committed) is
+        # left alone: the retry waits on its locks and fails; the decided branch commits.
+        intent2 = sink.plan_batch("q", 2, 1)
+        backfill = run_attempt(sink, TransactionContext("q", 2, 0, 0, intent2, "x", task_attempt_id=5), kv([2], "x"))
+        sink.verify_prepared(2, [backfill], prepare_started_at=0)
+        intent3 = sink.plan_batch("q", 3, 1)
+        with pytest.raises(MySqlWriteError, match="1205"):
+            run_attempt(sink, TransactionContext("q", 3, 0, 1, intent3, "r3", task_attempt_id=7), kv([2], "c"))
+        assert sink.commit(backfill).outcome is CommitOutcome.COMMITTED
+        assert t.q(f"SELECT id, v FROM `{t.name}` ORDER BY id") == [(1, "b"), (2, "x")]
