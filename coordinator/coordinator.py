@@ -39,6 +39,9 @@ _RESULT_SCHEMA = "partition INT, attempt INT, rows LONG, handle STRING"
 #: Coordinator names: they become part of directory names, gids and marker rows.
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Physical operators that keep state across micro-batches (their state stores must commit each batch).
+#: The driver path's bound (rows) when ``driver_batch_rows`` is not given (docs/benchmarks.md, "Latency
+#: per micro-batch": 10,000-row batches gain on it; 200,000 rows stay on tasks).
+DRIVER_BATCH_ROWS = 10000
 #: How the driver path's log line and progress note begin for a batch over its bound.
 _OVER_BOUND = "more rows than driver_batch_rows ="
 _STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "StreamingSymmetricHashJoin",
@@ -203,15 +206,16 @@ class Coordinator:
     ``small_batch_rows`` rows, else Arrow. Spark Connect has no RDDs: always Arrow there.
 
     ``task_input="driver"`` runs no task at all: the batch's rows are collected to the driver as
-    Arrow record batches (one JVM action, ``df.limit(driver_batch_rows + 1).toArrow()``) and the
-    sink writes them there, in one transaction (partition 0, attempt 0, the ballot planned for one
-    partition), which the driver pre-commits and decides like a task's.  ``driver_batch_rows`` bounds
-    it, checked by that very collect: a batch with more rows takes the Arrow task path (the plan
-    runs again; the log line and progress say so).  ``"auto"`` takes the driver path when the
-    previous batch had at most ``driver_batch_rows`` rows (0: never), the rows or Arrow path
-    otherwise as above.  Never on the driver path: a streaming query with state (the collect's
-    limit may leave partitions, and their state stores, unrun; over Spark Connect every streaming
-    query counts as one), and a sink that prepares whole batches with a Spark job of its own
+    Arrow record batches (one JVM action, ``df.limit(bound + 1).toArrow()``) and the sink writes
+    them there, in one transaction (partition 0, attempt 0, the ballot planned for one partition),
+    which the driver pre-commits and decides like a task's.  The bound is ``driver_batch_rows``
+    (default 10,000 rows), checked by that very collect: a batch with more rows takes the Arrow
+    task path (the plan runs again; the log line and progress say so).  Given
+    ``driver_batch_rows=N``, ``"auto"`` takes the driver path when the previous batch had at most N
+    rows, the rows or Arrow path otherwise as above; not given (or 0), ``"auto"`` keeps to the task
+    paths.  Never on the driver path: a streaming query with state (the collect's limit may leave
+    partitions, and their state stores, unrun; over Spark Connect every streaming query counts as
+    one), and a sink that prepares whole batches with a Spark job of its own
     (``FileSink(writer="spark")``): they take the task paths.  See docs/usage.md.
     """
 
@@ -236,7 +240,7 @@ class Coordinator:
         shared_storage: bool = False,
         task_input: str = "auto",
         small_batch_rows: int = 2000,
-        driver_batch_rows: int = 10000,
+        driver_batch_rows: int | None = None,
     ):
         if not isinstance(sink, TwoPhaseCommitSink):
             raise ConfigurationError(f"sink must be a twophase.TwoPhaseCommitSink, got {type(sink).__name__}")
@@ -255,8 +259,9 @@ class Coordinator:
             raise ConfigurationError(f"task_input must be one of {', '.join(INPUTS)}, got {task_input!r}")
         if not isinstance(small_batch_rows, int) or small_batch_rows < 0:
             raise ConfigurationError(f"small_batch_rows must be an integer >= 0, got {small_batch_rows!r}")
-        if not isinstance(driver_batch_rows, int) or isinstance(driver_batch_rows, bool) or driver_batch_rows < 0:
-            raise ConfigurationError(f"driver_batch_rows must be an integer >= 0, got {driver_batch_rows!r}")
+        if driver_batch_rows is not None and (not isinstance(driver_batch_rows, int)
+                                              or isinstance(driver_batch_rows, bool) or driver_batch_rows < 0):
+            raise ConfigurationError(f"driver_batch_rows must be an integer >= 0 or None, got {driver_batch_rows!r}")
         if parallelism is not None and (not isinstance(parallelism, int) or parallelism < 1):
             raise ConfigurationError(f"parallelism must be a positive integer or None, got {parallelism!r}")
         self.sink = sink
@@ -275,7 +280,7 @@ class Coordinator:
         self.shared_storage = shared_storage
         self.task_input = task_input
         self.small_batch_rows = small_batch_rows
-        self.driver_batch_rows = driver_batch_rows
+        self.driver_batch_rows = driver_batch_rows  # None: "auto" keeps to the task paths
         self._batch_query: tuple[str, bool] = ("", False)  # (query id, streaming) of the batch being run
         self._input_note = ""          # why the batch left the driver path (its log line says it)
         self._collect_ms = 0.0         # the driver path's collect
@@ -666,10 +671,11 @@ class Coordinator:
         batch's rows under "auto"), then the bound, by the collect itself: at most
         ``driver_batch_rows + 1`` rows come to the driver, and that one more sends the batch to the
         Arrow task path (a burst after small batches), its plan run again there."""
-        bound = self.driver_batch_rows
-        if self.task_input not in ("auto", "driver") or bound <= 0:
-            return None
-        if self.task_input == "auto" and (self._last_rows is None or self._last_rows > bound):
+        bound = DRIVER_BATCH_ROWS if self.driver_batch_rows is None else self.driver_batch_rows
+        if self.task_input == "auto":
+            if not self.driver_batch_rows or self._last_rows is None or self._last_rows > bound:
+                return None
+        elif self.task_input != "driver" or bound <= 0:
             return None
         if getattr(self.sink, "writer", None) == "spark":
             self._input_note = "the sink prepares batches with a Spark job of its own"

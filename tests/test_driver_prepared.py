@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,11 +21,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.test_conformance import fast_path as _fast_path
 from twophase.coordinator import Coordinator
 from twophase.errors import ConfigurationError
 from twophase.sinks.files import FileSink
 
 REPO = Path(__file__).resolve().parents[1]
+fast = pytest.fixture(_fast_path.__wrapped__, name="fast")  # tests/test_conformance.py's fast_path
 
 
 def _frame(spark, lo: int, n: int, parts: int = 2):
@@ -95,9 +98,11 @@ def test_driver_path_settings_are_checked(tmp_path):
             Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"), driver_batch_rows=bad)
 
 
-def test_driver_batch_rows_zero_keeps_auto_on_the_task_paths(spark, tmp_path):
+@pytest.mark.parametrize("driver_batch_rows", [None, 0])
+def test_auto_keeps_the_task_paths_unless_driver_batch_rows_is_given(spark, tmp_path, driver_batch_rows):
     out = tmp_path / "out"
-    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="zero", driver_batch_rows=0)
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="zero",
+                    driver_batch_rows=driver_batch_rows)
     progress = _write_all(c, spark, [100, 100])
     c.close()
     assert [p["task_input"] for p in progress] == ["arrow", "rows"]
@@ -207,3 +212,98 @@ def test_mysql_sink_driver_path(spark, mariadb_service, mdb, tmp_path):
     finally:
         with mdb.cursor() as cur:
             cur.execute(f"DROP TABLE IF EXISTS `{tbl}`, `m_{uid}`")
+
+
+# ------------------------------------------------------------------ the conformance harness drives the path
+class _DriverObjectDuplicates(FileSink):
+    """A sink broken only where the driver path runs it: its executor-side methods on the driver's own
+    object (never pickled) write every record batch twice; a task's unpickled copy writes it once."""
+
+    _copy = False
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._copy = True
+
+    def write(self, txn, batch):
+        super().write(txn, batch)
+        if not self._copy:
+            super().write(txn, batch)
+
+
+def test_the_conformance_harness_drives_the_driver_path(fast):
+    from tests.test_conformance import _empty_dir, _read_parts, _staged_files
+    from twophase.testing import run_sink_conformance
+
+    root = str(fast / "out")
+    stats = run_sink_conformance(
+        lambda: FileSink(root, "parquet"), lambda: _read_parts(root), pending=lambda: _staged_files(root),
+        reset=lambda: _empty_dir(root), max_partitions=2, max_examples=20, ownership=False, seed=51)
+    # Batches written by the driver's own sink object, some of them failing or cut by a driver crash.
+    print(stats)
+    assert stats["driver-prepared batches"] > 0, stats
+    assert stats["crashes"] > 0 and stats["committed_batches"] > 0, stats
+
+
+def test_the_conformance_harness_catches_a_sink_broken_on_the_driver_path_only(fast):
+    from tests.test_conformance import _empty_dir, _read_parts, _staged_files
+    from twophase.testing import ConformanceError, run_sink_conformance
+
+    root = str(fast / "out")
+    with pytest.raises(ConformanceError, match="more than once|twice|duplicat"):
+        run_sink_conformance(
+            lambda: _DriverObjectDuplicates(root, "parquet"), lambda: _read_parts(root),
+            pending=lambda: _staged_files(root), reset=lambda: _empty_dir(root), max_partitions=2,
+            max_examples=20, ownership=False, seed=51)
+
+
+# ------------------------------------------------------------------ the kill run: crash points in the driver
+@pytest.mark.postgres
+@pytest.mark.spark
+@pytest.mark.chaos
+@pytest.mark.timeout(900)
+def test_driver_path_exactly_once_under_crash_points_and_a_sigkill(tmp_path, postgres_service):
+    """tests/drivers/postgres_pipeline.py with ``task_input="driver"``: 100-row files, one per batch,
+    every batch written by the driver.  The executor-side crash points fire in the driver here:
+    ``before_begin`` (nothing begun), ``after_pre_commit`` (the driver dies with the batch's one
+    transaction pre-committed and undecided: the state ``before_prepared_logged`` leaves, reached
+    one step earlier, not a failed task attempt Spark retries), then the sink's points after it and
+    a SIGKILL at a random moment.  Every id lands once; no prepared transaction is left."""
+    from tests.cluster import checkpoint_batches
+    from tests.test_postgres_chaos import _leftovers, _new_table, _table_ids, _write_input
+    from twophase import chaos
+
+    info = postgres_service
+    table = _new_table(info, "drvchaos")
+    name = f"pgdrv-{uuid.uuid4().hex[:6]}"
+    expected, _ = _write_input(tmp_path / "in", files=16, rows=100, keys=50)
+    dsn = f"host={info['host']} port={info['port']} dbname={info['dbname']} user={info['user']}"
+    cmd = [sys.executable, str(REPO / "tests" / "drivers" / "postgres_pipeline.py"), "--input", str(tmp_path / "in"),
+           "--checkpoint", str(tmp_path / "ck"), "--dsn", dsn, "--table", table, "--name", name,
+           "--task-input", "driver"]
+    # mid_commit ("after the first handle committed", while others are not) has no moment on this path:
+    # a batch has one handle.  after_commit is its nearest: the handle committed, COMMITTED not logged.
+    points = ["before_begin", "after_pre_commit", "before_prepared_logged", "after_prepared_logged", "after_commit"]
+    log_path = tmp_path / "driver.log"
+    t0 = time.time()
+    try:
+        # Each crash point fires at the first batch of its run (batch 0 or 1, replayed); the SIGKILL
+        # lands 1-6 s after the run's first batch commits (its clock starts then), among the dozen
+        # batches left (about 1-2 s each on a loaded machine); check_runs checks it landed mid-work.
+        runs = chaos.run_with_faults(cmd, crash_points=points, random_kills=1, kill_window=(1.0, 6.0), seed=51,
+                                     env={"PGPASSWORD": info["password"], "TWOPHASE_SPARK_DRIVER_MEMORY": "512m"},
+                                     log_path=str(log_path), timeout=300,
+                                     progress_probe=lambda: checkpoint_batches(tmp_path / "ck"))
+    except BaseException:
+        sys.stderr.write(log_path.read_text(errors="replace")[-6000:])
+        raise
+    print(f"{len(runs)} runs in {time.time() - t0:.0f}s: {[(r.fault, r.exit_code, r.outcome) for r in runs]}")
+    assert [r.fault for r in runs[:len(points)]] == [f"crash:{p}" for p in points], runs
+    # No point is an executor's here: each one fired in the driver, which exited 137 there.
+    chaos.check_runs(runs, executor_points=())
+    text = log_path.read_text(errors="replace")
+    assert " handles, input driver, " in text and " input arrow" not in text and " input rows" not in text
+    verdict = chaos.verify(expected, _table_ids(info, table))
+    assert verdict.exactly_once, verdict.to_dict()
+    assert verdict.records_out == len(expected) == 1600
+    assert _leftovers(info, name) == []

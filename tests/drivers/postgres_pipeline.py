@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
                          "executors need PGPASSWORD as spark.executorEnv.PGPASSWORD")
     ap.add_argument("--connect", action="store_true",
                     help="run as a Spark Connect client of a local[2] server that pyspark starts")
+    ap.add_argument("--task-input", default="auto", help="Coordinator(task_input=...): auto (default), "
+                    "arrow, rows or driver (small batches written by the driver: tests/test_driver_prepared.py)")
+    ap.add_argument("--driver-batch-rows", type=int, default=None,
+                    help="Coordinator(driver_batch_rows=...) (default: not given)")
     ap.add_argument("--remote", metavar="URL",
                     help="run as a Spark Connect client of the running server at URL (sc://host:port), "
                          "which does not share this process's environment: the password goes inline")
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                         key_columns=["k"] if args.mode == "upsert" else None,
                         password=password, lock_timeout="20s")
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name,
-                              retry_backoff=0.1)
+                              retry_backoff=0.1, task_input=args.task_input,
+                              driver_batch_rows=args.driver_batch_rows)
     df = (spark.readStream.schema("id LONG, k LONG, v LONG").option("maxFilesPerTrigger", 1)
           .json(args.input))
     if args.mode == "upsert":

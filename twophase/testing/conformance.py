@@ -329,6 +329,9 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
     commit_parallelism: int = 8
     query_prefix: str = "conformance"
     rebuild_from_config: bool = True
+    #: Drive the coordinator's driver path too: a batch planned for one partition is, half the time,
+    #: written by the driver's own sink object instead of a task's pickled copy (see _driver_prepared).
+    driver_path: bool = True
 
     _run_token: str = ""
     _examples: itertools.count
@@ -497,6 +500,10 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             type(self)._frame_probed = True
             self._probe_prepare_batch(BatchContext(self.query_name, b.batch_id, json.loads(b.intent_json), run))
 
+        if self.driver_path and parts == 1 and b.ids and self._draw(
+                data, st.sampled_from((False, True)), "prepared in the driver (task_input='driver')", False):
+            return self._driver_prepared(b, data, run, crash_at)
+
         shipped = _dumps_sink(self.sink)  # what Spark serialises into the job, once per job
         todo = [p for p in range(parts) if assignment[p]]  # an empty partition opens no transaction
         die_after_tasks = None
@@ -530,6 +537,50 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
                 if outcome != PRE_COMMIT and attempts[p] >= MAX_TASK_ATTEMPTS:
                     return self._job_failed(b, p)
         return self._decide(b, data, results, assignment, crash_at)
+
+    def _driver_prepared(self, b: BatchModel, data: Any, run: str, crash_at: str | None) -> None:
+        """The coordinator's driver path (``task_input="driver"``, a ballot planned for one partition):
+        no task; the driver's own sink object (not a pickled copy) begins partition 0 attempt 0 of
+        the ballot's run, writes every row, pre-commits, and decides.  A failure while writing
+        aborts it there (``run_transaction``) and fails the batch, undecided, like a failed job; the
+        driver dying mid-write leaves a begun transaction, and ``after_pre_commit`` on this path is
+        the driver itself dying with its one transaction pre-committed and undecided: both are
+        recovery's to abort, from the INTENT."""
+        ctx = TransactionContext(self.query_name, b.batch_id, 0, 0, json.loads(b.intent_json), run)
+        chunks = _split(b.ids, self._draw(data, st.integers(1, 3), "arrow batches", 1))
+        ends = (PRE_COMMIT,) * 3 + (ABORT,) + ((DIE_MID_WRITE,) if self.crashes_left > 0 else ())
+        outcome = self._draw(data, st.sampled_from(ends), "the driver's transaction ends", PRE_COMMIT)
+        if outcome == DIE_MID_WRITE:
+            chunks = chunks[:self._draw(data, st.integers(0, len(chunks)), "chunks written before death", 0)]
+        rec = Attempt(0, 0, outcome, [i for c in chunks for i in c], life=self.life, run=run)
+        b.attempts.append(rec)
+        self.stats["driver-prepared batches"] += 1
+        label = f"{rec.label(b.batch_id)} (in the driver)"
+        before = self._pending() if outcome == ABORT else None
+        txn = self.sink.begin_transaction(ctx)
+        for chunk in chunks:
+            self.sink.write(txn, self.make_batch(chunk))
+        if outcome == DIE_MID_WRITE:
+            del txn
+            note(f"{label}: wrote {_span(rec.ids)}, then the driver DIED mid-write")
+            return self._crash(f"mid-write of batch {b.batch_id} on the driver path")
+        if outcome == ABORT:
+            self.sink.abort(txn)
+            note(f"{label}: wrote {_span(rec.ids)}, then the write FAILED and abort() ran in the driver")
+            self._check_aborted(before, rec, b)
+            self._check(f"after {label} was aborted")
+            return self._job_failed(b, None, "its transaction in the driver failed")
+        handle = self.sink.pre_commit(txn)
+        del txn
+        envelope = self._round_trip(self.sink, handle, label)
+        rec.handle_desc = self.sink.describe_handle(self.sink.decode_handle(json.loads(envelope)))
+        note(f"{label}: pre-committed {rec.handle_desc} with rows {_span(b.ids)}")
+        self._check(f"after {label} pre-committed")
+        if crash_at == "after_pre_commit":
+            self.stats["driver-prepared: driver died after its pre-commit"] += 1
+            return self._crash(f"after_pre_commit of batch {b.batch_id} (driver path: the driver itself, its "
+                               "transaction pre-committed and undecided)")
+        return self._decide(b, data, {0: envelope}, {0: list(b.ids)}, crash_at)
 
     def _probe_prepare_batch(self, ctx: BatchContext) -> None:
         """Without ``make_frame``, whether the sink writes its batches from the driver in a query
@@ -683,13 +734,14 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
         self._check(f"after {rec.label(b.batch_id)} pre-committed")
         return outcome, envelope_json
 
-    def _job_failed(self, b: BatchModel, partition: int | None) -> None:
-        """The job failed (a task failed MAX_TASK_ATTEMPTS times, or verify_prepared refused): the
-        coordinator aborts the batch's leftovers at once and fails; Spark replays it later."""
+    def _job_failed(self, b: BatchModel, partition: int | None, why: str = "") -> None:
+        """The job failed (a task failed MAX_TASK_ATTEMPTS times, or verify_prepared refused, or the
+        driver path's transaction failed): the coordinator aborts the batch's leftovers at once and
+        fails; Spark replays it later."""
         n = self.sink.abort_lingering(self.query_name, b.batch_id, json.loads(b.intent_json), [])
         self.stats["job_failures"] += 1
-        why = (f"partition {partition} failed {MAX_TASK_ATTEMPTS} times" if partition is not None
-               else "verify_prepared refused it")
+        why = why or (f"partition {partition} failed {MAX_TASK_ATTEMPTS} times" if partition is not None
+                      else "verify_prepared refused it")
         self.faulted = True  # replayed later: by a replay_batch step or at the end of the example
         note(f"batch {b.batch_id}: the JOB FAILED ({why}); abort_lingering(keep=[]) aborted {n}; undecided")
         self._check(f"after batch {b.batch_id}'s job failed", exact=True)
