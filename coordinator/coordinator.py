@@ -213,9 +213,8 @@ class Coordinator:
     task path (the plan runs again; the log line and progress say so).  Given
     ``driver_batch_rows=N``, ``"auto"`` takes the driver path when the previous batch had at most N
     rows, the rows or Arrow path otherwise as above; not given (or 0), ``"auto"`` keeps to the task
-    paths.  Never on the driver path: a streaming query with state (the collect's limit may leave
-    partitions, and their state stores, unrun; over Spark Connect every streaming query counts as
-    one), and a sink that prepares whole batches with a Spark job of its own
+    paths.  Never on the driver path: a streaming query with state (over Spark Connect every
+    streaming query counts as one; see :meth:`_driver_rows`), and a sink that prepares whole batches with a Spark job of its own
     (``FileSink(writer="spark")``): they take the task paths.  See docs/usage.md.
     """
 
@@ -682,8 +681,9 @@ class Coordinator:
             return None
         query_id, streaming = self._batch_query
         if streaming and self._is_stateful(df, query_id):
-            # A limit may leave partitions (and their state stores) unrun, and the fallback would run
-            # the stateful plan twice in one batch.
+            # The collect's limit may stop reading a partition before its end (past the bound), and a
+            # state store commits when its partition is read to the end; the fallback would then run
+            # the stateful plan a second time in the batch.  Not tried: such queries keep the tasks.
             self._input_note = "a stateful query keeps the task path"
             return None
         t0 = time.perf_counter()
