@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,15 @@ ER_NO_SUCH_THREAD = 1094  # KILL of a connection that is gone already
 #: How long a commit waits, after it KILLed the session a branch is still attached to, for the server
 #: to process that disconnect (it detaches the branch; then XA COMMIT works from any session).
 DETACH_WAIT_SECONDS = 10.0
+#: An executor's session idles out this long after it pre-committed (``SET SESSION wait_timeout`` just
+#: before ``XA END``).  MariaDB keeps a prepared branch attached to its session until that session goes;
+#: an executor paused (SIGSTOP, a GC pause, a cut network) between ``XA PREPARE`` and its disconnect would
+#: otherwise hold it, and its row locks, out of everyone's reach for the server's ``wait_timeout`` (8 h by
+#: default).  The server then closes the session and the branch stays prepared, detached: only liveness
+#: depends on this timer; who may commit or roll back the branch is settled by the claims.  The session
+#: has nothing left to send after ``XA PREPARE`` but its disconnect.  (MySQL >= 8.0.30 detaches at
+#: ``XA PREPARE``: ``xa_detach_on_prepare``.)
+PREPARED_SESSION_IDLE_SECONDS = 10
 #: Claims (one row per branch, beside the marker table): who may XA ROLLBACK it.
 DOOMED, DECIDED = "doomed", "decided"
 # Client-side and server-going-away errors: transient for the driver's commit.
@@ -315,11 +325,38 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                             f"the {what} {quote_ident(name)} uses engine {engine or '(unknown)'}; its rows must be "
                             "written inside the XA branches (InnoDB only), or a rolled-back branch would leave "
                             f"them behind: ALTER TABLE {quote_ident(name)} ENGINE=InnoDB")
+                self._check_claims_writable(conn)
         except my.Error as e:
             raise ConfigurationError(f"MySqlSink could not check {self.table} at {self.where}: "
                                      f"{self._describe(e)}") from None
         finally:
             self._release(conn)
+
+    def _check_claims_writable(self, conn: Any) -> None:
+        """A trial claim, rolled back: the claims are ``INSERT ... ON DUPLICATE KEY UPDATE`` (and
+        ``DELETE``), so a user who may not UPDATE the claims table (an append-only writer) would pass
+        every other check and then fail every batch's decision.  Refused here, naming the grant."""
+        my = _my()
+        claims = quote_ident(self.claims_table)
+        conn.begin()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {claims} (gtrid, bqual, state) VALUES (%s, %s, %s) "
+                            "ON DUPLICATE KEY UPDATE state = VALUES(state)", ("twophase-open-check", "", DOOMED))
+                cur.execute(f"DELETE FROM {claims} WHERE gtrid = %s AND bqual = %s", ("twophase-open-check", ""))
+        except my.Error as e:
+            if _errno(e) in (1142, 1143):  # command denied for the table / a column
+                raise ConfigurationError(
+                    f"user {self.user!r} may not write the claims table {claims} at {self.where} "
+                    f"({self._describe(e)}); each batch's decision claims its branches there with INSERT ... ON "
+                    f"DUPLICATE KEY UPDATE and finished claims are deleted: GRANT SELECT, INSERT, UPDATE, DELETE "
+                    f"ON {quote_ident(self.database or '')}.{claims} TO ...") from None
+            raise
+        finally:
+            try:
+                conn.rollback()
+            except my.Error:  # the connection broke: the server rolled back
+                pass
 
     def _check_version(self, version: str) -> None:
         m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
@@ -684,14 +721,11 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         try:
             for gtrid, bqual in xids:
                 try:
-                    with conn.cursor() as cur:
-                        cur.execute("XA ROLLBACK %s, %s", (gtrid, bqual))
-                    n += 1
+                    n += self._rollback_one(conn, gtrid, bqual)
                 except my.Error as e:
-                    if _errno(e) == ER_XAER_NOTA and not self._listed(conn, gtrid, bqual):
-                        continue  # gone already (committed or rolled back)
-                    # 1397 for a branch XA RECOVER still lists: MariaDB has not yet processed the
-                    # disconnect of the session that prepared it, and nothing was rolled back.
+                    # 1397 for a branch XA RECOVER still lists after the wait: still attached to the
+                    # session that prepared it (one pre-committed before PREPARED_SESSION_IDLE_SECONDS
+                    # was set), and nothing was rolled back.
                     msg = (f"XA ROLLBACK {gtrid}/{bqual} at {self.where} failed: {self._describe(e)}"
                            + (" (the branch is still attached to the session that prepared it)"
                               if _errno(e) == ER_XAER_NOTA else ""))
@@ -701,6 +735,29 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         finally:
             self._release(conn)
         return n
+
+    def _rollback_one(self, conn: Any, gtrid: str, bqual: str) -> bool:
+        """``XA ROLLBACK`` one branch (the caller may: claimed doomed, or its ballot decided to abort);
+        True if rolled back here, False if gone already.  A branch still attached to the session that
+        prepared it (1397 while ``XA RECOVER`` lists it: MariaDB) is waited for: that session idles out
+        ``PREPARED_SESSION_IDLE_SECONDS`` after it pre-committed, or is being closed, and the branch then
+        stays prepared, detached; the rollback is tried again until then (plus ``DETACH_WAIT_SECONDS``).
+        Other errors, and a branch still attached after that, raise ``pymysql.Error``."""
+        my = _my()
+        deadline = time.monotonic() + PREPARED_SESSION_IDLE_SECONDS + DETACH_WAIT_SECONDS
+        while True:
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("XA ROLLBACK %s, %s", (gtrid, bqual))
+                return True
+            except my.Error as e:
+                if _errno(e) != ER_XAER_NOTA:
+                    raise
+                if not self._listed(conn, gtrid, bqual):
+                    return False  # gone already (committed or rolled back)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.25)
 
     def _listed(self, conn: Any, gtrid: str, bqual: str) -> bool:
         """Does ``XA RECOVER`` (on ``conn``) list the branch?  True when it cannot be asked: an
@@ -880,15 +937,13 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                                 run=ctx.run)
             for g, b in self._doom(conn, ctx.label, candidates) or []:
                 try:
-                    with conn.cursor() as cur:
-                        cur.execute("XA ROLLBACK %s, %s", (g, b))
-                    n += 1
-                    log.info("%s: rolled back %s/%s, left prepared by an earlier attempt of this task",
-                             ctx.label, g, b)
+                    if self._rollback_one(conn, g, b):
+                        n += 1
+                        log.info("%s: rolled back %s/%s, left prepared by an earlier attempt of this task",
+                                 ctx.label, g, b)
                 except my.Error as e:
-                    if _errno(e) != ER_XAER_NOTA or self._listed(conn, g, b):
-                        log.warning("%s: cannot roll back %s/%s of an earlier attempt (%s); this attempt may "
-                                    "wait on its locks", ctx.label, g, b, self._describe(e))
+                    log.warning("%s: cannot roll back %s/%s of an earlier attempt (%s); this attempt may "
+                                "wait on its locks", ctx.label, g, b, self._describe(e))
         except my.Error as e:
             log.warning("%s: cannot look for earlier attempts' branches (%s); this attempt may wait on their "
                         "locks", ctx.label, self._describe(e))
@@ -908,14 +963,12 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                           if (k := names.batch_of(head, x[0])) is not None and k < int(ctx.batch_id))
             for g, b in self._doom(conn, ctx.label, late) or []:
                 try:
-                    with conn.cursor() as cur:
-                        cur.execute("XA ROLLBACK %s, %s", (g, b))
-                    n += 1
-                    log.info("%s: rolled back %s/%s, a late leftover of an earlier batch", ctx.label, g, b)
+                    if self._rollback_one(conn, g, b):
+                        n += 1
+                        log.info("%s: rolled back %s/%s, a late leftover of an earlier batch", ctx.label, g, b)
                 except my.Error as e:
-                    if _errno(e) != ER_XAER_NOTA or self._listed(conn, g, b):
-                        log.warning("%s: cannot roll back %s/%s, a late leftover of an earlier batch (%s)",
-                                    ctx.label, g, b, self._describe(e))
+                    log.warning("%s: cannot roll back %s/%s, a late leftover of an earlier batch (%s)",
+                                ctx.label, g, b, self._describe(e))
         except my.Error as e:
             log.warning("%s: cannot look for late leftovers of earlier batches (%s)", ctx.label, self._describe(e))
         return n
@@ -994,9 +1047,12 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         """Insert the marker row, ``XA END`` and ``XA PREPARE`` the branch, close the connection."""
         my = _my()
         ctx = txn.ctx
-        action = "marker row"
+        action = "session timeout"
         try:
             with txn.conn.cursor() as cur:
+                # Before XA END (a branch in IDLE or PREPARED state takes no SET): see the constant.
+                cur.execute("SET SESSION wait_timeout = %s", (PREPARED_SESSION_IDLE_SECONDS,))
+                action = "marker row"
                 cols = ", ".join(("gtrid", "bqual") + names.MARKER_COLUMNS)
                 cur.execute(f"INSERT INTO {quote_ident(self.marker_table)} ({cols}) VALUES "
                             f"({', '.join(['%s'] * (2 + len(names.MARKER_COLUMNS)))})",

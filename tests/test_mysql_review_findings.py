@@ -1,17 +1,20 @@
 """MySqlSink: findings of a fresh-context adversarial review of its claims and lingering-session fence
 (issue 49, commits 8687109, 4c01531, 088b61a).
 
-Each test is one scenario, run for real on the MariaDB server, asserting what the sink should do;
-the ones the sink does not do yet are marked ``xfail(strict=True)`` with the finding as reason.
+Each test is one scenario, run for real on the MariaDB server; each failed on the sink the review read
+(commit 5a69585 has them as strict xfails) and passes since the fix:
 
-- The rollback paths have no lingering-session fence.  The commit KILLs the session a branch is still
+- The rollback paths had no lingering-session fence.  The commit KILLs the session a branch is still
   attached to (F6), but a retried task (``_roll_back_earlier_attempts``) and the cleanup
   (``abort_lingering``, which ``_give_up`` and ``python -m twophase abort-lingering``/``recover``
-  call) only get 1397 for such a branch: the retry waits ``lock_wait_timeout`` and fails, the
-  cleanup raises, for as long as the paused executor keeps its connection (stall).
+  call) only got 1397 for such a branch: the retry waited ``lock_wait_timeout`` and failed, the
+  cleanup raised, for as long as the paused executor kept its connection (stall).  Now an executor's
+  session idles out ``PREPARED_SESSION_IDLE_SECONDS`` after it pre-committed, and a rollback of a
+  branch still attached waits for that (``_rollback_one``).
 - A claims table the sink's user may not UPDATE (an append-only writer: SELECT, INSERT, DELETE, CREATE):
-  ``open()`` passes, and every batch then fails in ``verify_prepared`` (``INSERT ... ON DUPLICATE KEY
-  UPDATE`` needs UPDATE), telling to restart, which fails the same way (stall).
+  ``open()`` passed, and every batch then failed in ``verify_prepared`` (``INSERT ... ON DUPLICATE KEY
+  UPDATE`` needs UPDATE), telling to restart, which failed the same way (stall).  Now ``open()`` makes
+  a trial claim, rolled back, and refuses naming the grant.
 """
 
 from __future__ import annotations
@@ -60,10 +63,6 @@ def _release(t: MyTable, conn) -> None:
                 time.sleep(0.1)
 
 
-@pytest.mark.xfail(strict=True, reason="R1 finding (stall): a retried task cannot roll back its earlier attempt's "
-                   "branch while that branch is still attached to the paused attempt's session (1397, no KILL "
-                   "as the commit has): the retry waits lock_wait_timeout on the same upsert keys and fails, "
-                   "every retry, for as long as the paused executor keeps its connection")
 def test_a_retried_task_is_not_stalled_by_its_earlier_attempts_branch_attached_to_a_paused_session(mariadb_service):
     with MyTable(mariadb_service, "rvretry") as t:
         sink = t.sink(mode="upsert", key_columns=["id"], lock_wait_timeout=2)
@@ -88,10 +87,6 @@ def test_a_retried_task_is_not_stalled_by_its_earlier_attempts_branch_attached_t
             _release(t, held)
 
 
-@pytest.mark.xfail(strict=True, reason="R1 finding (stall): abort_lingering (the coordinator's give-up, "
-                   "'python -m twophase abort-lingering' and 'recover') raises TwoPhaseError on a branch still "
-                   "attached to a paused executor's session instead of killing that session as the commit "
-                   "does; the branch keeps its row locks and every later cleanup fails the same way")
 def test_the_cleanup_rolls_back_an_undecided_branch_attached_to_a_paused_session(mariadb_service):
     with MyTable(mariadb_service, "rvclean") as t:
         sink = t.sink()
@@ -108,9 +103,6 @@ def test_the_cleanup_rolls_back_an_undecided_branch_attached_to_a_paused_session
             _release(t, held)
 
 
-@pytest.mark.xfail(strict=True, reason="R1 finding (stall): open() accepts a claims table the sink's user may "
-                   "not UPDATE (an append-only writer: SELECT, INSERT, DELETE, CREATE); every batch then fails in "
-                   "verify_prepared (INSERT ... ON DUPLICATE KEY UPDATE needs UPDATE) and restarting fails again")
 def test_open_refuses_a_claims_table_an_append_only_writer_cannot_claim_in(mariadb_service):
     import pymysql
 
@@ -125,20 +117,11 @@ def test_open_refuses_a_claims_table_an_append_only_writer_cannot_claim_in(maria
         try:
             sink = t.sink(password="pw")
             sink.user = user
-            try:
+            # Refused now, naming the claims table and the grant (before: open() passed and every
+            # batch then failed at verify_prepared with 1142).
+            with pytest.raises(ConfigurationError, match=r"claims table .* GRANT SELECT, INSERT, UPDATE, DELETE") as e:
                 sink.open()
-            except ConfigurationError as e:  # what the sink should do: refuse now, naming the claims table
-                assert "claims" in str(e), e
-                return
-            # What it does: open() passed, and the batch fails at its check, every time it is run.
-            intent = sink.plan_batch("q", 0, 1)
-            h = run_attempt(sink, TransactionContext("q", 0, 0, 0, intent), ids(1))
-            try:
-                sink.verify_prepared(0, [h], prepare_started_at=0)
-            except Exception as e:  # noqa: BLE001 - shown in the xfail report
-                print(f"verify_prepared: {type(e).__name__}: {e}")
-                raise
-            assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+            assert "pw" not in str(e.value)
         finally:
             with root.cursor() as cur:
                 cur.execute("DROP USER %s@'127.0.0.1'", (user,))
