@@ -71,8 +71,9 @@ def add_arguments(ap) -> None:
                     "spark; default both). arrow runs with every log location, spark (one df.write "
                     "per batch into the batch's staging folder) with the log local")
     ap.add_argument("--latency-task-inputs", help="latency section: Coordinator(task_input=...) values "
-                    "measured (auto, arrow, rows; default auto). The first runs with every log location, "
-                    "the others with the log local")
+                    "measured (auto, arrow, rows, driver; default auto). The first runs with every log location, "
+                    "the others with the log local. With driver, every target also gets the driver path's "
+                    "floor: an empty foreachBatch plus its collect (df.limit(n + 1).toArrow())")
     ap.add_argument("--latency-no-ladder", action="store_true", help="latency section: skip the floors "
                     "(empty foreachBatch, rows-into-Python collect by mapInArrow and by the RDD API, "
                     "Coordinator(NullSink))")
@@ -105,8 +106,8 @@ def configure(params: Params, a, error) -> None:
             error("--latency-file-writers takes arrow, spark or both")
     if a.latency_task_inputs:
         cfg["task_inputs"] = tuple(x.strip() for x in a.latency_task_inputs.split(",") if x.strip())
-        if not cfg["task_inputs"] or set(cfg["task_inputs"]) - {"auto", "arrow", "rows"}:
-            error("--latency-task-inputs takes auto, arrow, rows")
+        if not cfg["task_inputs"] or set(cfg["task_inputs"]) - {"auto", "arrow", "rows", "driver"}:
+            error("--latency-task-inputs takes auto, arrow, rows, driver")
     if cfg["batches"] <= cfg["warmup"] or cfg["reps"] < 1 or not cfg["rows"] or min(cfg["rows"]) < 1:
         error("--latency-batches must exceed --latency-warmup; reps and rows >= 1")
     params.latency = cfg  # type: ignore[attr-defined]
@@ -512,10 +513,29 @@ def _cases(spark, target: str, rows: int, params: Params, cfg: dict[str, Any], s
             cases.append(coordinated(f"{ours}, log local{said}", sink, "local", task_input=first))
     for ti in others:
         cases.append(coordinated(f"{ours}, log local, task_input={ti}", sink, "local", task_input=ti))
+    if "driver" in cfg["task_inputs"]:
+        cases.append(_collect_floor(rows))
     if target == "kafka":  # the coordinated queries write key/value rows
         for c in cases[1:]:
             c.start = _keyed(c.start)
     return cases
+
+
+def _collect_floor(rows: int) -> _Case:
+    """The driver path's floor: an empty ``foreachBatch`` plus the collect the driver path makes
+    (``df.limit(bound + 1).toArrow()``, the default bound), rows counted."""
+    from twophase.coordinator.coordinator import DRIVER_BATCH_ROWS as bound
+    case = _Case("floor: empty foreachBatch + the driver path's collect (toArrow)", None)
+
+    def start(sdf, ck):
+        def collect(d, i):
+            n = d.limit(bound + 1).toArrow().num_rows
+            if n != rows:
+                raise RuntimeError(f"the collect floor read {n} rows of a {rows}-row batch")
+        return sdf.writeStream.foreachBatch(collect).option("checkpointLocation", ck).start()
+
+    case.start = start
+    return case
 
 
 def _keyed(start):
@@ -579,11 +599,17 @@ def _measure(spark, target: str, rows: int, params: Params, cfg: dict[str, Any],
             "other_ms_median": {k: round(statistics.median(x), 1) for k, x in c.other_ms.items() if x},
             "ratio": round(b_tr / tr, 3), "add_batch_ratio": round(b_ab / ab, 3)}
         if c.progress:
-            keys = ("intent_ms", "prepare_ms", "log_ms", "commit_ms", "total_ms")
-            v["coordinator_ms_median"] = {k: round(statistics.median(p[k] for p in c.progress), 1) for k in keys}
+            keys = ("intent_ms", "prepare_ms", "log_ms", "commit_ms", "total_ms", "collect_ms")
+            v["coordinator_ms_median"] = {k: round(statistics.median(p.get(k, 0.0) for p in c.progress), 1)
+                                          for k in keys}
+            # The path each steady-state batch took (task_input "driver", "rows", "arrow").
+            paths: dict[str, int] = {}
+            for p in c.progress:
+                paths[p.get("task_input", "")] = paths.get(p.get("task_input", ""), 0) + 1
+            v["paths"] = paths
             # The driver's protocol work per batch: INTENT, decision and COMMITTED (and the commit).
             v["coordinator_ms_median"]["protocol_ms"] = round(statistics.median(_protocol_ms(p) for p in c.progress), 1)
-            v["coordinator_batches"] = [{k: round(p[k], 1) for k in keys} for p in c.progress]
+            v["coordinator_batches"] = [{k: round(p.get(k, 0.0), 1) for k in keys} for p in c.progress]
         if c.requests:
             crit = [b["critical"] for b in c.requests]
             bg = [b["background"] for b in c.requests]
