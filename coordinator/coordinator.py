@@ -913,10 +913,11 @@ class Coordinator:
         self.last_progress = d
         self.recent_progress = (self.recent_progress + [d])[-100:]
         note = f" ({self._input_note})" if self._input_note and self._batch_input != "driver" else ""
-        log.info("%s: batch %d %s: %d rows, %d handles, input %s%s, collect %.0f ms, prepare %.0f ms, "
-                 "commit %.0f ms, log %.0f ms", prog.name, prog.batch_id, prog.action, prog.rows, prog.handles,
-                 self._batch_input or "none", note, self._collect_ms, prog.prepare_ms, prog.commit_ms,
-                 prog.log_ms)
+        # "tasks' input driver": the driver path (no task); the wording is parsed by tests and docs.
+        log.info("%s: batch %d %s: %d rows, %d handles, tasks' input %s%s, prepare %.0f ms, commit %.0f ms, "
+                 "log %.0f ms, collect %.0f ms", prog.name, prog.batch_id, prog.action, prog.rows, prog.handles,
+                 self._batch_input or "none", note, prog.prepare_ms, prog.commit_ms, prog.log_ms,
+                 self._collect_ms)
 
 
 class _SparkBatch:

@@ -70,9 +70,9 @@ def test_auto_takes_the_driver_path_after_a_small_batch_and_tasks_for_a_burst(sp
     assert [p["rows"] for p in progress] == sizes
     assert _file_ids(out) == list(range(sum(sizes)))
     lines = [r.getMessage() for r in caplog.records if " rows, " in r.getMessage()]
-    assert any("batch 1 committed: 100 rows, 1 handles, input driver," in m for m in lines), lines
-    assert any("batch 2 committed: 5000 rows, 2 handles, input arrow (more rows than driver_batch_rows = 1000"
-               in m for m in lines), lines
+    assert any("batch 1 committed: 100 rows, 1 handles, tasks' input driver," in m for m in lines), lines
+    assert any("batch 2 committed: 5000 rows, 2 handles, tasks' input arrow (more rows than driver_batch_rows = "
+               "1000" in m for m in lines), lines
 
 
 def test_driver_input_stays_on_the_driver_up_to_the_bound_and_no_further(spark, tmp_path):
@@ -302,7 +302,8 @@ def test_driver_path_exactly_once_under_crash_points_and_a_sigkill(tmp_path, pos
     # No point is an executor's here: each one fired in the driver, which exited 137 there.
     chaos.check_runs(runs, executor_points=())
     text = log_path.read_text(errors="replace")
-    assert " handles, input driver, " in text and " input arrow" not in text and " input rows" not in text
+    assert " handles, tasks' input driver, " in text
+    assert " input arrow" not in text and " input rows" not in text
     verdict = chaos.verify(expected, _table_ids(info, table))
     assert verdict.exactly_once, verdict.to_dict()
     assert verdict.records_out == len(expected) == 1600
