@@ -1,0 +1,143 @@
+"""Adversarial review of the driver path (issue 51, task R2): scenarios where ``task_input="driver"``
+does not hand the sink what the task paths would, or fails a batch the task paths write.
+
+Each finding is an xfail(strict=True) test: it fails today, and passes (turning the run red through
+strict xfail) once the driver path is fixed.  On the ``spark`` fixture (local[2]) and a FileSink on
+local disk, except the wide-rows case, which needs a static setting (spark.driver.maxResultSize) and
+so runs a Spark application of its own in a subprocess (~20 s); nothing here needs the shared servers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from twophase.coordinator import Coordinator
+from twophase.sinks.files import FileSink
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted(out.glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def _write_one(spark, tmp_path: Path, task_input: str, df, tag: str) -> tuple[dict, Path]:
+    out = tmp_path / f"out-{tag}"
+    c = Coordinator(FileSink(str(out), format="jsonl"), log_location=str(tmp_path / f"log-{tag}"),
+                    name=f"rv{tag}", task_input=task_input, driver_batch_rows=100)
+    try:
+        progress = dict(c.write(df, batch_id=0))
+    finally:
+        c.close()
+    return progress, out
+
+
+@pytest.fixture
+def new_york(spark):
+    """The session time zone set to one that is not UTC, as a pipeline outside UTC has it."""
+    key = "spark.sql.session.timeZone"
+    before = spark.conf.get(key)
+    spark.conf.set(key, "America/New_York")
+    yield spark
+    spark.conf.set(key, before)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "driver path: df.toArrow() hands the sink timestamps in UTC (timestamp[us, tz=UTC]), the task paths "
+    "in the session time zone (mapInArrow: tz=America/New_York), so one batch's rows are written as "
+    "different text depending on the path it took (and a replay may take the other path)"))
+def test_driver_path_writes_timestamps_in_the_session_time_zone_like_the_task_paths(new_york, tmp_path):
+    df = new_york.sql("SELECT id, timestamp_seconds(id * 3600) AS ts FROM range(3)")
+    seen = {}
+    for task_input in ("arrow", "driver"):
+        progress, out = _write_one(new_york, tmp_path, task_input, df, task_input)
+        assert progress["task_input"] == task_input, progress
+        seen[task_input] = sorted((r["id"], r["ts"]) for r in _lines(out))
+    # The task path renders the instants in the session's zone, as Spark's own JSON writer does.
+    assert seen["arrow"][0] == (0, "1969-12-31T19:00:00.000-05:00"), seen["arrow"]
+    assert seen["driver"] == seen["arrow"], seen
+
+
+class IntervalsAsText(FileSink):
+    """A user's sink (FileSink with a conversion of its own): Arrow's month_day_nano_interval, which
+    the task paths hand it for Spark's CalendarIntervalType, written as text."""
+
+    def write(self, txn, batch):
+        import pyarrow as pa
+
+        cols = [pa.array([None if v is None else str(v) for v in c.to_pylist()], pa.string())
+                if pa.types.is_interval(c.type) else c for c in batch.columns]
+        super().write(txn, pa.RecordBatch.from_arrays(cols, names=batch.schema.names))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "driver path: df.toArrow() refuses CalendarIntervalType (UNSUPPORTED_DATA_TYPE_FOR_ARROW_CONVERSION) "
+    "while mapInArrow hands the sink month_day_nano_interval; the collect fails before any INTENT and "
+    "nothing falls back to the task path, so task_input='driver' fails the batch on every replay (a "
+    "stall) where task_input='arrow' writes it"))
+def test_driver_path_falls_back_to_tasks_for_a_type_toArrow_cannot_convert(spark, tmp_path):
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the executors need not import tests/
+    df = spark.sql("SELECT id, make_interval(0, 0, 0, CAST(id AS INT), 0, 0, 0) AS iv FROM range(3)")
+    found = {}
+    for task_input in ("arrow", "driver"):
+        out = tmp_path / f"out-{task_input}"
+        c = Coordinator(IntervalsAsText(str(out), format="jsonl"), log_location=str(tmp_path / f"log-{task_input}"),
+                        name=f"iv{task_input}", task_input=task_input, driver_batch_rows=100)
+        try:
+            progress = dict(c.write(df, batch_id=0))  # task_input='driver' raises here today
+        finally:
+            c.close()
+        found[task_input] = (progress["rows"], sorted((r["id"], r["iv"]) for r in _lines(out)))
+    assert found["arrow"][0] == 3 and found["arrow"][1][1][0] == 1, found
+    assert found["driver"] == found["arrow"], found
+
+
+_MAX_RESULT_SIZE_RUN = r"""
+import json, sys
+from twophase.coordinator import Coordinator
+from twophase.sinks.files import FileSink
+from twophase.spark import local_session
+
+out, log = sys.argv[1], sys.argv[2]
+spark = local_session("local[2]", app_name="r2-maxresult", conf={"spark.driver.maxResultSize": "1m"})
+# 400 rows of 8 KB: far under the driver path's default bound (10,000 rows), 3.2 MB over maxResultSize.
+df = spark.range(0, 400, 1, 4).selectExpr("id", "repeat('x', 8000) AS v")
+found = {}
+for task_input in ("arrow", "driver"):
+    c = Coordinator(FileSink(out + "-" + task_input), log_location=log + "-" + task_input, name="mrs" + task_input,
+                    task_input=task_input)
+    try:
+        p = c.write(df, batch_id=0)
+        found[task_input] = {"rows": p["rows"], "task_input": p["task_input"]}
+    except Exception as e:
+        text = str(e)
+        found[task_input] = {"error": next((ln.strip()[:300] for ln in text.splitlines() if "maxResultSize" in ln),
+                                           text.splitlines()[0][:300])}
+    finally:
+        c.close()
+print("RESULT " + json.dumps(found))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "driver path: the bound is in rows, not bytes: a batch under driver_batch_rows whose rows are wide "
+    "exceeds spark.driver.maxResultSize in df.limit(bound+1).toArrow(); the collect's error fails the "
+    "batch (no fallback to the task path, which returns only handles), on every replay: a stall"))
+def test_wide_rows_under_the_row_bound_fall_back_to_tasks_instead_of_failing_the_batch(tmp_path):
+    """spark.driver.maxResultSize is a static setting: a Spark application of its own, in a subprocess."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", _MAX_RESULT_SIZE_RUN, str(tmp_path / "out"), str(tmp_path / "log")],
+                         cwd=repo, capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
+    found = json.loads(lines[-1][len("RESULT "):])
+    assert found["arrow"] == {"rows": 400, "task_input": "arrow"}, found  # the task path writes it
+    # Today: "Total size of serialized results of N tasks (... MiB) is bigger than spark.driver.maxResultSize".
+    assert "error" not in found["driver"], found
+    assert found["driver"]["rows"] == 400, found
