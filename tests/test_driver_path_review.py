@@ -10,12 +10,15 @@ so runs a Spark application of its own in a subprocess (~20 s); nothing here nee
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 from twophase.coordinator import Coordinator
+from twophase.sink import CommitResult, PreparedBatch, TwoPhaseCommitSink
 from twophase.sinks.files import FileSink
 
 
@@ -99,6 +102,7 @@ def test_driver_path_falls_back_to_tasks_for_a_type_toArrow_cannot_convert(spark
 _MAX_RESULT_SIZE_RUN = r"""
 import json, sys
 from twophase.coordinator import Coordinator
+from twophase.sink import CommitResult, PreparedBatch, TwoPhaseCommitSink
 from twophase.sinks.files import FileSink
 from twophase.spark import local_session
 
@@ -141,3 +145,64 @@ def test_wide_rows_under_the_row_bound_fall_back_to_tasks_instead_of_failing_the
     # Today: "Total size of serialized results of N tasks (... MiB) is bigger than spark.driver.maxResultSize".
     assert "error" not in found["driver"], found
     assert found["driver"]["rows"] == 400, found
+
+
+class WholeBatches(TwoPhaseCommitSink):
+    """A sink written "the second way" (TwoPhaseCommitSink.prepare_batch): each batch is pre-committed by
+    a Spark job of its own into a staging folder, committed by a rename; it has no per-task transactions."""
+
+    kind = "r2-whole-batches"
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def target(self) -> str:
+        return f"r2:{self.root}"
+
+    def prepare_batch(self, df, ctx):
+        staging = os.path.join(self.root, "_staging", f"{ctx.batch_id}-{ctx.run}")
+        df.write.parquet(staging)
+        return PreparedBatch([{"staging": staging, "final": os.path.join(self.root, f"batch-{ctx.batch_id}")}],
+                             df.sparkSession.read.parquet(staging).count())
+
+    def commit(self, handle):
+        if os.path.exists(handle["final"]):
+            return CommitResult.already_committed()
+        os.rename(handle["staging"], handle["final"])
+        return CommitResult.committed()
+
+    def recover_and_abort(self, handle):
+        shutil.rmtree(handle["staging"], ignore_errors=True)
+
+    def begin_transaction(self, ctx):
+        raise NotImplementedError("WholeBatches prepares whole batches (prepare_batch) only")
+
+    def write(self, txn, batch):
+        raise NotImplementedError
+
+    def pre_commit(self, txn):
+        raise NotImplementedError
+
+    def abort(self, txn):
+        raise NotImplementedError
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "driver path: 'a sink that prepares whole batches with a Spark job of its own' is kept off the driver "
+    "path only when it is FileSink(writer='spark') (getattr(sink, 'writer') == 'spark'); any other sink "
+    "with prepare_batch (the documented second way to write a sink) is written per transaction in the "
+    "driver, bypassing prepare_batch: a sink without per-task transactions fails every replay (a stall)"))
+def test_a_sink_that_prepares_whole_batches_keeps_off_the_driver_path(spark, tmp_path):
+    found = {}
+    for task_input in ("arrow", "driver"):
+        root = tmp_path / f"out-{task_input}"
+        c = Coordinator(WholeBatches(str(root)), log_location=str(tmp_path / f"log-{task_input}"),
+                        name=f"wb{task_input}", task_input=task_input)
+        try:
+            progress = dict(c.write(spark.range(0, 10, 1, 2), batch_id=0))  # 'driver' raises here today
+        finally:
+            c.close()
+        found[task_input] = (progress["task_input"], progress["rows"],
+                             sorted(spark.read.parquet(str(root / "batch-0")).toPandas()["id"].tolist()))
+    assert found["arrow"] == ("batch", 10, list(range(10))), found
+    assert found["driver"] == found["arrow"], found
