@@ -62,3 +62,13 @@ def test_the_documented_yarn_submissions_are_the_ones_the_kill_tests_run():
                 assert f"spark.yarn.appMasterEnv.{k}" in doc_confs, k
             else:
                 assert f"spark.yarn.appMasterEnv.{k}" not in built_confs, k
+
+
+def test_the_readmes_yarn_line_is_the_documented_cluster_mode_submission():
+    """The README shows the cluster-mode line of docs/clusters.md (which the test above checks against
+    what the kill tests submit), character for character."""
+    readme = (DOC.parent.parent / "README.md").read_text()
+    section = readme[readme.index("## On YARN"):]
+    shown = re.findall(r"```bash\n(.*?)```", section[:section.index("\n## ", 3)], re.S)
+    cluster = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if "--deploy-mode cluster" in b]
+    assert shown and cluster and shown[0] == cluster[0]
