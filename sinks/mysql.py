@@ -1,7 +1,8 @@
 """Exactly-once MySQL / MariaDB sink: each partition's rows in an XA branch, XA COMMIT on the driver.
 
-Executors ``XA START`` a branch named for one attempt of one task of one ballot, insert the
-partition's rows by multi-row ``INSERT`` (``... ON DUPLICATE KEY UPDATE`` in upsert mode), insert a
+Executors ``XA START`` a branch named for one attempt of one task of one ballot, write the
+partition's rows (insert mode: each Arrow batch by ``LOAD DATA LOCAL INFILE`` of CSV made in memory,
+see ``MySqlSink._load``; upsert mode: multi-row ``INSERT ... ON DUPLICATE KEY UPDATE``), insert a
 marker row naming the branch, then ``XA END`` and ``XA PREPARE`` and close the connection.  The
 driver runs ``XA COMMIT`` on a connection of its own after the coordinator logged its decision.
 
@@ -252,15 +253,19 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         msg = e.args[1] if len(getattr(e, "args", ())) > 1 else str(e)
         return self._redact(f"{msg} [error {n}]" if n is not None else str(msg))
 
-    def _connect(self) -> Any:
-        """A new connection (driver or executor); errors name the server, never the password."""
+    def _connect(self, load: bool = False) -> Any:
+        """A new connection (driver or executor); errors name the server, never the password.
+
+        ``load``: an executor's connection of insert mode, which offers the server LOAD DATA LOCAL
+        (``_load_connection_class``: it sends only the buffer armed for the statement it runs)."""
         my = _my()
         pw = resolve_secret(self._password_ref, "MySqlSink password") if self._password_ref \
             else self._password_inline
         try:
-            return my.connect(host=self.host, port=self.port, user=self.user, password=pw or "",
+            return _load_connection_class()(
+                              host=self.host, port=self.port, user=self.user, password=pw or "",
                               database=self.database, connect_timeout=self.connect_timeout,
-                              autocommit=True, charset="utf8mb4", local_infile=False,
+                              autocommit=True, charset="utf8mb4", local_infile=load,
                               # No gap locks: concurrent branches' inserts (and the markers') never wait
                               # on each other, only on the rows they write.
                               init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
@@ -885,7 +890,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         gtrid, bqual = self.make_xid(prefix, ctx.partition_id, ctx.attempt, ctx.run,
                                      task_attempt_id=ctx.task_attempt_id)
         try:
-            conn = self._connect()
+            conn = self._connect(load=self.mode == "insert")
         except _ConnectError as e:
             raise TwoPhaseError(f"{ctx.label}: {e}") from None
         txn = MySqlTransaction(ctx, gtrid, bqual, conn, {})
@@ -1011,7 +1016,9 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         return sql
 
     def write(self, txn: MySqlTransaction, batch: pa.RecordBatch) -> None:
-        """Insert one Arrow batch into the branch by multi-row INSERTs (executor)."""
+        """Write one Arrow batch into the branch (executor): in insert mode by ``LOAD DATA LOCAL INFILE``
+        of the batch as CSV made in memory by ``pyarrow.csv`` (see :meth:`_load`), else, and for column
+        types the CSV cannot carry (nested, durations), by multi-row INSERTs."""
         my = _my()
         if batch.num_rows == 0:
             return
@@ -1030,6 +1037,12 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                         f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): upsert key column {k!r} is NULL in this "
                         "partition; a NULL key matches no row, so it cannot be upserted. Nothing of this batch "
                         "became visible; filter or fill NULL keys in Spark and restart the query.", column=k)
+        self._refuse_non_finite(txn, batch)
+        if self.mode == "insert" and (self.host, self.port) not in _NO_LOCAL_INFILE:
+            csv = _csv_table(batch)
+            if csv is not None and self._load(txn, csv, batch.num_rows):
+                txn.rows += batch.num_rows
+                return
         cols = [[_py_value(v) for v in batch.column(i).to_pylist()] for i in range(batch.num_columns)]
         rows = list(zip(*cols))
         try:
@@ -1042,6 +1055,71 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 f"{self._describe(e)}. The branch is rolled back; nothing of this batch became visible.",
                 errno=_errno(e)) from None
         txn.rows += batch.num_rows
+
+    def _refuse_non_finite(self, txn: MySqlTransaction, batch: pa.RecordBatch) -> None:
+        """NaN and infinities have no MySQL value: refused by name, whichever way the batch goes in
+        (PyMySQL's INSERT escaping refuses them too; LOAD DATA would store 0 with a warning)."""
+        import pyarrow.compute as pc
+
+        assert txn.insert_columns is not None
+        for i, f in enumerate(batch.schema):
+            if (pa.types.is_float32(f.type) or pa.types.is_float64(f.type)) \
+                    and batch.column(i).null_count < batch.num_rows:
+                col = batch.column(i)
+                if pc.any(pc.invert(pc.is_finite(col))).as_py():
+                    raise MySqlWriteError(
+                        f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): column {txn.insert_columns[i]!r} holds "
+                        "NaN or an infinity, which MySQL cannot store. Nothing of this batch became visible; "
+                        "replace them in Spark (e.g. with NULL) and restart the query.", column=txn.insert_columns[i])
+
+    def _load(self, txn: MySqlTransaction, csv: pa.Table, num_rows: int) -> bool:
+        """``LOAD DATA LOCAL INFILE`` of ``csv`` into the branch; False if the server does not allow it
+        (``local_infile=OFF``: logged once per server and process, then INSERT is used).
+
+        The file name is a fresh random one; the connection sends this buffer only to a request for
+        exactly that name and refuses any other (:func:`_load_connection_class`).  With LOCAL the server
+        turns a bad value, a NULL in a NOT NULL column or a duplicate key into a warning, even in strict
+        mode: any warning, or a row count other than the batch's, fails the write."""
+        import pyarrow.csv as pcsv
+
+        my = _my()
+        out = pa.BufferOutputStream()
+        pcsv.write_csv(csv, out, _csv_options())
+        name = f"twophase-{uuid.uuid4().hex}.csv"  # letters, digits, '-' and '.': a literal as it is
+        cols = ", ".join(quote_ident(c) for c in txn.insert_columns or [])
+        sql = (f"LOAD DATA LOCAL INFILE '{name}' INTO TABLE {quote_ident(self.table)} CHARACTER SET binary "
+               "FIELDS TERMINATED BY ',' OPTIONALLY ENCLOSED BY '\"' ESCAPED BY '' LINES TERMINATED BY '\\n' "
+               f"({cols})")
+        label = f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual})"
+        conn = txn.conn
+        conn._twophase_infile = (name.encode(), out.getvalue())
+        try:
+            with conn.cursor() as cur:
+                loaded = cur.execute(sql)  # no arguments: no %-formatting of the names
+                warnings = cur.warning_count
+                if warnings:
+                    cur.execute("SHOW WARNINGS LIMIT 3")
+                    shown = "; ".join(f"{w[2]} [{w[0].lower()} {w[1]}]" for w in cur.fetchall())
+                    raise MySqlWriteError(
+                        f"{label}: LOAD DATA into table {self.table} gave {warnings} warning(s): {self._redact(shown)}. "
+                        "The branch is rolled back; nothing of this batch became visible.")
+        except my.Error as e:
+            if _errno(e) in _LOCAL_INFILE_OFF:
+                if (self.host, self.port) not in _NO_LOCAL_INFILE:
+                    _NO_LOCAL_INFILE.add((self.host, self.port))
+                    log.warning("%s: the server at %s refuses LOAD DATA LOCAL INFILE (%s); writing by multi-row "
+                                "INSERT instead (slower; SET GLOBAL local_infile = ON to load)", txn.ctx.label,
+                                self.where, self._describe(e))
+                return False
+            raise MySqlWriteError(f"{label}: LOAD DATA into table {self.table} failed: {self._describe(e)}. The "
+                                  "branch is rolled back; nothing of this batch became visible.",
+                                  errno=_errno(e)) from None
+        finally:
+            conn._twophase_infile = None
+        if loaded != num_rows:
+            raise MySqlWriteError(f"{label}: LOAD DATA into table {self.table} stored {loaded} of {num_rows} rows. "
+                                  "The branch is rolled back; nothing of this batch became visible.")
+        return True
 
     def pre_commit(self, txn: MySqlTransaction) -> dict:
         """Insert the marker row, ``XA END`` and ``XA PREPARE`` the branch, close the connection."""
@@ -1100,6 +1178,124 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
 
 _ConnectError = names.ConnectError
 _close_quietly = names.close_quietly
+
+
+#: Server errors that mean "LOAD DATA LOCAL is not allowed here": MariaDB 4166, MySQL 3948, older 1148.
+_LOCAL_INFILE_OFF = frozenset({1148, 3948, 4166})
+#: (host, port) of servers that refused LOAD DATA LOCAL in this process: INSERT from then on.
+_NO_LOCAL_INFILE: set[tuple[str, int]] = set()
+#: LOAD DATA's data packets (below any server's max_allowed_packet).
+_LOAD_CHUNK = 256 * 1024
+
+
+_CSV_OPTS: Any = None
+
+
+def _csv_options() -> Any:
+    """``pyarrow.csv.WriteOptions`` of the loads: every valid value quoted (a quote doubled inside, no
+    escape character), NULL as the bare word NULL, which LOAD DATA reads as NULL ("NULL" is the string)."""
+    global _CSV_OPTS
+    if _CSV_OPTS is None:
+        import pyarrow.csv as pcsv
+
+        _CSV_OPTS = pcsv.WriteOptions(include_header=False, quoting_style="all_valid", null_string="NULL",
+                                      delimiter=",", eol="\n")
+    return _CSV_OPTS
+
+
+def _csv_column(col: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray | None:
+    """A column as ``pyarrow.csv`` writes it the way the INSERT path stores it, or None (no such way)."""
+    t = col.type
+    if pa.types.is_dictionary(t):
+        col = col.cast(t.value_type)
+        t = col.type
+    if (pa.types.is_integer(t) or pa.types.is_float64(t) or pa.types.is_decimal(t) or pa.types.is_string(t)
+            or pa.types.is_large_string(t) or pa.types.is_date32(t) or pa.types.is_time(t) or pa.types.is_null(t)):
+        return col
+    if pa.types.is_float32(t) or pa.types.is_float16(t):
+        return col.cast(pa.float64())  # as PyMySQL sends a Python float: its double's digits
+    if pa.types.is_boolean(t):
+        return col.cast(pa.int8())  # 1 / 0, as PyMySQL sends True / False
+    if pa.types.is_date64(t):
+        return col.cast(pa.date32())
+    if pa.types.is_timestamp(t):
+        # Arrow keeps instants in UTC: dropping the zone leaves UTC wall time, as _py_value sends it.
+        return col.cast(pa.timestamp(t.unit)) if t.tz is not None else col
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        if pa.types.is_fixed_size_binary(t):
+            col = col.cast(pa.binary())
+        # The bytes as they are (LOAD DATA ... CHARACTER SET binary converts nothing): a view, so that
+        # the CSV writer does not check them for UTF-8.
+        return col.view(pa.large_string() if pa.types.is_large_binary(col.type) else pa.string())
+    return None
+
+
+def _csv_table(batch: pa.RecordBatch) -> pa.Table | None:
+    """The batch with each column as :func:`_csv_column` makes it, or None if one has no CSV form."""
+    cols = []
+    for i in range(batch.num_columns):
+        c = _csv_column(batch.column(i))
+        if c is None:
+            return None
+        cols.append(c)
+    return pa.Table.from_arrays(cols, names=[f"c{i}" for i in range(len(cols))])
+
+
+_LOAD_CLASS: Any = None
+
+
+def _load_connection_class() -> Any:
+    """PyMySQL's Connection whose LOAD DATA LOCAL handler sends only the in-memory buffer armed for the
+    running statement (``conn._twophase_infile = (name, buffer)``), and only to a request for exactly
+    that name.  PyMySQL's own handler opens whatever file name the server asks for: a server (or
+    anyone in between) could read any file the executor can.  A request for any other name, or while
+    nothing is armed, is answered with no data (the server loads nothing) and fails the statement."""
+    global _LOAD_CLASS
+    if _LOAD_CLASS is not None:
+        return _LOAD_CLASS
+    my = _my()
+    from pymysql import connections as pmc
+
+    class _Result(pmc.MySQLResult):  # type: ignore[misc]
+        def _read_load_local_packet(self, first_packet: Any) -> None:
+            conn = self.connection
+            asked = pmc.LoadLocalPacketWrapper(first_packet).filename
+            armed = conn._twophase_infile
+            ok = conn._local_infile and armed is not None and asked == armed[0]
+            try:
+                if ok:
+                    data = memoryview(armed[1])
+                    for i in range(0, len(data), _LOAD_CHUNK):
+                        conn.write_packet(data[i:i + _LOAD_CHUNK])
+            finally:
+                conn.write_packet(b"")  # end of data (nothing at all for a refused request)
+                reply = conn._read_packet()  # raises the server's error
+            if not ok:
+                raise my.err.OperationalError(
+                    f"refused the server's LOAD DATA LOCAL request for {asked[:100]!r}: only the sink's own "
+                    "in-memory batch is sent, to a request for its name")
+            if not reply.is_ok_packet():
+                raise my.err.OperationalError(2014, "Commands out of sync after LOAD DATA LOCAL")
+            self._read_ok_packet(reply)
+
+    class _Connection(pmc.Connection):  # type: ignore[misc]
+        _twophase_infile: tuple[bytes, Any] | None = None
+        _result_class = _Result
+
+        def _read_query_result(self, unbuffered: bool = False) -> Any:
+            self._result = None
+            result = self._result_class(self)
+            if unbuffered:
+                result.init_unbuffered_query()
+            else:
+                result.read()
+            self._result = result
+            if result.server_status is not None:
+                self.server_status = result.server_status
+            return result.affected_rows
+
+    _LOAD_CLASS = _Connection
+    return _LOAD_CLASS
 
 
 def _text(v: Any) -> str:
