@@ -1,9 +1,10 @@
 """MySqlSink against Spark's ``df.write.jdbc`` on MariaDB at 2, 50 and 200 input partitions (issue 49),
-and the sink's loader (multi-row INSERT) against ``LOAD DATA LOCAL INFILE``.
+and the sink's two loaders: multi-row INSERT (upsert mode) and ``LOAD DATA LOCAL INFILE`` (insert mode).
 
 **Writers.** The same rows, repartitioned to P partitions and cached (untimed), written by
 ``Coordinator.write`` with a ``MySqlSink`` (at most Spark's ``defaultParallelism`` writer tasks, 2
-on ``local[2]``: an XA branch each, multi-row INSERTs, ``XA PREPARE`` on the executor, ``XA COMMIT``
+on ``local[2]``: an XA branch each, each Arrow batch by ``LOAD DATA LOCAL INFILE`` of CSV made in
+memory by ``pyarrow.csv`` (insert mode, since issue 49), ``XA PREPARE`` on the executor, ``XA COMMIT``
 on the driver) and by Spark's JDBC writer (``df.write.jdbc``, mode append, one task and one JDBC
 connection per input partition) with MariaDB Connector/J (:data:`CONNECTOR_J`, from Maven Central
 into the jar cache) and Spark's usual tuning: ``batchsize`` 1000 (Spark's default, as in the
@@ -14,12 +15,12 @@ its own table ``(id BIGINT, payload TEXT)`` (InnoDB), truncated (untimed) before
 
 **Loaders.** One connection in this process, the same rows (collected to Arrow, untimed) in Arrow
 batches of 10,000 into one table, inside ``XA START`` / ``XA END`` / ``XA PREPARE`` and an ``XA
-COMMIT`` from a second connection, as the sink does: the sink's path (each value through
-``sinks.mysql._py_value``, PyMySQL ``executemany`` of 1,000 rows, which PyMySQL sends as one
-multi-row INSERT) against ``LOAD DATA LOCAL INFILE`` of each batch written as CSV by ``pyarrow.csv``
-to a temporary file.  LOAD DATA LOCAL needs the client to allow it (PyMySQL ``local_infile=True``;
-the sink connects with ``local_infile=False``) and the server's ``local_infile`` ON (MariaDB's
-default; checked here).  Both the whole transaction and its load step alone are timed, with this
+COMMIT`` from a second connection, as the sink does: the INSERT path (the sink's upsert mode and
+its fallback; its insert mode's loader before issue 49: each value through ``sinks.mysql._py_value``,
+PyMySQL ``executemany`` of 1,000 rows, which PyMySQL sends as one multi-row INSERT) against ``LOAD
+DATA LOCAL INFILE`` of each batch written as CSV by ``pyarrow.csv`` to a temporary file (the sink's
+insert mode sends it from memory instead).  LOAD DATA LOCAL needs the client to allow it (PyMySQL
+``local_infile=True``) and the server's ``local_infile`` ON (MariaDB's default; checked here).  Both the whole transaction and its load step alone are timed, with this
 process's CPU seconds.
 """
 
@@ -46,7 +47,7 @@ from benchmarks.common import (
 
 GOAL = 1.5  # issue 49: at least 1.5x Spark's JDBC writer, as PostgreSQL does
 OURS, SPARK = "MySqlSink (exactly-once)", "Spark df.write.jdbc (MariaDB Connector/J)"
-INSERT, LOAD = "multi-row INSERT (the sink's loader)", "LOAD DATA LOCAL INFILE"
+INSERT, LOAD = "multi-row INSERT (upsert mode)", "LOAD DATA LOCAL INFILE (insert mode)"
 ARROW_BATCH = 10_000  # rows per Arrow batch the loaders get (Spark's maxRecordsPerBatch default)
 
 
@@ -162,7 +163,7 @@ def _point(spark, df, params: Params, info: dict[str, Any], p: int, tag: str, cr
 
 def _loaders(df, params: Params, info: dict[str, Any], table: str, sql, pgid: int | None,
              nbytes: int) -> dict[str, Any]:
-    """The sink's multi-row INSERT against LOAD DATA LOCAL INFILE: same rows, same table, in one XA branch."""
+    """The sink's two loaders, multi-row INSERT and LOAD DATA LOCAL INFILE: same rows, same table, in one XA branch."""
     import pyarrow.csv as pacsv
 
     from twophase.sinks.mysql import _py_value
