@@ -676,7 +676,7 @@ class Coordinator:
                 return None
         elif self.task_input != "driver" or bound <= 0:
             return None
-        if getattr(self.sink, "writer", None) == "spark":
+        if self.sink.prepares_batches():
             self._input_note = "the sink prepares batches with a Spark job of its own"
             return None
         query_id, streaming = self._batch_query
@@ -686,9 +686,33 @@ class Coordinator:
             # the stateful plan a second time in the batch.  Not tried: such queries keep the tasks.
             self._input_note = "a stateful query keeps the task path"
             return None
+        # The record batches the Arrow task path would hand the sink: the same schema (timestamps in
+        # the session time zone: toArrow() gives UTC; nullability as Spark's), else tasks.
+        conf = df.sparkSession.conf
+        try:
+            from pyspark.sql.pandas.types import to_arrow_schema
+
+            target = to_arrow_schema(df.schema, timezone=str(conf.get("spark.sql.session.timeZone")),
+                                     prefers_large_types=str(conf.get(
+                                         "spark.sql.execution.arrow.useLargeVarTypes", "false")).lower() == "true")
+        except Exception as e:  # noqa: BLE001 - a type the driver's Arrow conversion lacks: tasks
+            self._input_note = f"the driver cannot collect this schema as Arrow ({type(e).__name__}): the Arrow task path"
+            return None
         t0 = time.perf_counter()
-        table = df.limit(bound + 1).toArrow()
-        self._collect_ms += _ms(t0)
+        try:
+            table = df.limit(bound + 1).toArrow()
+            if table.num_rows <= bound:
+                table = table.cast(target)
+        except Exception as e:  # noqa: BLE001 - nothing of the batch was planned yet: the tasks write it
+            # A type toArrow() refuses (the Arrow tasks convert it), rows past spark.driver.maxResultSize
+            # (the bound counts rows, not bytes), ...: the batch takes the Arrow task path, which reads
+            # it again.  A failure of the batch's own (its source) fails there too.
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            self._input_note = f"the driver's collect failed ({first}): the Arrow task path"
+            log.warning("%s: %s", self.name, self._input_note)
+            return None
+        finally:
+            self._collect_ms += _ms(t0)
         if table.num_rows > bound:
             self._input_note = f"{_OVER_BOUND} {bound} rows: the Arrow task path"
             log.info("%s: %s %d rows: this batch takes the Arrow task path", self.name, _OVER_BOUND, bound)

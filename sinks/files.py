@@ -681,6 +681,10 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         return intent
 
     # ------------------------------------------------- driver: writer="spark"
+    def prepares_batches(self) -> bool:
+        """Only ``writer="spark"`` prepares whole batches (:meth:`prepare_batch`)."""
+        return self.writer == "spark"
+
     def prepare_batch(self, df: Any, ctx: BatchContext) -> PreparedBatch[dict] | None:
         """writer="spark": write the batch with one ``df.write`` into its own staging folder and
         return the files Spark left there as handles (one per Spark task); None otherwise.

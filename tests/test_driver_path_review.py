@@ -1,8 +1,11 @@
 """Adversarial review of the driver path (issue 51, task R2): scenarios where ``task_input="driver"``
 does not hand the sink what the task paths would, or fails a batch the task paths write.
 
-Each finding is an xfail(strict=True) test: it fails today, and passes (turning the run red through
-strict xfail) once the driver path is fixed.  On the ``spark`` fixture (local[2]) and a FileSink on
+Each finding was an xfail(strict=True) test that failed on the driver path as reviewed (commits 70091f7,
+ecead8b) and passes since its fix: timestamps cast to the session time zone (the Arrow path's schema),
+a collect that fails (a type toArrow() refuses, rows past spark.driver.maxResultSize) falls back to the
+Arrow task path, and a sink whose ``prepare_batch`` takes batches over (``prepares_batches()``) never
+takes the driver path.  On the ``spark`` fixture (local[2]) and a FileSink on
 local disk, except the wide-rows case, which needs a static setting (spark.driver.maxResultSize) and
 so runs a Spark application of its own in a subprocess (~20 s); nothing here needs the shared servers.
 """
@@ -47,10 +50,6 @@ def new_york(spark):
     spark.conf.set(key, before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "driver path: df.toArrow() hands the sink timestamps in UTC (timestamp[us, tz=UTC]), the task paths "
-    "in the session time zone (mapInArrow: tz=America/New_York), so one batch's rows are written as "
-    "different text depending on the path it took (and a replay may take the other path)"))
 def test_driver_path_writes_timestamps_in_the_session_time_zone_like_the_task_paths(new_york, tmp_path):
     df = new_york.sql("SELECT id, timestamp_seconds(id * 3600) AS ts FROM range(3)")
     seen = {}
@@ -75,11 +74,6 @@ class IntervalsAsText(FileSink):
         super().write(txn, pa.RecordBatch.from_arrays(cols, names=batch.schema.names))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "driver path: df.toArrow() refuses CalendarIntervalType (UNSUPPORTED_DATA_TYPE_FOR_ARROW_CONVERSION) "
-    "while mapInArrow hands the sink month_day_nano_interval; the collect fails before any INTENT and "
-    "nothing falls back to the task path, so task_input='driver' fails the batch on every replay (a "
-    "stall) where task_input='arrow' writes it"))
 def test_driver_path_falls_back_to_tasks_for_a_type_toArrow_cannot_convert(spark, tmp_path):
     from pyspark import cloudpickle
 
@@ -127,10 +121,6 @@ print("RESULT " + json.dumps(found))
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "driver path: the bound is in rows, not bytes: a batch under driver_batch_rows whose rows are wide "
-    "exceeds spark.driver.maxResultSize in df.limit(bound+1).toArrow(); the collect's error fails the "
-    "batch (no fallback to the task path, which returns only handles), on every replay: a stall"))
 def test_wide_rows_under_the_row_bound_fall_back_to_tasks_instead_of_failing_the_batch(tmp_path):
     """spark.driver.maxResultSize is a static setting: a Spark application of its own, in a subprocess."""
     import subprocess
@@ -187,11 +177,6 @@ class WholeBatches(TwoPhaseCommitSink):
         raise NotImplementedError
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "driver path: 'a sink that prepares whole batches with a Spark job of its own' is kept off the driver "
-    "path only when it is FileSink(writer='spark') (getattr(sink, 'writer') == 'spark'); any other sink "
-    "with prepare_batch (the documented second way to write a sink) is written per transaction in the "
-    "driver, bypassing prepare_batch: a sink without per-task transactions fails every replay (a stall)"))
 def test_a_sink_that_prepares_whole_batches_keeps_off_the_driver_path(spark, tmp_path):
     found = {}
     for task_input in ("arrow", "driver"):

@@ -177,6 +177,13 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         """
         return None
 
+    def prepares_batches(self) -> bool:
+        """Whether :meth:`prepare_batch` takes batches over (driver): then the coordinator never
+        writes a batch from the driver's own sink object (``task_input="driver"``), whose
+        transactions would bypass it.  Default: whether the class overrides :meth:`prepare_batch`;
+        a sink that does so only in some configurations answers for itself."""
+        return type(self).prepare_batch is not TwoPhaseCommitSink.prepare_batch
+
     def plan_superseded(self, intent: dict[str, Any]) -> bool:
         """Whether a plan made after ``intent``'s (by :meth:`plan_batch`, in any process) now keeps
         that ballot's tasks from writing (driver).

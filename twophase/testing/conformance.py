@@ -500,7 +500,8 @@ class SinkConformanceMachine(stateful.RuleBasedStateMachine):
             type(self)._frame_probed = True
             self._probe_prepare_batch(BatchContext(self.query_name, b.batch_id, json.loads(b.intent_json), run))
 
-        if self.driver_path and parts == 1 and b.ids and self._draw(
+        # The coordinator never takes the driver path for a sink whose prepare_batch takes batches over.
+        if self.driver_path and parts == 1 and b.ids and not self.sink.prepares_batches() and self._draw(
                 data, st.sampled_from((False, True)), "prepared in the driver (task_input='driver')", False):
             return self._driver_prepared(b, data, run, crash_at)
 
