@@ -72,6 +72,8 @@ ER_NO_SUCH_THREAD = 1094  # KILL of a connection that is gone already
 #: How long a commit waits, after it KILLed the session a branch is still attached to, for the server
 #: to process that disconnect (it detaches the branch; then XA COMMIT works from any session).
 DETACH_WAIT_SECONDS = 10.0
+#: Bytes of row values per multi-row INSERT at most (PyMySQL's executemany splits at 1,024,000).
+_MAX_STATEMENT = 1_000_000
 #: An executor's session idles out this long after it pre-committed (``SET SESSION wait_timeout`` just
 #: before ``XA END``).  MariaDB keeps a prepared branch attached to its session until that session goes;
 #: an executor paused (SIGSTOP, a GC pause, a cut network) between ``XA PREPARE`` and its disconnect would
@@ -1004,16 +1006,20 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                       column=missing[0])
         return out
 
-    def _insert_sql(self, columns: list[str]) -> str:
+    def _insert_sql(self, columns: list[str]) -> tuple[str, str, str]:
+        """The multi-row INSERT as (head, one row's placeholders, tail).  Only the row is formatted
+        with values (``cursor.mogrify``): the quoted names in head and tail reach the server as they
+        are, a ``%`` in one included (PyMySQL's ``executemany`` %-formats the statement's head)."""
         cols = ", ".join(quote_ident(c) for c in columns)
-        sql = f"INSERT INTO {quote_ident(self.table)} ({cols}) VALUES ({', '.join(['%s'] * len(columns))})"
+        head = f"INSERT INTO {quote_ident(self.table)} ({cols}) VALUES "
+        tail = ""
         if self.mode == "upsert":
             upd = names.update_columns(columns, self.key_columns)
             # No other column: a key already there keeps its row (a no-op update of the first key).
             upd = upd or [self.key_columns[0]]
-            sql += " ON DUPLICATE KEY UPDATE " + ", ".join(f"{quote_ident(c)} = VALUES({quote_ident(c)})"
-                                                          for c in upd)
-        return sql
+            tail = " ON DUPLICATE KEY UPDATE " + ", ".join(f"{quote_ident(c)} = VALUES({quote_ident(c)})"
+                                                           for c in upd)
+        return head, f"({', '.join(['%s'] * len(columns))})", tail
 
     def write(self, txn: MySqlTransaction, batch: pa.RecordBatch) -> None:
         """Write one Arrow batch into the branch (executor): in insert mode by ``LOAD DATA LOCAL INFILE``
@@ -1045,10 +1051,20 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 return
         cols = [[_py_value(v) for v in batch.column(i).to_pylist()] for i in range(batch.num_columns)]
         rows = list(zip(*cols))
+        head, row_sql, tail = txn.extra["sql"]
         try:
             with txn.conn.cursor() as cur:
                 for i in range(0, len(rows), self.insert_rows):
-                    cur.executemany(txn.extra["sql"], rows[i:i + self.insert_rows])
+                    values: list[str] = []
+                    size = 0
+                    for row in rows[i:i + self.insert_rows]:
+                        v = cur.mogrify(row_sql, row)
+                        if values and size + len(v) > _MAX_STATEMENT:  # as executemany splits
+                            cur.execute(head + ", ".join(values) + tail)
+                            values, size = [], 0
+                        values.append(v)
+                        size += len(v) + 2
+                    cur.execute(head + ", ".join(values) + tail)
         except my.Error as e:
             raise MySqlWriteError(
                 f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): INSERT into table {self.table} failed: "

@@ -280,3 +280,19 @@ def test_identifiers_with_backticks_quotes_and_percent_are_quoted_in_the_load(en
         assert q(env["db"], f"SELECT id, `v`` %s '\"` FROM `{name.replace('`', '``')}`") == ((1, "x"),)
     finally:
         env["db"].cursor().execute(f"DROP TABLE IF EXISTS `{name.replace('`', '``')}`")
+
+
+def test_identifiers_with_percent_are_quoted_in_upsert_mode_too(env):
+    """Upsert mode writes by INSERT ... ON DUPLICATE KEY UPDATE with %s placeholders: a '%' in a quoted
+    table or column name must reach the server as it is (it was read as a placeholder: a format error)."""
+    name = f"ld_{env['uid']}_u%s`%'"
+    quoted = f"`{name.replace('`', '``')}`"
+    env["db"].cursor().execute(f"CREATE TABLE {quoted} (id BIGINT PRIMARY KEY, `v%d %s` VARCHAR(10)) ENGINE=InnoDB")
+    try:
+        sink = env["make"](name, mode="upsert", key_columns=["id"])
+        write(sink, [pa.record_batch({"id": pa.array([1, 2], pa.int64()), "v%d %s": ["x", "y"]})])
+        write(env["make"](name, mode="upsert", key_columns=["id"]),
+              [pa.record_batch({"id": pa.array([2], pa.int64()), "v%d %s": ["z"]})])
+        assert q(env["db"], f"SELECT id, `v%d %s` FROM {quoted} ORDER BY id") == ((1, "x"), (2, "z"))
+    finally:
+        env["db"].cursor().execute(f"DROP TABLE IF EXISTS {quoted}")
