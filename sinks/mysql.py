@@ -196,6 +196,9 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             raise ConfigurationError("marker_retention_batches must be >= 1")
         if password is not None and not is_secret_ref(password) and not isinstance(password, str):
             raise ConfigurationError('password must be a string or a secret reference {"env": "VAR"}')
+        if not isinstance(marker_table, str) or not re.fullmatch(r"[A-Za-z0-9_$]{1,57}", marker_table):
+            # Its name (and its claims table's, + "_claims") is part of statements sent with values.
+            raise ConfigurationError(f"marker_table must be 1-57 letters, digits, '_' or '$', got {marker_table!r}")
         self.host = host
         self.port = int(port)
         self.database = database

@@ -417,3 +417,12 @@ def test_a_marker_or_claims_table_that_is_not_innodb_is_refused_by_open(env, whi
             env["make"](marker_table=markers).open()
     finally:
         q(env["db"], f"DROP TABLE IF EXISTS `{markers}`, `{markers}_claims`")
+
+
+@pytest.mark.parametrize("name", ["m%s", "m`x", "", "x" * 58, "a-b"])
+def test_a_marker_table_name_that_statements_with_values_cannot_carry_is_refused(name):
+    """The marker and claims tables' names are written into statements sent with values (a '%' would
+    be read as a placeholder); their names are the sink's own choice, so only plain ones are taken."""
+    with pytest.raises(ConfigurationError, match="marker_table must be 1-57 letters"):
+        MySqlSink("127.0.0.1", 3306, "db", "t", user="u", marker_table=name)
+    MySqlSink("127.0.0.1", 3306, "db", "t", user="u", marker_table="x" * 57)
