@@ -72,6 +72,10 @@ ER_NO_SUCH_THREAD = 1094  # KILL of a connection that is gone already
 #: How long a commit waits, after it KILLed the session a branch is still attached to, for the server
 #: to process that disconnect (it detaches the branch; then XA COMMIT works from any session).
 DETACH_WAIT_SECONDS = 10.0
+#: Text columns' character sets LOAD DATA ... CHARACTER SET binary writes as INSERT does (the CSV is UTF-8).
+_LOAD_CHARSETS = frozenset({"utf8mb4", "utf8mb3", "utf8"})
+#: Tables whose columns keep their batches on INSERT (logged once per table and process).
+_INSERT_TABLES: set[str] = set()
 #: Bytes of row values per multi-row INSERT at most (PyMySQL's executemany splits at 1,024,000).
 _MAX_STATEMENT = 1_000_000
 #: An executor's session idles out this long after it pre-committed (``SET SESSION wait_timeout`` just
@@ -134,6 +138,7 @@ class _Column:
     nullable: bool
     has_default: bool
     generated: bool
+    charset: str | None = None  # text columns' character set; None for others (binary types included)
 
 
 @dataclass
@@ -909,14 +914,15 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 # handle, so a commit can end a lingering one (see _commit_detached).
                 cur.execute("SELECT CONNECTION_ID()")
                 txn.extra["session"] = int(cur.fetchone()[0])
-                cur.execute("SELECT column_name, data_type, is_nullable, column_default, extra "
+                cur.execute("SELECT column_name, data_type, is_nullable, column_default, extra, character_set_name "
                             "FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
                             "ORDER BY ordinal_position", (self.database, self.table))
-                for name, dtype, nullable, default, extra in cur.fetchall():
+                for name, dtype, nullable, default, extra, charset in cur.fetchall():
                     extra = (extra or "").lower()
                     txn.columns[name] = _Column(name, str(dtype).lower(), nullable == "YES",
                                                 default is not None or "auto_increment" in extra,
-                                                "generated" in extra or "virtual" in extra or "persistent" in extra)
+                                                "generated" in extra or "virtual" in extra or "persistent" in extra,
+                                                str(charset).lower() if charset else None)
                 if not txn.columns:
                     raise MySqlWriteError(f"{ctx.label}: table {quote_ident(self.table)} does not exist in "
                                           f"database {self.database!r}")
@@ -996,6 +1002,11 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             if txn.columns[name].generated:
                 raise MySqlWriteError(f"{label}: column {name!r} is a generated column and cannot be written; "
                                       "drop it from the DataFrame", column=name)
+            if name in out:
+                # Both would be written to one column: INSERT refuses it (1110), LOAD DATA kept the last.
+                raise MySqlWriteError(f"{label}: DataFrame columns {schema.names[out.index(name)]!r} and {f.name!r} "
+                                      f"both map to the table's column {name!r} (names match case-insensitively); "
+                                      "drop or rename one", column=name)
             out.append(name)
         present = set(out)
         for c in txn.columns.values():
@@ -1047,7 +1058,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                         "partition; a NULL key matches no row, so it cannot be upserted. Nothing of this batch "
                         "became visible; filter or fill NULL keys in Spark and restart the query.", column=k)
         self._refuse_non_finite(txn, batch)
-        if self.mode == "insert" and (self.host, self.port) not in _NO_LOCAL_INFILE:
+        if self.mode == "insert" and (self.host, self.port) not in _NO_LOCAL_INFILE and self._loadable(txn):
             csv = _csv_table(batch)
             if csv is not None and self._load(txn, csv, batch.num_rows):
                 txn.rows += batch.num_rows
@@ -1074,6 +1085,25 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 f"{self._describe(e)}. The branch is rolled back; nothing of this batch became visible.",
                 errno=_errno(e)) from None
         txn.rows += batch.num_rows
+
+    def _loadable(self, txn: MySqlTransaction) -> bool:
+        """Whether LOAD DATA stores what the INSERT path stores in the mapped columns (asked once per
+        transaction).  The CSV is UTF-8 and loaded ``CHARACTER SET binary`` (binary columns get their
+        bytes as they are): a text column of another character set (latin1, utf16, ...) would get the
+        UTF-8 bytes unconverted, without a warning; a BIT column reads "1" as a byte string (1264).
+        Those tables are written by INSERT."""
+        ok = txn.extra.get("loadable")
+        if ok is None:
+            odd = [c for c in (txn.columns[n] for n in txn.insert_columns or [])
+                   if c.data_type == "bit" or (c.charset is not None and c.charset not in _LOAD_CHARSETS)]
+            ok = not odd
+            txn.extra["loadable"] = ok
+            if odd and self.table not in _INSERT_TABLES:
+                _INSERT_TABLES.add(self.table)
+                log.info("%s: table %s has columns LOAD DATA cannot write as INSERT does (%s): multi-row INSERT",
+                         txn.ctx.label, quote_ident(self.table),
+                         ", ".join(f"{c.name} {c.data_type}{' ' + c.charset if c.charset else ''}" for c in odd[:5]))
+        return bool(ok)
 
     def _refuse_non_finite(self, txn: MySqlTransaction, batch: pa.RecordBatch) -> None:
         """NaN and infinities have no MySQL value: refused by name, whichever way the batch goes in
@@ -1114,11 +1144,22 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         conn._twophase_infile = (name.encode(), out.getvalue())
         try:
             with conn.cursor() as cur:
+                if not txn.extra.get("max_error_count"):
+                    # Every note listed (a decimal rounded to the column's scale gives one per row), up to
+                    # the server's maximum, so that notes can be told from warnings below.
+                    cur.execute("SET SESSION max_error_count = 65535")
+                    txn.extra["max_error_count"] = True
                 loaded = cur.execute(sql)  # no arguments: no %-formatting of the names
                 warnings = cur.warning_count
                 if warnings:
-                    cur.execute("SHOW WARNINGS LIMIT 3")
-                    shown = "; ".join(f"{w[2]} [{w[0].lower()} {w[1]}]" for w in cur.fetchall())
+                    cur.execute("SHOW WARNINGS")
+                    listed = cur.fetchall()
+                    # Notes (1265: a value rounded to the column's scale, a timestamp stored as a DATE)
+                    # are what INSERT does silently in strict mode; warnings are what it refuses.
+                    bad = [w for w in listed if str(w[0]).lower() != "note"]
+                    if not bad and len(listed) >= warnings:
+                        return self._loaded(label, loaded, num_rows)
+                    shown = "; ".join(f"{w[2]} [{str(w[0]).lower()} {w[1]}]" for w in (bad or listed)[:3])
                     raise MySqlWriteError(
                         f"{label}: LOAD DATA into table {self.table} gave {warnings} warning(s): {self._redact(shown)}. "
                         "The branch is rolled back; nothing of this batch became visible.")
@@ -1135,6 +1176,9 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                   errno=_errno(e)) from None
         finally:
             conn._twophase_infile = None
+        return self._loaded(label, loaded, num_rows)
+
+    def _loaded(self, label: str, loaded: int, num_rows: int) -> bool:
         if loaded != num_rows:
             raise MySqlWriteError(f"{label}: LOAD DATA into table {self.table} stored {loaded} of {num_rows} rows. "
                                   "The branch is rolled back; nothing of this batch became visible.")

@@ -1,7 +1,9 @@
 """Fresh-context review R3 of MySqlSink's LOAD DATA LOCAL INFILE write path (issue 49).
 
-Each test is a finding, reproduced against the real MariaDB (127.0.0.1:13306) and marked
-``xfail(strict=True)``: it fails while the finding stands and must be un-marked by the fix.  Each
+Each test is a finding, reproduced against the real MariaDB (127.0.0.1:13306); each failed on the
+LOAD path as reviewed (commit 8194413, as strict xfails) and passes since the fix: text columns of
+a character set other than utf8 and BIT columns keep insert mode on INSERT, notes no longer fail a
+load (warnings still do), and two DataFrame columns for one table column are refused on both paths.  Each
 compares what insert mode stores by LOAD DATA with what the INSERT path (upsert mode, the previous
 behaviour and the fallback) stores for the same batch; the INSERT path is checked first, so a test
 fails on the LOAD path's behaviour, not on its set-up.  Helpers and cleanup (tables dropped, this
@@ -35,19 +37,17 @@ def _by_insert(env, ddl: str, batch: pa.RecordBatch) -> tuple:
     return q(env["db"], f"SELECT id, v, HEX(v) FROM `{tbl}` ORDER BY id")
 
 
-def _by_load(env, monkeypatch, ddl: str, batch: pa.RecordBatch) -> tuple:
-    """What insert mode stores for ``batch`` (it must have gone in by LOAD DATA)."""
+def _by_load(env, monkeypatch, ddl: str, batch: pa.RecordBatch, loaded: bool = True) -> tuple:
+    """What insert mode stores for ``batch``: by LOAD DATA, or (``loaded=False``: columns LOAD DATA
+    cannot write as INSERT does) by the INSERT path, with no LOAD tried."""
     tbl = env["table"](ddl)
     loads = spy_loads(monkeypatch)
     write(env["make"](tbl), [batch])
-    assert loads == [True]
+    assert loads == ([True] if loaded else [])
     return q(env["db"], f"SELECT id, v, HEX(v) FROM `{tbl}` ORDER BY id")
 
 
 # --------------------------------------------------------------- 1. text columns not in utf8mb4
-@pytest.mark.xfail(strict=True, reason="R3 finding 1: LOAD DATA ... CHARACTER SET binary copies the CSV's UTF-8 "
-                                       "bytes into a latin1 or utf16 column unconverted: 'Müller' is stored as "
-                                       "'MÃ¼ller', 'ab' (utf16) as '慢', silently (the INSERT path converts)")
 @pytest.mark.parametrize("charset,values", [("latin1", ["Müller", "naïve café"]), ("utf16", ["ab", "ü"])])
 def test_text_into_a_latin1_or_utf16_column_is_stored_as_the_insert_path_stores_it(env, monkeypatch, charset,
                                                                                      values):
@@ -55,12 +55,10 @@ def test_text_into_a_latin1_or_utf16_column_is_stored_as_the_insert_path_stores_
     batch = _batch(pa.array(values))
     inserted = _by_insert(env, ddl, batch)
     assert [r[1] for r in inserted] == values  # the INSERT path converts utf8mb4 to the column's charset
-    assert _by_load(env, monkeypatch, ddl, batch) == inserted
+    # Fixed: such a column keeps insert mode on INSERT (the load copied the UTF-8 bytes unconverted).
+    assert _by_load(env, monkeypatch, ddl, batch, loaded=False) == inserted
 
 
-@pytest.mark.xfail(strict=True, reason="R3 finding 1b: non-latin text into a latin1 column is refused by the INSERT "
-                                       "path (error 1366) but stored by LOAD DATA as mojibake ('日本' as "
-                                       "'æ—¥æœ¬') with no warning: silent corruption instead of a failed batch")
 def test_non_latin_text_into_a_latin1_column_is_refused_as_the_insert_path_refuses_it(env, monkeypatch):
     ddl = "id BIGINT PRIMARY KEY, v VARCHAR(20)) DEFAULT CHARSET=latin1 -- ("  # the table's default charset
     batch = _batch(pa.array(["Müller", "日本"]))
@@ -73,10 +71,6 @@ def test_non_latin_text_into_a_latin1_column_is_refused_as_the_insert_path_refus
 
 
 # --------------------------------------------------------------- 2. BIT columns
-@pytest.mark.xfail(strict=True, reason="R3 finding 2: LOAD DATA reads the quoted '1'/'0' (or '255') as a byte "
-                                       "string for a BIT column: warning 1264 'Out of range', so every batch with "
-                                       "a boolean into BIT(1) (the type Spark's JDBC writer gives BooleanType) "
-                                       "fails on every replay; the INSERT path stored b'\\x01'/b'\\x00'")
 @pytest.mark.parametrize("ddl_type,values", [("BIT(1)", pa.array([True, False])),
                                              ("BIT(8)", pa.array([5, 255], pa.int32()))])
 def test_booleans_and_integers_into_a_bit_column_load_as_the_insert_path_stores_them(env, monkeypatch, ddl_type,
@@ -85,14 +79,11 @@ def test_booleans_and_integers_into_a_bit_column_load_as_the_insert_path_stores_
     batch = _batch(values)
     inserted = _by_insert(env, ddl, batch)
     assert [r[1] for r in inserted] == [bytes([int(x)]) for x in values.to_pylist()]
-    assert _by_load(env, monkeypatch, ddl, batch) == inserted
+    # Fixed: a BIT column keeps insert mode on INSERT (the load failed every batch with 1264).
+    assert _by_load(env, monkeypatch, ddl, batch, loaded=False) == inserted
 
 
 # --------------------------------------------------------------- 3. notes fail the load
-@pytest.mark.xfail(strict=True, reason="R3 finding 3: a Note counts as a warning: a Spark decimal(38,18) into "
-                                       "DECIMAL(20,4), or a timestamp into a DATE column, gives note 1265 'Data "
-                                       "truncated' and the load fails on every replay; the INSERT path (and "
-                                       "Spark's JDBC writer) stored the rounded value")
 @pytest.mark.parametrize("ddl_type,values,want", [
     ("DECIMAL(20,4)", pa.array([decimal.Decimal("1.123456789012345678"), decimal.Decimal("2.5")],
                                pa.decimal128(38, 18)), [decimal.Decimal("1.1235"), decimal.Decimal("2.5000")]),
@@ -109,10 +100,6 @@ def test_a_value_the_insert_path_rounds_with_a_note_loads_as_the_insert_path_sto
 
 
 # --------------------------------------------------------------- 4. two DataFrame columns, one table column
-@pytest.mark.xfail(strict=True, reason="R3 finding 4: DataFrame columns 'V' and 'v' both map to the table's 'v' "
-                                       "(case-insensitive match); LOAD DATA accepts the column listed twice and "
-                                       "keeps the last, silently dropping 'V''s values; the INSERT path fails "
-                                       "(error 1110 Column 'v' specified twice)")
 def test_two_dataframe_columns_for_one_table_column_fail_the_load_as_they_fail_the_insert(env, monkeypatch):
     ddl = "id BIGINT PRIMARY KEY, v VARCHAR(10)"
     batch = pa.RecordBatch.from_arrays([pa.array([1, 2], pa.int64()), pa.array(["A1", "A2"]), pa.array(["a1", "a2"])],
