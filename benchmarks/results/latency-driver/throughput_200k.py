@@ -1,8 +1,14 @@
 """200,000-row batches: does the driver path cost the task path anything? FileSink, local[2], interleaved."""
-import statistics, tempfile, time, json, os
-from twophase.spark import local_session
+import json
+import os
+import statistics
+import tempfile
+import time
+
 from twophase.coordinator import Coordinator
 from twophase.sinks.files import FileSink
+from twophase.spark import local_session
+
 spark = local_session("local[2]", "thr")
 n = 200_000
 df = spark.range(0, n, 1, 2).selectExpr("id", "substring(repeat(sha2(cast(id as string), 256), 2), 1, 100) as payload").cache()
