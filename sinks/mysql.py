@@ -992,7 +992,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
     def _map_columns(self, txn: MySqlTransaction, schema: pa.Schema) -> list[str]:
         label = f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}, table {self.table})"
         lower = {c.lower(): c for c in txn.columns}
-        out = []
+        out: list[str] = []
         for f in schema:
             # MySQL column names are case-insensitive, as Spark's JDBC writer matches them.
             name = f.name if f.name in txn.columns else lower.get(f.name.lower())
