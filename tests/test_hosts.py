@@ -54,9 +54,13 @@ def test_servers_answer_at_their_hosts_address_only(servers):
         f"http://{hosts.host('s3').address}:")
     assert probe("driver-a", pg["host"], pg["port"]) == "connected"
     # Not on the root namespace's loopback: the host's own server is apart from the loopback one.
+    # The pg host also runs MariaDB (tests/services/mariadb_host.py), on that address only too.
+    from tests.services.mariadb_host import SERVICE as mariadb_host
+
     r = hosts.run("pg", ["ss", "-ltnH"], capture_output=True, text=True)
-    listening = [line.split()[3] for line in r.stdout.splitlines() if line.strip()]
-    assert listening == [f"{pg['host']}:{pg['port']}"], r.stdout
+    listening = sorted(line.split()[3] for line in r.stdout.splitlines() if line.strip())
+    assert f"{pg['host']}:{pg['port']}" in listening, r.stdout
+    assert set(listening) <= {f"{pg['host']}:{pg['port']}", f"{pg['host']}:{mariadb_host.port}"}, r.stdout
 
 
 def test_kafka_on_its_host_advertises_that_hosts_address(servers):
