@@ -50,7 +50,9 @@ def _check_mysql(my: dict, partition_counts: list, rows: int) -> None:
         assert all(v["server_cpu_s"] for v in p["variants"].values())  # MariaDB's CPU during each run
     ld = my["loaders"]
     _check_variants(ld["variants"], rows)
-    ins, load = ld["variants"]["multi-row INSERT (the sink's loader)"], ld["variants"]["LOAD DATA LOCAL INFILE"]
+    from benchmarks.mysql import INSERT, LOAD
+
+    ins, load = ld["variants"][INSERT], ld["variants"][LOAD]
     assert ld["ratio_load_data_over_insert"] == pytest.approx(
         statistics.median(ins["seconds"]) / statistics.median(load["seconds"]), rel=1e-2, abs=1e-3)
     assert ld["ratio_load_step_only"] == pytest.approx(

@@ -13,8 +13,8 @@ Every scenario kills in two places:
    (``TWOPHASE_PAUSE_AT=after_pre_commit:1``: a prepared transaction, an open Kafka transaction, a
    staged file exist), the test SIGKILLs the container that runs it (its process group: the
    executor JVM and its Python workers) and resumes every other stopped task; Spark runs the task
-   again (it stops there again, in another process, and is resumed) and YARN gives Spark a new
-   executor container;
+   again (it stops there again, in another process, and is resumed); whether YARN also launches a
+   replacement executor container before the driver's fault is timing, not checked;
 2. **the driver**, mid-batch, in one of three ways: the ApplicationMaster's container SIGKILLed
    (cluster mode; YARN starts attempt 2 by itself, ``spark.yarn.maxAppAttempts=2``); the AM's
    Python driver dying at a crash point (``TWOPHASE_CRASH_AT`` through
@@ -400,13 +400,14 @@ def _end(proc: subprocess.Popen, timeout: float) -> int:
 
 
 def _check_executor_kill(app_id: str, kill: ExecutorKill, pause_log: Path) -> None:
-    """Spark ran the killed task again in another process (it reached the pause point again) and
-    YARN gave Spark a new executor container (a container of attempt 1 launched after the kill)."""
+    """Spark ran the killed task again in another process (it reached the pause point again), and the
+    container killed was one of attempt 1's executors.  (Whether YARN also launched a replacement
+    container before the AM's own fault is timing: on an idle machine the retry finished on the
+    other executor first, and CI saw only attempt 1's two executors.)"""
     retried = [(p, b, pid) for p, b, pid in _paused(pause_log) if b == PAUSED_BATCH and pid != kill.worker]
     assert retried, _paused(pause_log)
     executors = [c for c in _containers(app_id) if not c.endswith("_000001") and "_01_" in c]
-    # the AM asked for 2 executors; the killed one was replaced
-    assert len(executors) >= 3 and kill.container in executors, executors
+    assert kill.container in executors, executors
 
 
 def _check_target(t: Target, ids: list[str]) -> None:
@@ -554,7 +555,6 @@ def _full(sink: str, covered_by: str) -> pytest.param:  # type: ignore[valid-typ
 
 AM_SIGKILL_CI = "test_the_application_master_sigkilled_mid_batch_is_restarted_by_yarn_and_every_id_lands_once[hdfs]"
 AM_CRASH_CI = "test_the_application_master_dead_at_a_crash_point_is_restarted_by_yarn_and_every_id_lands_once[postgres]"
-CLIENT_CI = "test_a_client_mode_driver_sigkilled_and_submitted_again_lands_every_id_once[kafka]"
 
 
 @pytest.mark.chaos
@@ -573,14 +573,16 @@ def test_the_application_master_dead_at_a_crash_point_is_restarted_by_yarn_and_e
     print(_cluster_scenario(target, tmp_path, "crash"))
 
 
+_CLIENT_SKIP = pytest.mark.skipif(
+    not FULL, reason="CI time (5-7 min on a loaded 2-core machine): a client-mode driver is a process on the "
+                     "submitting host, SIGKILLed and started again with its checkpoint as every local kill test "
+                     f"does (e.g. tests/test_kafka_chaos.py); on YARN, {AM_SIGKILL_CI} and {AM_CRASH_CI} run in "
+                     "CI; TWOPHASE_FULL_CHAOS=1 runs it")
+
+
 @pytest.mark.chaos
-@pytest.mark.parametrize("target", [
-    pytest.param("kafka", marks=pytest.mark.skipif(
-        not FULL, reason="CI time (5-7 min on a loaded 2-core machine): a client-mode driver is a process on the "
-                         "submitting host, SIGKILLed and started again with its checkpoint as every local kill test "
-                         f"does (e.g. tests/test_kafka_chaos.py); on YARN, {AM_SIGKILL_CI} and {AM_CRASH_CI} run in "
-                         "CI; TWOPHASE_FULL_CHAOS=1 runs it")),
-    _full("hdfs", CLIENT_CI), _full("postgres", CLIENT_CI)], indirect=True)
+@pytest.mark.parametrize("target", [pytest.param(t, marks=_CLIENT_SKIP) for t in ("kafka", "hdfs", "postgres")],
+                         indirect=True)
 def test_a_client_mode_driver_sigkilled_and_submitted_again_lands_every_id_once(yarn_service, target, tmp_path):
     print(_client_scenario(target, tmp_path))
 
