@@ -23,6 +23,7 @@ from twophase import crash
 from twophase.coordinator.task_input import (
     CONVERSION_FAILED,
     INPUTS,
+    arrow_settings,
     record_batches,
     rows_schema,
 )
@@ -688,13 +689,11 @@ class Coordinator:
             return None
         # The record batches the Arrow task path would hand the sink: the same schema (timestamps in
         # the session time zone: toArrow() gives UTC; nullability as Spark's), else tasks.
-        conf = df.sparkSession.conf
+        tz, large = arrow_settings(df.sparkSession)
         try:
             from pyspark.sql.pandas.types import to_arrow_schema
 
-            target = to_arrow_schema(df.schema, timezone=str(conf.get("spark.sql.session.timeZone")),
-                                     prefers_large_types=str(conf.get(
-                                         "spark.sql.execution.arrow.useLargeVarTypes", "false")).lower() == "true")
+            target = to_arrow_schema(df.schema, timezone=tz, prefers_large_types=large)
         except Exception as e:  # noqa: BLE001 - a type the driver's Arrow conversion lacks: tasks
             self._input_note = f"the driver cannot collect this schema as Arrow ({type(e).__name__}): the Arrow task path"
             return None
@@ -852,9 +851,7 @@ class Coordinator:
         if self.task_input == "auto" and (self._rows_refused or self._last_rows is None
                                           or self._last_rows > self.small_batch_rows):
             return None
-        conf = df.sparkSession.conf  # session settings: Spark's Arrow path reads these per query
-        target = rows_schema(df.schema, str(conf.get("spark.sql.session.timeZone")),
-                             str(conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")).lower() == "true")
+        target = rows_schema(df.schema, *arrow_settings(df.sparkSession))
         if target is None and self.task_input == "rows":
             raise ConfigurationError(
                 f"{self.name}: task_input='rows' cannot hand the sink the record batches the Arrow path "

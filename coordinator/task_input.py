@@ -62,6 +62,13 @@ def _same_types(dt: Any) -> bool:
     return False
 
 
+def arrow_settings(spark: Any) -> tuple[str, bool]:
+    """The session settings Spark's Arrow path reads per query: (time zone, useLargeVarTypes)."""
+    conf = spark.conf
+    return (str(conf.get("spark.sql.session.timeZone")),
+            str(conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")).lower() == "true")
+
+
 def rows_schema(schema: Any, session_time_zone: str, large_var_types: bool) -> Any | None:
     """The Arrow schema the Arrow path hands a sink for a DataFrame of ``schema``, when the rows
     path can hand the same; None when it cannot (the batch then takes the Arrow path)."""
