@@ -40,11 +40,16 @@ _RESULT_SCHEMA = "partition INT, attempt INT, rows LONG, handle STRING"
 #: Coordinator names: they become part of directory names, gids and marker rows.
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Physical operators that keep state across micro-batches (their state stores must commit each batch).
-#: The driver path's bound (rows) when ``driver_batch_rows`` is not given (docs/benchmarks.md, "Latency
-#: per micro-batch": 10,000-row batches gain on it; 200,000 rows stay on tasks).
+#: ``driver_batch_rows``' default, the driver path's bound in rows (docs/benchmarks.md, "Latency per
+#: micro-batch": 10,000-row batches gain on it; 200,000 rows stay on tasks).  ``task_input="auto"``
+#: takes the driver path after a batch of at most this many rows; ``driver_batch_rows=0`` keeps it
+#: on the task paths.
 DRIVER_BATCH_ROWS = 10000
-#: How the driver path's log line and progress note begin for a batch over its bound.
+#: How the driver path's log line and progress note begin for a batch over its bound, and for a
+#: batch whose collect failed (spark.driver.maxResultSize, a type toArrow() refuses): both then take
+#: the Arrow task path.
 _OVER_BOUND = "more rows than driver_batch_rows ="
+_COLLECT_FAILED = "the driver's collect failed"
 _STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "StreamingSymmetricHashJoin",
                      "StreamingGlobalLimit")
 
@@ -210,12 +215,14 @@ class Coordinator:
     Arrow record batches (one JVM action, ``df.limit(bound + 1).toArrow()``) and the sink writes
     them there, in one transaction (partition 0, attempt 0, the ballot planned for one partition),
     which the driver pre-commits and decides like a task's.  The bound is ``driver_batch_rows``
-    (default 10,000 rows), checked by that very collect: a batch with more rows takes the Arrow
-    task path (the plan runs again; the log line and progress say so).  Given
-    ``driver_batch_rows=N``, ``"auto"`` takes the driver path when the previous batch had at most N
-    rows, the rows or Arrow path otherwise as above; not given (or 0), ``"auto"`` keeps to the task
-    paths.  Never on the driver path: a streaming query with state (over Spark Connect every
-    streaming query counts as one; see :meth:`_driver_rows`), and a sink that prepares whole batches with a Spark job of its own
+    (default :data:`DRIVER_BATCH_ROWS`, 10,000 rows; None means the default), checked by that very
+    collect: a batch with more rows takes the Arrow task path (the plan runs again; the log line
+    and progress say so).  ``"auto"`` takes the driver path when the previous batch this
+    coordinator wrote had at most ``driver_batch_rows`` rows (so never for its first batch), the
+    rows or Arrow path otherwise as above; ``driver_batch_rows=0`` keeps ``"auto"`` on the task
+    paths (and sends ``"driver"`` to the Arrow tasks).  Never on the driver path: a streaming
+    query with state (over Spark Connect every streaming query counts as one; see
+    :meth:`_driver_rows`), and a sink that prepares whole batches with a Spark job of its own
     (``FileSink(writer="spark")``): they take the task paths.  See docs/usage.md.
     """
 
@@ -240,7 +247,7 @@ class Coordinator:
         shared_storage: bool = False,
         task_input: str = "auto",
         small_batch_rows: int = 2000,
-        driver_batch_rows: int | None = None,
+        driver_batch_rows: int | None = DRIVER_BATCH_ROWS,
     ):
         if not isinstance(sink, TwoPhaseCommitSink):
             raise ConfigurationError(f"sink must be a twophase.TwoPhaseCommitSink, got {type(sink).__name__}")
@@ -280,7 +287,8 @@ class Coordinator:
         self.shared_storage = shared_storage
         self.task_input = task_input
         self.small_batch_rows = small_batch_rows
-        self.driver_batch_rows = driver_batch_rows  # None: "auto" keeps to the task paths
+        # 0: "auto" keeps to the task paths; None: the default bound.
+        self.driver_batch_rows = DRIVER_BATCH_ROWS if driver_batch_rows is None else driver_batch_rows
         self._batch_query: tuple[str, bool] = ("", False)  # (query id, streaming) of the batch being run
         self._input_note = ""          # why the batch left the driver path (its log line says it)
         self._collect_ms = 0.0         # the driver path's collect
@@ -671,10 +679,10 @@ class Coordinator:
         batch's rows under "auto"), then the bound, by the collect itself: at most
         ``driver_batch_rows + 1`` rows come to the driver, and that one more sends the batch to the
         Arrow task path (a burst after small batches), its plan run again there."""
-        bound = DRIVER_BATCH_ROWS if self.driver_batch_rows is None else self.driver_batch_rows
+        bound = self.driver_batch_rows
         if self.task_input == "auto":
-            if not self.driver_batch_rows or self._last_rows is None or self._last_rows > bound:
-                return None
+            if bound <= 0 or self._last_rows is None or self._last_rows > bound:
+                return None  # driver_batch_rows=0, the first batch, or after a large one: tasks
         elif self.task_input != "driver" or bound <= 0:
             return None
         if self.sink.prepares_batches():
@@ -706,8 +714,11 @@ class Coordinator:
             # A type toArrow() refuses (the Arrow tasks convert it), rows past spark.driver.maxResultSize
             # (the bound counts rows, not bytes), ...: the batch takes the Arrow task path, which reads
             # it again.  A failure of the batch's own (its source) fails there too.
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            self._input_note = f"the driver's collect failed ({first}): the Arrow task path"
+            # The cause, not py4j's "An error occurred while calling ..." nor a wrapper's "awaitResult".
+            first = next((ln.strip()[:300] for ln in str(e).splitlines()
+                          if "Exception:" in ln and "awaitResult" not in ln and "error occurred while" not in ln),
+                         _job_failure(e))
+            self._input_note = f"{_COLLECT_FAILED} ({first}): the Arrow task path"
             log.warning("%s: %s", self.name, self._input_note)
             return None
         finally:
@@ -846,8 +857,8 @@ class Coordinator:
         """The Arrow schema for the rows path (``task_input``) if this batch's tasks take it, else None."""
         if self.task_input in ("arrow", "driver") or is_connect(df.sparkSession):
             return None
-        if self._input_note.startswith(_OVER_BOUND):
-            return None  # a burst the driver path's collect found: the columnar path
+        if self._input_note.startswith((_OVER_BOUND, _COLLECT_FAILED)):
+            return None  # a burst the driver path's collect found, or a collect that failed: the columnar path
         if self.task_input == "auto" and (self._rows_refused or self._last_rows is None
                                           or self._last_rows > self.small_batch_rows):
             return None

@@ -434,7 +434,10 @@ def test_a_batch_ending_in_a_shuffle_computes_its_input_once(spark, tmp_path):
 
     df = (spark.range(0, 1000, numPartitions=4).select(counted("id").alias("id"))
           .groupBy((F.col("id") % 10).alias("k")).agg(F.count("*").alias("n"), F.sum("id").alias("total")))
-    c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="aqe")
+    # driver_batch_rows=0: batch 1 (after 10 rows) must plan its partitions for tasks, not take the
+    # driver path's one transaction, which writes one file whatever the plan.
+    c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="aqe",
+                    driver_batch_rows=0)
     prog = c.write(df, batch_id=0)
     assert (prog["action"], prog["rows"]) == ("committed", 10)
     assert seen.value == 1000  # was 2000

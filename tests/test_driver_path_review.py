@@ -104,13 +104,18 @@ out, log = sys.argv[1], sys.argv[2]
 spark = local_session("local[2]", app_name="r2-maxresult", conf={"spark.driver.maxResultSize": "1m"})
 # 400 rows of 8 KB: far under the driver path's default bound (10,000 rows), 3.2 MB over maxResultSize.
 df = spark.range(0, 400, 1, 4).selectExpr("id", "repeat('x', 8000) AS v")
+small = spark.range(1000, 1010, 1, 2).selectExpr("id", "'s' AS v")
 found = {}
-for task_input in ("arrow", "driver"):
+for task_input in ("arrow", "driver", "auto"):
     c = Coordinator(FileSink(out + "-" + task_input), log_location=log + "-" + task_input, name="mrs" + task_input,
                     task_input=task_input)
     try:
-        p = c.write(df, batch_id=0)
-        found[task_input] = {"rows": p["rows"], "task_input": p["task_input"]}
+        batch = 0
+        if task_input == "auto":  # "auto" collects after a small batch (driver_batch_rows' default)
+            found["auto-first"] = c.write(small, batch_id=0)["task_input"]
+            batch = 1
+        p = c.write(df, batch_id=batch)
+        found[task_input] = {"rows": p["rows"], "task_input": p["task_input"], "note": p["input_note"][:300]}
     except Exception as e:
         text = str(e)
         found[task_input] = {"error": next((ln.strip()[:300] for ln in text.splitlines() if "maxResultSize" in ln),
@@ -131,10 +136,16 @@ def test_wide_rows_under_the_row_bound_fall_back_to_tasks_instead_of_failing_the
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
     found = json.loads(lines[-1][len("RESULT "):])
-    assert found["arrow"] == {"rows": 400, "task_input": "arrow"}, found  # the task path writes it
-    # Today: "Total size of serialized results of N tasks (... MiB) is bigger than spark.driver.maxResultSize".
-    assert "error" not in found["driver"], found
-    assert found["driver"]["rows"] == 400, found
+    assert found["arrow"] == {"rows": 400, "task_input": "arrow", "note": ""}, found  # the task path writes it
+    # The collect fails ("Total size of serialized results of N tasks (... MiB) is bigger than
+    # spark.driver.maxResultSize"); the batch is written by the Arrow tasks, and its note says why.
+    # "auto" by default: its first batch on tasks, the wide one after it tried on the driver, the same way.
+    assert found["auto-first"] == "arrow", found
+    for task_input in ("driver", "auto"):
+        assert "error" not in found[task_input], found
+        got = found[task_input]
+        assert (got["rows"], got["task_input"]) == (400, "arrow"), found
+        assert got["note"].startswith("the driver's collect failed (") and "maxResultSize" in got["note"], found
 
 
 class WholeBatches(TwoPhaseCommitSink):

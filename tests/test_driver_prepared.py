@@ -1,5 +1,6 @@
 """Small batches prepared in the driver (issue 51): ``Coordinator(task_input="driver")`` and the driver
-path ``"auto"`` takes after a batch of at most ``driver_batch_rows`` rows.
+path ``"auto"`` takes after a batch of at most ``driver_batch_rows`` rows (by default 10,000;
+``driver_batch_rows=0`` keeps ``"auto"`` on the task paths).
 
 In-process (local[2], FileSink on local disk): the choice per batch, the bound checked by the collect
 (a burst falls back to the Arrow task path, and says so), progress and log line, stateful queries kept
@@ -98,14 +99,22 @@ def test_driver_path_settings_are_checked(tmp_path):
             Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"), driver_batch_rows=bad)
 
 
-@pytest.mark.parametrize("driver_batch_rows", [None, 0])
-def test_auto_keeps_the_task_paths_unless_driver_batch_rows_is_given(spark, tmp_path, driver_batch_rows):
+@pytest.mark.parametrize("driver_batch_rows", ["not given", None, 0])
+def test_auto_takes_the_driver_path_by_default_and_driver_batch_rows_0_keeps_tasks(spark, tmp_path,
+                                                                                    driver_batch_rows):
+    from twophase.coordinator.coordinator import DRIVER_BATCH_ROWS
+
     out = tmp_path / "out"
-    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="zero",
-                    driver_batch_rows=driver_batch_rows)
+    given = {} if driver_batch_rows == "not given" else {"driver_batch_rows": driver_batch_rows}
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="zero", **given)
     progress = _write_all(c, spark, [100, 100])
     c.close()
-    assert [p["task_input"] for p in progress] == ["arrow", "rows"]
+    # The first batch has no previous size: tasks.  The default bound (None means it) sends the
+    # second to the driver; driver_batch_rows=0 keeps "auto" on the task paths (rows: 100 <= 2,000).
+    expected = ["arrow", "rows"] if driver_batch_rows == 0 else ["arrow", "driver"]
+    assert [p["task_input"] for p in progress] == expected, progress
+    assert c.driver_batch_rows == (0 if driver_batch_rows == 0 else DRIVER_BATCH_ROWS)
+    assert DRIVER_BATCH_ROWS == 10000  # the measured bound (docs/benchmarks.md)
     assert _file_ids(out) == list(range(200))
 
 

@@ -179,7 +179,10 @@ def test_a_timestamp_in_a_repeated_local_hour_survives_the_rows_path():
 
 def test_auto_takes_rows_after_a_small_batch_and_arrow_after_a_large_one(spark, tmp_path):
     out = tmp_path / "out"
-    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="auto", small_batch_rows=1000)
+    # driver_batch_rows=0: the task paths' own choice is the point (by default "auto" would write
+    # the batches after a small one from the driver: tests/test_driver_prepared.py).
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="auto", small_batch_rows=1000,
+                    driver_batch_rows=0)
     sizes = [100, 100, 5000, 100, 100]
     paths, lo = [], 0
     for batch_id, n in enumerate(sizes):

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="parquet", choices=["parquet", "jsonl", "csv"])
     p.add_argument("--task-input", default="auto", choices=TASK_INPUTS,
                    help="how the coordinator's tasks take their rows (Coordinator(task_input=...); "
-                        "default auto: the rows path after a batch of at most 2,000 rows)")
+                        "default auto: the rows path after a batch of at most 2,000 rows; the demo "
+                        "never takes the driver path, so that worker faults hit tasks)")
     p.add_argument("--connect", action="store_true",
                    help="run the driver as a Spark Connect client (SparkSession.builder.remote('local[2]'): "
                         "the coordinator runs in the Connect server's foreachBatch worker); needs "
@@ -107,8 +108,10 @@ def run_driver(workdir: Path, fmt: str, connect: bool = False, task_input: str =
 
     spark = local_session("local[2]", app_name="twophase-demo", connect=connect)
     cp = str(workdir / "checkpoint")
+    # driver_batch_rows=0: "auto" keeps to the task paths, so that before_begin and after_pre_commit
+    # fire in the executors' Python workers (a worker dies, Spark retries the task), not in the driver.
     coordinator = Coordinator(FileSink(str(workdir / "output"), format=fmt), checkpoint_location=cp,
-                              name="demo", task_input=task_input)
+                              name="demo", task_input=task_input, driver_batch_rows=0)
     src = (spark.readStream.schema("id STRING, file INT, amount INT").option("maxFilesPerTrigger", 1)
            .json(str(workdir / "input")))
     q = (src.repartition(2).writeStream.foreachBatch(coordinator).option("checkpointLocation", cp)

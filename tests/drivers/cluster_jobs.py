@@ -116,12 +116,14 @@ def main(job: str, *args: str) -> None:
         refused = []
         for shared in (False, True):
             try:
+                # The executors' import check is the point: tasks, never the driver path.
                 Coordinator(FileSink(root), log_location=log, name="probe",
-                            shared_storage=shared).write(df, batch_id=0)
+                            shared_storage=shared, driver_batch_rows=0).write(df, batch_id=0)
             except ConfigurationError as e:
                 refused.append(str(e))
         sc.addPyFile(zip_path)
-        with Coordinator(FileSink(root), log_location=log, name="probe", shared_storage=True) as c:
+        with Coordinator(FileSink(root), log_location=log, name="probe", shared_storage=True,
+                         driver_batch_rows=0) as c:  # written by the executors that import the zip
             progress = c.write(df, batch_id=0)
         emit("result", refused=refused, progress=progress)
     else:

@@ -91,7 +91,10 @@ def main(argv: list[str]) -> int:
         timeout = {"transaction_timeout_ms": int(o["twophase.transactionTimeoutMs"])} \
             if "twophase.transactionTimeoutMs" in o else {}
         sink = KafkaSink(o["kafka.bootstrap.servers"], o["topic"], o["twophase.transactionalIdPrefix"], **timeout)
-        q = (df.writeStream.foreachBatch(Coordinator(sink, checkpoint_location=args.checkpoint, name="pipeline"))
+        # The scenario the data source runs in Spark's tasks: the Coordinator's batches on tasks too
+        # (driver_batch_rows=0: "auto" never takes the driver path), so both forms meet the same faults.
+        coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name="pipeline", driver_batch_rows=0)
+        q = (df.writeStream.foreachBatch(coordinator)
              .option("checkpointLocation", args.checkpoint).trigger(availableNow=True).start())
         q.awaitTermination()
         spark.stop()

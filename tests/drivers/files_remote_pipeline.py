@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     sink = sink_from_config(json.loads(args.sink_config))
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, log_location=args.log,
                               storage_options=json.loads(args.log_options) if args.log_options else None,
-                              name=args.name, retry_backoff=0.1, shared_storage=args.shared_storage)
+                              name=args.name, retry_backoff=0.1, shared_storage=args.shared_storage,
+                              # The kill tests aim before_begin/after_pre_commit (and executor kills) at
+                              # writing tasks: "auto" stays on the task paths, never the driver path.
+                              driver_batch_rows=0)
     df = (spark.readStream.schema("id LONG, k STRING, v LONG").option("maxFilesPerTrigger", 1)
           .json(args.input)).repartition(args.partitions)
     query = (df.writeStream.foreachBatch(coordinator).option("checkpointLocation", args.checkpoint)

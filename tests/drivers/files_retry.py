@@ -38,7 +38,7 @@ def main(mode: str, out: str, log: str) -> None:
     else:
         raise SystemExit(f"unknown mode {mode}")
     df = spark.range(0, 1000, numPartitions=2).selectExpr("id", "cast(id as string) as v")
-    coord = Coordinator(sink, log_location=log, name="retry")
+    coord = Coordinator(sink, log_location=log, name="retry", driver_batch_rows=0)  # task retries: tasks
     try:
         progress = coord.write(df, batch_id=0)
         print(json.dumps({"ok": True, "progress": progress}))

@@ -50,11 +50,11 @@ def main(root: str, log: str, markers: str) -> None:
     refused = None
     try:
         Coordinator(FileSink(root + "-arrow", writer="arrow"), log_location=log + "-arrow", name="spec-arrow",
-                    shared_storage=True).write(df, batch_id=0)
+                    shared_storage=True, driver_batch_rows=0).write(df, batch_id=0)  # speculation: tasks
     except ConfigurationError as e:
         refused = str(e)
     sink = FileSink(root, writer="spark")
-    c = Coordinator(sink, log_location=log, name="spec-spark", shared_storage=True)
+    c = Coordinator(sink, log_location=log, name="spec-spark", shared_storage=True, driver_batch_rows=0)
     progress = c.write(df, batch_id=0)
     c.close()
     emit("result", refused=refused, supports_speculation=sink.supports_speculation,

@@ -45,7 +45,9 @@ def main(argv: list[str]) -> int:
     # The default timeout (5 min): pending transactions should outlive driver restarts, which take
     # 1-2 minutes each on a loaded 2-core machine (120 s was too short: DataLossError, as designed).
     sink = KafkaSink(bootstrap, out_topic, prefix)
-    coordinator = Coordinator(sink, checkpoint_location=checkpoint, name="kafka-pipeline")
+    # The kill tests aim after_pre_commit (and executor kills) at writing tasks: driver_batch_rows=0
+    # keeps "auto" on the task paths, never the driver path.
+    coordinator = Coordinator(sink, checkpoint_location=checkpoint, name="kafka-pipeline", driver_batch_rows=0)
     q = (out.writeStream.foreachBatch(coordinator)
          .option("checkpointLocation", checkpoint)
          .trigger(availableNow=True)

@@ -36,7 +36,7 @@ def main(bootstrap: str, topic: str, prefix: str, log: str, mode: str) -> None:
                                 "spark.executorEnv.KAFKA_RETRY_MODE": mode})
     df = spark.range(0, 4000, numPartitions=4).selectExpr("cast(id as string) as value")
     coord = Coordinator(FailingFirstAttempt(bootstrap, topic, prefix, transaction_timeout_ms=60_000),
-                        log_location=log, name="kafka-retry")
+                        log_location=log, name="kafka-retry", driver_batch_rows=0)  # a task retried: tasks
     try:
         progress = coord.write(df, batch_id=0)
         print(json.dumps({"ok": True, "progress": progress}))

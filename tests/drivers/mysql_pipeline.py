@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     sink = MySqlSink(args.host, args.port, args.database, args.table, user=args.user,
                      password={"env": "MYSQL_PWD"}, marker_table=args.marker_table, gid_prefix=args.gid_prefix,
                      lock_wait_timeout=20)
-    coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name, retry_backoff=0.1)
+    # The kill tests' points (mid_commit: several handles per batch) are the task paths': driver_batch_rows=0
+    # keeps "auto" there, never on the driver path.
+    coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name, retry_backoff=0.1,
+                              driver_batch_rows=0)
     df = (spark.readStream.schema("id LONG, k LONG, v LONG").option("maxFilesPerTrigger", 1)
           .json(args.input).repartition(args.partitions))
     query = (df.writeStream.foreachBatch(coordinator).option("checkpointLocation", args.checkpoint)

@@ -254,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     def coordinator() -> Coordinator:
         return Coordinator(sink_from_config(json.loads(args.sink_config)), log_location=args.log,
                            storage_options=options, name=args.name, parallelism=args.partitions,
-                           lease_timeout=args.lease_timeout, retry_backoff=0.1)
+                           lease_timeout=args.lease_timeout, retry_backoff=0.1,
+                           # Executor faults (pauses at before_begin: late task attempts, kills) are the
+                           # point: "auto" stays on the task paths, never the driver path.
+                           driver_batch_rows=0)
 
     c = coordinator()
     code = 0
@@ -283,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
                     c.close()
                     c = coordinator()
                     time.sleep(0.5)
+            # task_input/collect_ms: the path that wrote the batch ("arrow"/"rows": tasks; "driver": no
+            # task) and the driver's collect (0: none ran), for the nemesis's check that executor faults
+            # hit writing tasks.
             _say("batch", batch=n, action=progress["action"], rows=progress["rows"],
+                 task_input=progress.get("task_input", ""), collect_ms=progress.get("collect_ms", 0.0),
                  epoch=c.log.epoch if c.log is not None else None, **_stage_stats(spark, group))
             if progress["action"] == "skipped":
                 continue  # a batch an earlier driver committed: catch up at once

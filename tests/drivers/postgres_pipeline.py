@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task-input", default="auto", help="Coordinator(task_input=...): auto (default), "
                     "arrow, rows or driver (small batches written by the driver: tests/test_driver_prepared.py)")
     ap.add_argument("--driver-batch-rows", type=int, default=None,
-                    help="Coordinator(driver_batch_rows=...) (default: not given)")
+                    help="Coordinator(driver_batch_rows=...) (default: 0 under --task-input auto, so that the "
+                         "kill tests' executor points hit writing tasks; else not given: 10,000)")
     ap.add_argument("--remote", metavar="URL",
                     help="run as a Spark Connect client of the running server at URL (sc://host:port), "
                          "which does not share this process's environment: the password goes inline")
@@ -69,9 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     sink = PostgresSink(args.dsn, table=args.table, schema=args.schema, mode=args.mode,
                         key_columns=["k"] if args.mode == "upsert" else None,
                         password=password, lock_timeout="20s")
+    driver_batch_rows = args.driver_batch_rows
+    if driver_batch_rows is None and args.task_input == "auto":
+        # The kill tests aim after_pre_commit (and executor kills) at writing tasks, and mid_commit at
+        # batches of several handles: "auto" stays on the task paths unless a test asks otherwise.
+        driver_batch_rows = 0
     coordinator = Coordinator(sink, checkpoint_location=args.checkpoint, name=args.name,
                               retry_backoff=0.1, task_input=args.task_input,
-                              driver_batch_rows=args.driver_batch_rows)
+                              driver_batch_rows=driver_batch_rows)
     df = (spark.readStream.schema("id LONG, k LONG, v LONG").option("maxFilesPerTrigger", 1)
           .json(args.input))
     if args.mode == "upsert":

@@ -19,7 +19,7 @@ from twophase.spark import local_session
 
 def main(out: str, log: str) -> None:
     spark = local_session("local[2]", app_name="rows-refused", conf={"spark.sql.session.timeZone": "UTC"})
-    c = Coordinator(FileSink(out), log_location=log, name="refused")
+    c = Coordinator(FileSink(out), log_location=log, name="refused", driver_batch_rows=0)  # the rows path's tasks
     paths, error = [], None
     try:
         for batch_id, lo in enumerate((0, 10)):
