@@ -296,3 +296,21 @@ def test_identifiers_with_percent_are_quoted_in_upsert_mode_too(env):
         assert q(env["db"], f"SELECT id, `v%d %s` FROM {quoted} ORDER BY id") == ((1, "x"), (2, "z"))
     finally:
         env["db"].cursor().execute(f"DROP TABLE IF EXISTS {quoted}")
+
+
+def test_the_load_csv_quotes_every_text_value_and_leaves_numbers_dates_and_nulls_bare():
+    """Without a server: the CSV LOAD DATA reads quotes each valid value of a text or binary column, whatever
+    it holds (the string "NULL" and the empty string too: bare, LOAD DATA would read NULL or ''), and writes
+    numbers, dates, times and NULL bare (quoting them stores the same, in more bytes for the server to read)."""
+    import pyarrow.csv as pcsv
+
+    batch = pa.record_batch({
+        "id": pa.array([7, None], pa.int64()), "s": pa.array(["NULL", ""], pa.string()),
+        "b": pa.array([b"NULL", None], pa.binary()), "de": pa.array([decimal.Decimal("1.50"), None], pa.decimal128(5, 2)),
+        "f": pa.array([0.5, None], pa.float64()), "d": pa.array([dt.date(2024, 1, 2), None], pa.date32()),
+        "ts": pa.array([dt.datetime(2024, 1, 2, 3, 4, 5, 6), None], pa.timestamp("us")),
+        "bo": pa.array([True, None], pa.bool_())})
+    out = pa.BufferOutputStream()
+    pcsv.write_csv(mysql_mod._csv_table(batch), out, mysql_mod._csv_options())
+    assert out.getvalue().to_pybytes() == (b'7,"NULL","NULL",1.50,0.5,2024-01-02,2024-01-02 03:04:05.000006,1\n'
+                                           b'NULL,"",NULL,NULL,NULL,NULL,NULL,NULL\n')
