@@ -2,9 +2,9 @@
 
 Each backend is one module (``kafka``, ``postgres``, ``hdfs``, ``s3`` (moto), ``minio``,
 ``spark_cluster`` (a Spark standalone master and two workers), ``yarn`` (a ResourceManager and two
-NodeManagers; not in ``start all``: see ``ON_DEMAND``)) defining a :class:`Service`
-subclass.  ``python -m tests.services start|stop|status [NAME ...]`` drives them by hand; pytest
-session fixtures call :func:`ensure`.
+NodeManagers; ``yarn_hosts`` the same across the test hosts; neither in ``start all``: see
+``ON_DEMAND``)) defining a :class:`Service` subclass.  ``python -m tests.services
+start|stop|status [NAME ...]`` drives them by hand; pytest session fixtures call :func:`ensure`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ STATE_DIR = Path(os.environ.get("TWOPHASE_SERVICES_DIR", Path.home() / ".cache" 
 JAR_CACHE = Path(os.environ.get("TWOPHASE_JAR_CACHE", Path.home() / ".cache" / "twophase" / "jars"))
 
 NAMES = ("hosts", "kafka", "kafka_host", "postgres", "postgres_host", "mariadb", "mariadb_host", "hdfs", "hdfs_host", "s3", "minio", "minio_host",
-         "spark_cluster", "spark_hosts", "spark_connect", "yarn")
+         "spark_cluster", "spark_hosts", "spark_connect", "yarn", "yarn_hosts")
 #: Started by name or by their pytest fixture only, not by ``start all`` (``stop all`` and
-#: ``status all`` include them): YARN (three JVMs) is needed by tests/test_yarn.py alone.
-ON_DEMAND = ("yarn",)
+#: ``status all`` include them): YARN (three JVMs) is needed by tests/test_yarn.py alone, YARN
+#: on the test hosts by tests/test_yarn_hosts.py alone.
+ON_DEMAND = ("yarn", "yarn_hosts")
 
 
 class ServiceError(RuntimeError):

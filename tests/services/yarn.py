@@ -73,6 +73,7 @@ class Daemon:
     name: str
     main_class: str
     ports: tuple[int, ...]  #: the first is the one that names it (RM client port, NM container port)
+    host: str = ""  #: the test host it runs on (tests/services/hosts.py); "" for this machine
 
 
 RESOURCEMANAGER = Daemon("resourcemanager", RM_CLASS,
@@ -87,15 +88,26 @@ CORE_SITE = {
     "fs.defaultFS": "file:///",
     "hadoop.security.authentication": "simple",
 }
-#: The ResourceManager's configuration, which is also what clients get as HADOOP_CONF_DIR.
-RM_SITE = {
-    "yarn.resourcemanager.hostname": HOST,
-    "yarn.resourcemanager.bind-host": HOST,
-    "yarn.resourcemanager.address": f"{HOST}:{RM_PORT}",
-    "yarn.resourcemanager.scheduler.address": f"{HOST}:{RM_SCHEDULER_PORT}",
-    "yarn.resourcemanager.resource-tracker.address": f"{HOST}:{RM_TRACKER_PORT}",
-    "yarn.resourcemanager.admin.address": f"{HOST}:{RM_ADMIN_PORT}",
-    "yarn.resourcemanager.webapp.address": f"{HOST}:{RM_WEB_PORT}",
+
+
+def rm_site(host: str, rm: Daemon) -> dict[str, str]:
+    """The configuration of a ResourceManager at ``host`` with ``rm``'s ports (client, scheduler,
+    resource tracker, admin, web), which is also what clients get as HADOOP_CONF_DIR."""
+    port, scheduler, tracker, admin, web = rm.ports
+    return {
+        "yarn.resourcemanager.hostname": host,
+        "yarn.resourcemanager.bind-host": host,
+        "yarn.resourcemanager.address": f"{host}:{port}",
+        "yarn.resourcemanager.scheduler.address": f"{host}:{scheduler}",
+        "yarn.resourcemanager.resource-tracker.address": f"{host}:{tracker}",
+        "yarn.resourcemanager.admin.address": f"{host}:{admin}",
+        "yarn.resourcemanager.webapp.address": f"{host}:{web}",
+        **RM_SCHEDULING,
+    }
+
+
+#: What every ResourceManager here is, whatever its addresses.
+RM_SCHEDULING = {
     "yarn.resourcemanager.scheduler.class":
         "org.apache.hadoop.yarn.server.resourcemanager.scheduler.fifo.FifoScheduler",
     "yarn.scheduler.minimum-allocation-mb": "128",
@@ -111,15 +123,17 @@ RM_SITE = {
 }
 
 
-def _nm_site(d: Daemon, local: Path, logs: Path) -> dict[str, str]:
+def nm_site(d: Daemon, host: str, rm: dict[str, str], local: Path, logs: Path) -> dict[str, str]:
+    """The configuration of NodeManager ``d`` at ``host``, of the ResourceManager whose
+    configuration is ``rm``, its local and container log dirs ``local`` and ``logs``."""
     port, localizer, web = d.ports
     return {
-        **RM_SITE,
-        "yarn.nodemanager.hostname": HOST,
-        "yarn.nodemanager.bind-host": HOST,
-        "yarn.nodemanager.address": f"{HOST}:{port}",
-        "yarn.nodemanager.localizer.address": f"{HOST}:{localizer}",
-        "yarn.nodemanager.webapp.address": f"{HOST}:{web}",
+        **rm,
+        "yarn.nodemanager.hostname": host,
+        "yarn.nodemanager.bind-host": host,
+        "yarn.nodemanager.address": f"{host}:{port}",
+        "yarn.nodemanager.localizer.address": f"{host}:{localizer}",
+        "yarn.nodemanager.webapp.address": f"{host}:{web}",
         "yarn.nodemanager.local-dirs": str(local),
         "yarn.nodemanager.log-dirs": str(logs),
         "yarn.nodemanager.resource.memory-mb": str(NM_MEMORY_MB),
@@ -133,6 +147,8 @@ def _nm_site(d: Daemon, local: Path, logs: Path) -> dict[str, str]:
         "yarn.nodemanager.recovery.enabled": "false",
     }
 
+
+RM_SITE = rm_site(HOST, RESOURCEMANAGER)
 
 LOG4J_PROPERTIES = """\
 # Written by tests/services/yarn.py; first on the daemons' classpath (Hadoop logs through reload4j).
@@ -156,9 +172,10 @@ def _site_xml(conf: dict[str, str]) -> str:
     return f'<?xml version="1.0"?>\n<!-- written by tests/services/yarn.py -->\n<configuration>\n{props}</configuration>\n'
 
 
-def rest(path: str, timeout: float = 3.0) -> Any:
-    """GET ``<RM REST>/<path>`` as JSON (``apps/<id>``, ``nodes``...); None if the RM does not answer."""
-    req = urllib.request.Request(f"{RM_REST}/{path.lstrip('/')}", headers={"Accept": "application/json"})
+def rest(path: str, timeout: float = 3.0, base: str = RM_REST) -> Any:
+    """GET ``<RM REST>/<path>`` as JSON (``apps/<id>``, ``nodes``...); None if the RM does not answer.
+    ``base``: another ResourceManager's REST root (``YarnService.rm_rest``)."""
+    req = urllib.request.Request(f"{base}/{path.lstrip('/')}", headers={"Accept": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read().decode())
@@ -166,9 +183,9 @@ def rest(path: str, timeout: float = 3.0) -> Any:
         return None
 
 
-def running_nodes() -> list[str]:
+def running_nodes(base: str = RM_REST) -> list[str]:
     """NodeIds (``host:port``) the ResourceManager counts as RUNNING."""
-    got = rest("nodes")
+    got = rest("nodes", base=base)
     nodes = ((got or {}).get("nodes") or {}).get("node") or []
     return sorted(n["id"] for n in nodes if n.get("state") == "RUNNING")
 
@@ -194,7 +211,8 @@ class YarnService(Service):
     name = "yarn"
     start_timeout = 120.0
     resourcemanager = RESOURCEMANAGER
-    nodemanagers = NODEMANAGERS
+    nodemanagers: tuple[Daemon, ...] = NODEMANAGERS
+    rm_rest = RM_REST
 
     def __init__(self) -> None:
         self._jars: list[Path] | None = None
@@ -218,6 +236,23 @@ class YarnService(Service):
     def staging_dir(self) -> Path:
         return self.dir / "staging"
 
+    @property
+    def staging_url(self) -> str:
+        """``spark.yarn.stagingDir`` of the applications (a local folder here, every NodeManager's)."""
+        return self.staging_dir.as_uri()
+
+    def host_of(self, d: Daemon) -> str:
+        """The address daemon ``d`` binds and advertises."""
+        return HOST
+
+    def wrap(self, d: Daemon, argv: list[str]) -> list[str]:
+        """``argv`` as daemon ``d`` is started (as is here; on its test host in a subclass)."""
+        return argv
+
+    def daemon_dir(self, d: Daemon) -> Path:
+        """Daemon ``d``'s own folder: its local dirs, container logs, tmp."""
+        return self.dir / d.name
+
     def daemon_conf_dir(self, d: Daemon) -> Path:
         return self.conf_dir if d is self.resourcemanager else self.dir / f"conf-{d.name}"
 
@@ -228,18 +263,32 @@ class YarnService(Service):
         return self.dir / f"{d.name}.log"
 
     def local_dir(self, d: Daemon) -> Path:
-        return self.dir / d.name / "local"
+        return self.daemon_dir(d) / "local"
 
     def container_log_dir(self, d: Daemon) -> Path:
-        return self.dir / d.name / "logs"
+        return self.daemon_dir(d) / "logs"
+
+    def is_node(self, d: Daemon, node_id: str) -> bool:
+        """Whether NodeId ``node_id`` is NodeManager ``d``'s: by its container port here (the host
+        part is the name the NodeManager's address resolves to, ``localhost`` here)."""
+        return node_id.rsplit(":", 1)[-1] == str(d.ports[0])
 
     def nodemanager(self, node_id: str) -> Daemon:
-        """The NodeManager of a NodeId: its container port (the host part is the name the
-        NodeManager's address resolves to, ``localhost`` here)."""
+        """The NodeManager of a NodeId."""
         for d in self.nodemanagers:
-            if node_id.rsplit(":", 1)[-1] == str(d.ports[0]):
+            if self.is_node(d, node_id):
                 return d
         raise ServiceError(f"no NodeManager of this service is {node_id}")
+
+    def site(self, d: Daemon) -> dict[str, str]:
+        """Daemon ``d``'s yarn-site.xml."""
+        rm = rm_site(self.host_of(self.resourcemanager), self.resourcemanager)
+        if d is self.resourcemanager:
+            return rm
+        return nm_site(d, self.host_of(d), rm, self.local_dir(d), self.container_log_dir(d))
+
+    def core_site(self) -> dict[str, str]:
+        return CORE_SITE
 
     # -- processes ------------------------------------------------------------
     def daemon_pid(self, d: Daemon) -> int | None:
@@ -259,20 +308,20 @@ class YarnService(Service):
 
         assert self._jars is not None
         cp = ":".join([str(self.daemon_conf_dir(d)), *(str(p) for p in self._jars)])
+        own = self.daemon_dir(d)
         return [java, f"-Xmx{DAEMON_HEAP}", *DAEMON_JAVA_OPTS,
                 *(f"--add-opens={m}=ALL-UNNAMED" for m in JAVA17_OPENS),
-                f"-Dhadoop.log.dir={self.dir / d.name}", f"-Dyarn.log.dir={self.dir / d.name}",
-                f"-Dhadoop.tmp.dir={self.dir / d.name / 'tmp'}",
-                f"-Djava.io.tmpdir={self.dir / d.name / 'tmp'}",
+                f"-Dhadoop.log.dir={own}", f"-Dyarn.log.dir={own}",
+                f"-Dhadoop.tmp.dir={own / 'tmp'}", f"-Djava.io.tmpdir={own / 'tmp'}",
                 "-cp", cp, d.main_class]
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, d: Daemon) -> dict[str, str]:
         venv_bin = str(Path(sys.executable).parent)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SPARK_", "PYSPARK_", "HADOOP_", "YARN_"))
                and k not in ("PYTHONPATH", "PYTHONHOME", "CLASSPATH")}
         # PATH is in YARN's env whitelist: containers find the venv's python3 first.
-        env.update(JAVA_HOME=java_home(), SPARK_LOCAL_IP=HOST,
+        env.update(JAVA_HOME=java_home(), SPARK_LOCAL_IP=self.host_of(d),
                    PATH=venv_bin + os.pathsep + env.get("PATH", ""))
         return env
 
@@ -282,7 +331,7 @@ class YarnService(Service):
         if pid is not None:
             return pid
         for port in d.ports:
-            if port_open(port, HOST):
+            if port_open(port, self.host_of(d)):
                 raise ServiceError(
                     f"port {port} ({d.name}) is taken by a process this module did not start "
                     f"(no live {d.name} pid in {self.daemon_pid_path(d)}); stop it first")
@@ -291,11 +340,11 @@ class YarnService(Service):
             shutil.rmtree(self.local_dir(d), ignore_errors=True)
             self.local_dir(d).mkdir(parents=True)
             self.container_log_dir(d).mkdir(parents=True, exist_ok=True)
-        (self.dir / d.name / "tmp").mkdir(parents=True, exist_ok=True)
+        (self.daemon_dir(d) / "tmp").mkdir(parents=True, exist_ok=True)
         with open(self.daemon_log_path(d), "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {d.name}\n".encode())
             log.flush()
-            proc = popen(self._command(d), log, env=self._env(), cwd=self.dir / d.name)
+            proc = popen(self.wrap(d, self._command(d)), log, env=self._env(d), cwd=self.daemon_dir(d))
         self._procs[d.name] = proc
         self.daemon_pid_path(d).write_text(str(proc.pid))
         return proc.pid
@@ -342,7 +391,7 @@ class YarnService(Service):
                 del self._procs[name]
                 log = self.dir / f"{name}.log"
                 lines = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else []
-                raise ServiceError(f"yarn {name} exited with code {proc.returncode}; log: {log}\n"
+                raise ServiceError(f"{self.name} {name} exited with code {proc.returncode}; log: {log}\n"
                                    + "\n".join(lines))
 
     # -- Service API ----------------------------------------------------------
@@ -356,15 +405,17 @@ class YarnService(Service):
             if not any(p.name.startswith(f"hadoop-yarn-server-{cls}-") for p in self._jars):
                 raise ServiceError(f"the resolved Hadoop jars lack hadoop-yarn-server-{cls}: "
                                    f"{self._jars[0].parent}")
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
-        for d in (self.resourcemanager, *self.nodemanagers):
-            conf = self.daemon_conf_dir(d)
+        self.make_staging()
+        # Each daemon's configuration, then the clients' (the ResourceManager's own here).
+        for d in (self.resourcemanager, *self.nodemanagers, None):
+            conf = self.conf_dir if d is None else self.daemon_conf_dir(d)
             conf.mkdir(parents=True, exist_ok=True)
-            site = RM_SITE if d is self.resourcemanager else _nm_site(
-                d, self.local_dir(d), self.container_log_dir(d))
-            (conf / "yarn-site.xml").write_text(_site_xml(site))
-            (conf / "core-site.xml").write_text(_site_xml(CORE_SITE))
+            (conf / "yarn-site.xml").write_text(_site_xml(self.site(d or self.resourcemanager)))
+            (conf / "core-site.xml").write_text(_site_xml(self.core_site()))
             (conf / "log4j.properties").write_text(LOG4J_PROPERTIES)
+
+    def make_staging(self) -> None:
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
 
     def launch(self, log) -> None:
         if self._jars is None:
@@ -382,19 +433,19 @@ class YarnService(Service):
         each of the NodeManagers RUNNING."""
         if any(self.daemon_pid(d) is None for d in (self.resourcemanager, *self.nodemanagers)):
             return False
-        info = (rest("info") or {}).get("clusterInfo") or {}
+        info = (rest("info", base=self.rm_rest) or {}).get("clusterInfo") or {}
         if info.get("state") != "STARTED":
             return False
-        ports = {int(n.rsplit(":", 1)[1]) for n in running_nodes()}
-        return all(d.ports[0] in ports for d in self.nodemanagers)
+        nodes = running_nodes(self.rm_rest)
+        return all(any(self.is_node(d, n) for n in nodes) for d in self.nodemanagers)
 
     def info(self) -> dict[str, Any]:
         return {
-            "resourcemanager": f"{HOST}:{RM_PORT}",
-            "rest": RM_REST,
+            "resourcemanager": f"{self.host_of(self.resourcemanager)}:{self.resourcemanager.ports[0]}",
+            "rest": self.rm_rest,
             "hadoop_conf_dir": str(self.conf_dir),
-            "staging_dir": str(self.staging_dir),
-            "nodes": running_nodes(),
+            "staging_dir": self.staging_url,
+            "nodes": running_nodes(self.rm_rest),
             "node_memory_mb": NM_MEMORY_MB,
             "node_vcores": NM_VCORES,
         }
@@ -432,21 +483,21 @@ SERVICE = YarnService()
 
 # --------------------------------------------------------------------------- clients
 
-def app(app_id: str) -> dict[str, Any] | None:
+def app(app_id: str, base: str = RM_REST) -> dict[str, Any] | None:
     """The ResourceManager's report of an application (state, finalStatus, diagnostics...)."""
-    got = rest(f"apps/{app_id}")
+    got = rest(f"apps/{app_id}", base=base)
     return (got or {}).get("app")
 
 
-def app_attempts(app_id: str) -> list[dict[str, Any]]:
+def app_attempts(app_id: str, base: str = RM_REST) -> list[dict[str, Any]]:
     """The application's attempts, oldest first (id, containerId, nodeId, appAttemptState...)."""
-    got = rest(f"apps/{app_id}/appattempts")
+    got = rest(f"apps/{app_id}/appattempts", base=base)
     return ((got or {}).get("appAttempts") or {}).get("appAttempt") or []
 
 
-def apps_named(name: str) -> list[dict[str, Any]]:
+def apps_named(name: str, base: str = RM_REST) -> list[dict[str, Any]]:
     """Applications (any state) whose name is ``name``, newest first."""
-    got = rest("apps")
+    got = rest("apps", base=base)
     found = [a for a in ((got or {}).get("apps") or {}).get("app") or [] if a.get("name") == name]
     return sorted(found, key=lambda a: a.get("startedTime", 0), reverse=True)
 
@@ -469,7 +520,8 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
                          name: str = "twophase-yarn", python: str | None = None,
                          staging_dir: str | Path | None = None, max_app_attempts: int = 2,
                          executors: int = 2, conf: dict[str, str] | None = None,
-                         py_files: Sequence[str] = (), env: dict[str, str] | None = None) -> list[str]:
+                         py_files: Sequence[str] = (), env: dict[str, str] | None = None,
+                         container_ip: str = HOST) -> list[str]:
     """``spark-submit --master yarn --deploy-mode cluster|client ...`` for a PySpark script.
 
     Loopback (this machine's YARN): the driver and executors run ``python`` (default: this
@@ -489,7 +541,10 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
     ``spark.yarn.appMasterEnv.*`` (cluster mode: the driver is the AM; every attempt gets them)
     and ``spark.executorEnv.*``; a client-mode driver has spark-submit's environment instead
     (:func:`submit_env`'s ``extra``).  Spark redacts such values in its logs when the name says
-    secret/password/token, but they are on spark-submit's command line.
+    secret/password/token, but they are on spark-submit's command line.  ``container_ip``: the
+    AM's and the executors' ``SPARK_LOCAL_IP``; ``{{NM_HOST}}`` (YARN writes ``$NM_HOST`` into
+    each container's launch script: its NodeManager's host name) when the containers run on
+    several hosts (tests/services/yarn_hosts.py).
     """
     from tests.services.spark_cluster import spark_home
 
@@ -497,7 +552,7 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
         raise ValueError(f"deploy_mode {deploy_mode!r}: cluster or client")
     home = spark_home()
     py = python or sys.executable
-    staging = str(staging_dir or SERVICE.staging_dir)
+    staging = str(staging_dir or SERVICE.staging_url)
     confs: dict[str, str] = {
         "spark.yarn.jars": f"local:{home / 'jars'}/*",
         "spark.yarn.stagingDir": staging if "://" in staging else Path(staging).as_uri(),
@@ -508,8 +563,9 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
         "spark.executorEnv.PYSPARK_PYTHON": py,
         # Not the NodeManagers' admin-env: YARN appends a variable set there to the application's
         # with ':' and the executors get the AM's (SPARK_LOCAL_IP=127.0.0.1:127.0.0.1: refused).
-        "spark.yarn.appMasterEnv.SPARK_LOCAL_IP": HOST,
-        "spark.executorEnv.SPARK_LOCAL_IP": HOST,
+        # Nor their env-whitelist: the AM passes its own SPARK_* variables on to the executors.
+        "spark.yarn.appMasterEnv.SPARK_LOCAL_IP": container_ip,
+        "spark.executorEnv.SPARK_LOCAL_IP": container_ip,
         # In cluster mode the driver is the AM (driver memory); in client mode the AM only asks
         # for executors (spark.yarn.am.memory) and the driver binds here.
         "spark.driver.memory": "512m",
