@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-options", default=None, help="storage options of the log URL as JSON, encode()d")
     ap.add_argument("--name", default="yarn-job")
     ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--lease-timeout", type=float, default=120.0,
+                    help="the coordinator's lease_timeout: how long a killed attempt's lease keeps an "
+                         "attempt on another host from the log (tests/test_yarn_hosts.py)")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                               checkpoint_location=args.checkpoint, log_location=args.log,
                               storage_options=decode(args.log_options) if args.log_options else None,
                               name=args.name, retry_backoff=0.1, shared_storage=args.sink == "files",
+                              lease_timeout=args.lease_timeout,
                               # Every batch written by Arrow tasks on the executors, as a batch of
                               # production size is ("auto" picks other paths for these small ones).
                               task_input="arrow")
