@@ -1,7 +1,8 @@
 """The driver path's gap on the standalone cluster, from this folder's results.json alone (issue 51).
 
 Run from the repository root: ``.venv/bin/python benchmarks/results/latency-driver-cluster/breakdown.py``
-(no Spark: it only reads the numbers ``python -m benchmarks`` wrote; its output is breakdown.txt).
+(no Spark: it only reads the numbers ``python -m benchmarks`` wrote; its output is breakdown.txt), or
+with another results.json as its argument (rerun-100/breakdown.txt).
 
 Per (target, rows per batch): Spark's own sink, the driver path's floor (an empty foreachBatch plus
 the driver path's collect, ``df.limit(n + 1).toArrow()``), the empty foreachBatch (files only) and
@@ -32,7 +33,8 @@ def med(xs):
 
 
 def main() -> None:
-    res = json.loads((HERE / "results.json").read_text())
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "results.json"
+    res = json.loads(src.read_text())
     lat = res["sections"]["latency"]
     print(f"run: {res['started_at']} UTC, {res['duration_s']:.0f} s; load average (1 min) "
           f"{res['load_average']['start_1min']} at the start, {res['load_average']['end_1min']} at the end")
