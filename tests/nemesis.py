@@ -976,6 +976,7 @@ def exercised(history: History) -> list[Verdict]:
             seen.append(f"batch {g['batch']}: {f'partitions {[p for _, p in both]}' if both else 'none'}"
                         if g else "not injected")
         out.append(Verdict("executor-kill: 2 attempts of a partition at once", ok, "; ".join(seen)))
+    out += _executor_faults_hit_tasks(history)
     delays = [f for f in history.faults if f.kind == "delay"]
     if delays:
         seen, ok = [], True
@@ -1000,6 +1001,36 @@ def exercised(history: History) -> list[Verdict]:
                             f"({'the late decision won' if action == 'recommitted' else 'it lost'})")
         out.append(Verdict("delay: decision delivered in the takeover", ok, "; ".join(seen)))
     return out
+
+
+#: The coordinator's paths (its progress's ``task_input``) on which Spark tasks write the batch.
+TASK_PATHS = ("arrow", "rows", "batch")
+
+
+def _executor_faults_hit_tasks(history: History) -> list[Verdict]:
+    """Each executor fault's batch (its mark's) was written by tasks: the victim driver reported it
+    with a task path (``task_input`` "arrow" or "rows", or the sink's own job) and no collect of the
+    driver path (``collect_ms`` 0).  On the driver path the executor fault would hit the collect's
+    job (which runs the same plan, marks included), or nothing, and never a writing task."""
+    faults = [f for f in history.faults if f.kind in EXECUTOR_FAULTS]
+    if not faults:
+        return []
+    seen, ok, injected = [], True, 0
+    for f in faults:
+        g = MARK.fullmatch(f.mark or "")
+        if not g:
+            seen.append(f"{f.kind}: not injected")
+            continue
+        injected += 1
+        b = int(g["batch"])
+        reports = [e for d in history.drivers if d.label == f.driver for e in d.events
+                   if e.get("event") == "batch" and e.get("batch") == b and e.get("action") != "skipped"]
+        good = bool(reports) and all(e.get("task_input") in TASK_PATHS and not e.get("collect_ms")
+                                     for e in reports)
+        ok = ok and good
+        paths = ", ".join(f"{e.get('task_input')!r} (collect {e.get('collect_ms')} ms)" for e in reports)
+        seen.append(f"{f.kind} batch {b}: {paths or f'no batch {b} reported by {f.driver}'}")
+    return [Verdict("executor faults hit writing tasks", ok and injected > 0, "; ".join(seen))]
 
 
 def table(verdicts: list[Verdict], history: History) -> str:

@@ -211,3 +211,34 @@ def test_each_executor_kill_must_overlap_and_each_delay_arrive_in_the_takeover()
     assert not verdict("delay").ok, verdict("delay")  # after the successor committed batch 9
     d.delivered = 25.4
     assert verdict("delay").ok and "it lost" in verdict("delay").detail, verdict("delay")
+
+
+def test_executor_faults_must_hit_batches_written_by_tasks():
+    """The verdict that executor faults hit writing tasks: the fault's batch (its mark's) must be
+    reported by the victim driver with a task path and no collect of the driver path.  A batch the
+    driver path wrote (no task), or whose driver collect ran before falling back to tasks, fails,
+    as does a fault whose batch the driver never reported."""
+    h = nemesis.History("files-hdfs", 0, 0.0, 6.0)
+    h.faults.append(nemesis.Fault("executor-pause", "d1", 10.0, 22.0, mark="b4-p0-s7-t9-a0-worker-1"))
+    h.faults.append(nemesis.Fault("executor-cut", "d1", 30.0, 42.0, mark=None))  # not injected: reported
+    batch4 = {"event": "batch", "batch": 4, "action": "committed", "at": 25.0, "task_input": "arrow",
+              "collect_ms": 0.0}
+    h.drivers.append(nemesis.DriverLife("d1", "driver-a", 0.0, events=[
+        {"event": "batch", "batch": 3, "action": "committed", "at": 9.0, "task_input": "driver", "collect_ms": 5.0},
+        batch4]))
+
+    def verdict() -> nemesis.Verdict:
+        return next(v for v in nemesis.exercised(h) if v.name == "executor faults hit writing tasks")
+    v = verdict()
+    assert v.ok and "executor-pause batch 4: 'arrow'" in v.detail and "executor-cut: not injected" in v.detail, v
+    batch4["task_input"] = "rows"
+    assert verdict().ok, verdict()
+    batch4["task_input"] = "driver"  # written by the driver path: the fault hit no writing task
+    assert not verdict().ok, verdict()
+    batch4.update(task_input="arrow", collect_ms=12.0)  # the driver's collect ran first (and failed)
+    assert not verdict().ok, verdict()
+    batch4.update(collect_ms=0.0, batch=5)  # batch 4 never reported by the victim
+    v = verdict()
+    assert not v.ok and "no batch 4 reported by d1" in v.detail, v
+    h.faults[0].mark = None  # no fault injected at all: nothing was shown
+    assert not verdict().ok, verdict()
