@@ -60,8 +60,9 @@ batch during which the stop file appeared.
 The checker reads the history (faults with start and end, every driver's batches, exits) and
 the target, and gives a verdict per property: every id exactly once (read back from the target),
 no data loss reported, every takeover and every executor fault followed by a committed batch
-within a bound, each ``executor-kill`` followed by two attempts of one partition that both passed
-their rows on at once, each ``delay``'s decision delivered after the takeover and before the
+within a bound, each executor fault's batch written by tasks (its driver's progress shows a task
+path and no collect of the driver path: the drivers pin ``driver_batch_rows=0``), each
+``executor-kill`` followed by two attempts of one partition that both passed their rows on at once, each ``delay``'s decision delivered after the takeover and before the
 successor was done with its batch, progress resumed within a bound after the last heal, nothing left behind
 (no prepared transaction of the run's gid prefix; no open upload or staged object of the run's
 output), the pipeline finished.  It prints a verdict
