@@ -14,8 +14,6 @@ coordinator's executor probe, before anything is logged, with an error naming th
 from __future__ import annotations
 
 import json
-import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -25,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import cluster
+from tests import cluster, packing
 
 REPO = cluster.REPO
 SITE = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
@@ -37,36 +35,16 @@ ARCHIVE_ARGS = ["--archives", "env.tar.gz#env"]
 
 def readme_archive_commands() -> list[str]:
     """The packed-environment commands of docs/clusters.md ("On a cluster", the bash block that has
-    ``--archives``): one string per command, continuation lines joined, comments dropped."""
-    text = (REPO / "docs" / "clusters.md").read_text()
-    section = text.split("\n## On a cluster\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    block = [b for b in blocks if "--archives" in b]
-    assert len(block) == 1, f"docs/clusters.md 'On a cluster' has {len(block)} bash blocks with --archives"
-    commands = []
-    for cmd in block[0].replace("\\\n", " ").splitlines():
-        cmd = re.sub(r"\s+#\s.*$", "", cmd)  # a comment (env.tar.gz#env is not one)
-        if cmd.strip():
-            commands.append(" ".join(cmd.split()))
-    return commands
+    ``--archives``)."""
+    return packing.doc_commands("## On a cluster", "--archives")
 
 
 def _split(commands: list[str]) -> tuple[list[str], list[str]]:
     """(the commands that build env.tar.gz, the spark-submit command's words)."""
     *build, submit = commands
-    assert build[0] == "pip wheel --no-deps . -w dist", build  # what cluster.build_wheel runs
     words = shlex.split(submit)
     assert words[:2] == ["PYTHONPATH=$PWD", "spark-submit"], words
-    return build[1:], words[2:]
-
-
-def _tool_env() -> dict[str, str]:
-    """This venv's ``python``/``pip``/``spark-submit`` first on the PATH (the documented shell);
-    no PYSPARK_* variable, so only the command's confs choose the Pythons."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PYSPARK_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    return env
+    return build, words[2:]
 
 
 @pytest.fixture(scope="session")
@@ -75,16 +53,8 @@ def packed_env(tmp_path_factory) -> Path:
     wheel of this checkout, then a venv without pip holding it, its dependencies and venv-pack
     (pip's own cache makes this a few seconds), packed."""
     work = tmp_path_factory.mktemp("packed-env")
-    cluster.build_wheel(work / "dist")
     build, _ = _split(readme_archive_commands())
-    for cmd in build:
-        t0 = time.monotonic()
-        r = subprocess.run(["bash", "-c", cmd], cwd=work, env=_tool_env(), capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-4000:]}"
-        print(f"{cmd}: {time.monotonic() - t0:.1f}s")
-    assert (work / "env.tar.gz").stat().st_size > 0
-    return work
+    return packing.pack(work, build).parent
 
 
 def _submit(words: list[str], data: Path, archive_dir: Path | None) -> subprocess.CompletedProcess:
@@ -98,7 +68,7 @@ def _submit(words: list[str], data: Path, archive_dir: Path | None) -> subproces
         args.append(w.replace("/shared/", f"{data}/"))
     master = args.index("--master")
     cmd = ["spark-submit", *args[:master + 2], *SIZING, *args[master + 2:]]
-    env = dict(_tool_env(), PYTHONPATH=str(REPO), SPARK_LOCAL_IP="127.0.0.1")
+    env = dict(packing.tool_env(), PYTHONPATH=str(REPO), SPARK_LOCAL_IP="127.0.0.1")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -26,6 +26,13 @@ Then: every id once in the target (counted by id), nothing left prepared (``pg_p
 open (Kafka transactions of the query's ids) or staged (HDFS ``_twophase``); the log taken over at
 epoch 2; the attempts and final states as the ResourceManager's REST API reports them.
 
+The AM kill test on HDFS ships twophase as on a cluster whose nodes lack it: a venv packed by the
+commands of docs/clusters.md "### YARN" (once per session, :func:`yarn_packed_env`), submitted
+with ``--archives env.tar.gz#env`` and ``./env/bin/python`` for the AM's driver and the executors
+(:func:`packed_submit_command`); the driver and the executors report their ``sys.prefix`` and
+twophase's file, which must be the ``./env`` of their own container.  The other tests use this
+machine's venv (the job's lines then say so).
+
 CI runs two (each combines the executor kill with one driver fault): the AM SIGKILLed on HDFS and
 the AM dead at a crash point on PostgreSQL; client mode (Kafka) and the other combinations run
 with ``TWOPHASE_FULL_CHAOS=1`` (CI time).  ``python -m tests.yarn_runs`` runs the AM
@@ -40,15 +47,18 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests import packing
 from tests.services import pid_alive, wait_until, yarn
 from twophase import chaos
 from twophase.demo import read_output_ids, staging_left, write_input
@@ -62,6 +72,7 @@ RECORDS = 25
 PAUSED_BATCH = 1  #: the batch whose task is stopped after its pre-commit and loses its executor
 DRIVER_BATCH = 3  #: the batch during which the driver dies
 FULL = bool(os.environ.get("TWOPHASE_FULL_CHAOS"))
+ENV_PYTHON = "./env/bin/python"  #: the containers' Python in the packed venv (YARN unpacks it as ./env)
 
 
 # --------------------------------------------------------------------------- targets
@@ -227,6 +238,32 @@ def target(request, tmp_path):
     t.cleanup()
 
 
+# --------------------------------------------------------------------------- the packed venv
+
+def yarn_pack_commands() -> list[str]:
+    """docs/clusters.md "### YARN": the commands that build env.tar.gz (the bash block with venv-pack)."""
+    return packing.doc_commands("### YARN", "venv-pack")
+
+
+@pytest.fixture(scope="session")
+def yarn_packed_env(tmp_path_factory) -> Path:
+    """``env.tar.gz`` built by the YARN section's commands, once per session."""
+    t0 = time.monotonic()
+    archive = packing.pack(tmp_path_factory.mktemp("yarn-packed-env"), yarn_pack_commands())
+    print(f"packed {archive} ({archive.stat().st_size >> 20} MB) in {time.monotonic() - t0:.1f}s")
+    return archive
+
+
+def packed_submit_command(archive: str, script: str | Path, *args: str, **kw) -> list[str]:
+    """:func:`tests.services.yarn.spark_submit_command` with twophase shipped in a packed venv:
+    ``--archives <archive>`` (``env.tar.gz#env``: YARN unpacks it as ``./env`` in every container,
+    the AM's included) and ``./env/bin/python`` for the AM's driver and the executors, instead of
+    this machine's venv."""
+    cmd = yarn.spark_submit_command(script, *args, python=ENV_PYTHON, **kw)
+    at = cmd.index("--name") + 2
+    return [*cmd[:at], "--archives", archive, *cmd[at:]]
+
+
 # --------------------------------------------------------------------------- YARN helpers
 
 def _app_named(name: str, timeout: float = 120.0) -> dict:
@@ -292,12 +329,35 @@ def _container_of(app_id: str, pid: int) -> tuple[str, int]:
     raise AssertionError(f"process {pid} is in no container of {app_id}: {leaders}")
 
 
-def _driver_lines(app_id: str, attempt: dict) -> list[str]:
-    """The Python driver's line naming its container, from the AM container's log (the AM's
-    PythonRunner copies the Python process's output to its stdout)."""
+def _job_lines(app_id: str, attempt: dict, kind: str) -> list:
+    """The job's ``yarn-job <kind>:`` lines (JSON: where the driver's or the executors' Python and
+    twophase came from), from the AM container's log (the AM's PythonRunner copies the Python
+    process's output to its stdout)."""
     d = yarn.SERVICE.nodemanager(attempt["nodeId"])
     log = yarn.SERVICE.container_log_dir(d) / app_id / attempt["containerId"] / "stdout"
-    return [line for line in log.read_text(errors="replace").splitlines() if line.startswith("yarn-job driver:")]
+    prefix = f"yarn-job {kind}: "
+    return [json.loads(line[len(prefix):]) for line in log.read_text(errors="replace").splitlines()
+            if line.startswith(prefix)]
+
+
+def _check_pythons(app_id: str, attempt: dict, packed: bool) -> None:
+    """The attempt's driver (in its AM container) and the executors it ran a probe on: each
+    container's Python and twophase are the packed venv's ``./env`` in that container's own
+    working directory (``packed``), or this machine's venv and checkout."""
+    drivers = _job_lines(app_id, attempt, "driver")
+    assert [d["container"] for d in drivers] == [attempt["containerId"]], drivers
+    [executors] = _job_lines(app_id, attempt, "executors")
+    executors = [json.loads(e) for e in executors]
+    assert executors and all(e["container"] != attempt["containerId"] for e in executors), executors
+    site = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+    for p in (*drivers, *executors):
+        assert p["container"].startswith(f"container_{app_id.removeprefix('application_')}_"), p
+        if packed:
+            # <NodeManager local dir>/usercache/<user>/appcache/<app>/<container>/env
+            assert p["prefix"].endswith(f"/appcache/{app_id}/{p['container']}/env"), p
+            assert p["twophase"] == f"{p['prefix']}/{site}/twophase/__init__.py", p
+        else:
+            assert (p["prefix"], p["twophase"]) == (sys.prefix, str(REPO / "twophase" / "__init__.py")), p
 
 
 def _paused(pause_log: Path) -> list[tuple[str, int, int]]:
@@ -420,18 +480,21 @@ def _check_target(t: Target, ids: list[str]) -> None:
 
 # --------------------------------------------------------------------------- scenarios
 
-def _cluster_scenario(t: Target, tmp_path: Path, driver_fault: str) -> str:
+def _cluster_scenario(t: Target, tmp_path: Path, driver_fault: str, archive: Path | None = None) -> str:
     """Cluster mode: an executor container killed mid-task in batch PAUSED_BATCH, then the AM
     SIGKILLed mid-batch (``sigkill``) or its driver dead at ``after_prepared_logged`` of batch
-    DRIVER_BATCH (``crash``); YARN starts attempt 2 by itself."""
+    DRIVER_BATCH (``crash``); YARN starts attempt 2 by itself.  With ``archive`` (a packed venv)
+    twophase reaches the containers only in it (:func:`packed_submit_command`)."""
     name = f"yarn-{t.sink}-{uuid.uuid4().hex[:8]}"
     ids = write_input(tmp_path / "in", FILES, RECORDS)
     pause_log, crash_log, log = tmp_path / "paused", tmp_path / "crashed", tmp_path / "submit.log"
     env = dict(t.env, TWOPHASE_PAUSE_AT=f"after_pre_commit:{PAUSED_BATCH}", TWOPHASE_PAUSE_LOG=str(pause_log))
     if driver_fault == "crash":
         env.update(TWOPHASE_CRASH_AT=f"after_prepared_logged:{DRIVER_BATCH}", TWOPHASE_CRASH_LOG=str(crash_log))
-    cmd = yarn.spark_submit_command(JOB, *t.args(tmp_path, name), deploy_mode="cluster", name=name,
-                                    max_app_attempts=2, staging_dir=t.staging_dir, env=env)
+    opts: dict[str, Any] = dict(deploy_mode="cluster", name=name, max_app_attempts=2, staging_dir=t.staging_dir,
+                                env=env)
+    cmd = (packed_submit_command(f"{archive}#env", JOB, *t.args(tmp_path, name), **opts) if archive
+           else yarn.spark_submit_command(JOB, *t.args(tmp_path, name), **opts))
     t0 = time.monotonic()
     proc = _submit(cmd, yarn.submit_env(), log, tmp_path)
     resumer = None
@@ -477,7 +540,8 @@ def _cluster_scenario(t: Target, tmp_path: Path, driver_fault: str) -> str:
     assert (f"Updating application attempt {attempts[0]['appAttemptId']} with final state: FAILED, "
             f"and exit status: 137") in rm_log
     for a in attempts:  # the Python driver ran in each attempt's AM container
-        assert _driver_lines(app_id, a) == [f"yarn-job driver: application {app_id} container {a['containerId']}"], a
+        assert [d["application"] for d in _job_lines(app_id, a, "driver")] == [app_id], a
+        _check_pythons(app_id, a, packed=archive is not None)
     if driver_fault == "sigkill":
         # The kill landed mid-work (batches left to commit, the log grew after it).
         assert progress_at_kill < len(t.log_names())
@@ -561,8 +625,11 @@ AM_CRASH_CI = "test_the_application_master_dead_at_a_crash_point_is_restarted_by
 @pytest.mark.parametrize("target", ["hdfs", _full("files", AM_SIGKILL_CI), _full("kafka", AM_SIGKILL_CI),
                                     _full("postgres", AM_SIGKILL_CI)], indirect=True)
 def test_the_application_master_sigkilled_mid_batch_is_restarted_by_yarn_and_every_id_lands_once(
-        yarn_service, target, tmp_path):
-    print(_cluster_scenario(target, tmp_path, "sigkill"))
+        yarn_service, target, tmp_path, request):
+    # On HDFS (the variant CI runs) twophase reaches the AM and the executors in the packed venv
+    # docs/clusters.md builds (pandas and the hdfs client in it); the others use this venv.
+    archive = request.getfixturevalue("yarn_packed_env") if target.sink == "hdfs" else None
+    print(_cluster_scenario(target, tmp_path, "sigkill", archive))
 
 
 @pytest.mark.chaos
@@ -588,7 +655,7 @@ def test_a_client_mode_driver_sigkilled_and_submitted_again_lands_every_id_once(
 
 
 def test_start_all_leaves_yarn_to_its_fixture_and_stop_all_stops_it(monkeypatch):
-    from tests.services import NAMES
+    from tests.services import NAMES, ON_DEMAND
     from tests.services import __main__ as cli
 
     calls: list[tuple[str, str]] = []
@@ -606,7 +673,7 @@ def test_start_all_leaves_yarn_to_its_fixture_and_stop_all_stops_it(monkeypatch)
 
     monkeypatch.setattr(cli, "get", Fake)
     assert cli.main(["start", "all"]) == 0
-    assert [n for _, n in calls] == [n for n in NAMES if n != "yarn"]
+    assert "yarn" in ON_DEMAND and [n for _, n in calls] == [n for n in NAMES if n not in ON_DEMAND]
     calls.clear()
     assert cli.main(["start", "yarn"]) == 0
     assert calls == [("start", "yarn")]

@@ -41,6 +41,13 @@ def decode(arg: str) -> Any:
     return json.loads(base64.urlsafe_b64decode(arg.encode()))
 
 
+def _python_here() -> dict[str, Any]:
+    """This process's container, its Python (``sys.prefix``: a venv's folder) and twophase's file."""
+    import twophase
+
+    return {"container": os.environ.get("CONTAINER_ID"), "prefix": sys.prefix, "twophase": twophase.__file__}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--input", required=True, help="folder of JSON-lines files (id, file, amount)")
@@ -69,9 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     # replace it); --name below is the coordinator's, the same for every submission of the job.
     spark = SparkSession.builder.getOrCreate()
     # CONTAINER_ID (set by the NodeManager) names the attempt: container_<app>_<attempt>_<n>; a
-    # client-mode driver has none.
-    print(f"yarn-job driver: application {spark.sparkContext.applicationId} "
-          f"container {os.environ.get('CONTAINER_ID')}", file=sys.stderr, flush=True)
+    # client-mode driver has none.  Where the driver's and the executors' Python and twophase come
+    # from (a packed venv shipped with --archives, or the submitting machine's venv): one line each.
+    print("yarn-job driver: " + json.dumps(dict(
+        application=spark.sparkContext.applicationId, **_python_here())), file=sys.stderr, flush=True)
+    executors = spark.sparkContext.parallelize(range(4), 4).map(lambda _: _python_here()).collect()
+    print("yarn-job executors: " + json.dumps(sorted({json.dumps(e, sort_keys=True) for e in executors})),
+          file=sys.stderr, flush=True)
     coordinator = Coordinator(sink_from_config(decode(args.sink_config)),
                               checkpoint_location=args.checkpoint, log_location=args.log,
                               storage_options=decode(args.log_options) if args.log_options else None,
