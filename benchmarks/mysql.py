@@ -10,22 +10,31 @@ connection per input partition) with MariaDB Connector/J (:data:`CONNECTOR_J`, f
 into the jar cache) and Spark's usual tuning: ``batchsize`` 1000 (Spark's default, as in the
 PostgreSQL section) and the driver's bulk protocol for batched INSERTs (``useBulkStmtsForInserts``,
 on by default since Connector/J 3.2; ``rewriteBatchedStatements`` was removed in 3.0).  The url is
-``jdbc:mysql:`` (with ``permitMysqlScheme``) so that Spark picks its MySQL dialect.  Each writer has
-its own table ``(id BIGINT, payload TEXT)`` (InnoDB), truncated (untimed) before every run.
+``jdbc:mysql:`` (with ``permitMysqlScheme``) so that Spark picks its MySQL dialect.  Unless ``--quick``,
+MySQL's own Connector/J (:data:`MYSQL_CONNECTOR_J`) is a second baseline, in the same interleaved runs:
+with its defaults (what a ``jdbc:mysql:`` url gets: a batch goes one INSERT per row) and with
+``rewriteBatchedStatements=true`` (one multi-row INSERT per batch).  Each writer has its own table
+``(id BIGINT, payload TEXT)`` (InnoDB), truncated (untimed) before every run.
+
+**Server accounting.** Per run: the whole MariaDB process's CPU (every thread: InnoDB's background work
+and any other client of the shared server count too), the CPU of the server threads that served the
+writer's own connections (:class:`_WriterThreads`), and ``SHOW GLOBAL STATUS`` deltas (:data:`STATUS`).
 
 **Loaders.** One connection in this process, the same rows (collected to Arrow, untimed) in Arrow
 batches of 10,000 into one table, inside ``XA START`` / ``XA END`` / ``XA PREPARE`` and an ``XA
 COMMIT`` from a second connection, as the sink does: the INSERT path (the sink's upsert mode and
 its fallback; its insert mode's loader before issue 49: each value through ``sinks.mysql._py_value``,
 PyMySQL ``executemany`` of 1,000 rows, which PyMySQL sends as one multi-row INSERT) against ``LOAD
-DATA LOCAL INFILE`` of each batch written as CSV by ``pyarrow.csv`` to a temporary file (the sink's
-insert mode sends it from memory instead).  LOAD DATA LOCAL needs the client to allow it (PyMySQL
-``local_infile=True``) and the server's ``local_infile`` ON (MariaDB's default; checked here).  Both the whole transaction and its load step alone are timed, with this
-process's CPU seconds.
+DATA LOCAL INFILE`` of each batch written as CSV by ``pyarrow.csv`` to a temporary file, in the sink's
+CSV form and statement (``CHARACTER SET binary``; the sink's insert mode sends it from memory instead).
+LOAD DATA LOCAL needs the client to allow it (PyMySQL ``local_infile=True``) and the server's
+``local_infile`` ON (MariaDB's default; checked here).  Both the whole transaction and its load step
+alone are timed, with this process's CPU seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -47,15 +56,25 @@ from benchmarks.common import (
 
 GOAL = 1.5  # issue 49: at least 1.5x Spark's JDBC writer, as PostgreSQL does
 OURS, SPARK = "MySqlSink (exactly-once)", "Spark df.write.jdbc (MariaDB Connector/J)"
+#: MySQL's own Connector/J (what ``jdbc:mysql:`` users of Spark get), a second baseline: with its defaults
+#: (a batch is sent one INSERT per row) and with ``rewriteBatchedStatements=true`` (one multi-row INSERT
+#: per batch).  Measured beside the others, interleaved, but not with ``--quick`` (row by row is slow).
+MYSQL_CONNECTOR_J = "com.mysql:mysql-connector-j:26.10.0"
+SPARK_MYSQL = "Spark df.write.jdbc (MySQL Connector/J, defaults)"
+SPARK_MYSQL_RW = "Spark df.write.jdbc (MySQL Connector/J, rewriteBatchedStatements=true)"
+#: Server counters recorded per run (``SHOW GLOBAL STATUS`` deltas; the server is shared: other clients count too).
+STATUS = ("Questions", "Com_load", "Com_insert", "Handler_write", "Innodb_rows_inserted", "Innodb_row_lock_waits",
+          "Innodb_buffer_pool_pages_flushed", "Innodb_os_log_written", "Bytes_received")
 INSERT, LOAD = "multi-row INSERT (upsert mode)", "LOAD DATA LOCAL INFILE (insert mode)"
 ARROW_BATCH = 10_000  # rows per Arrow batch the loaders get (Spark's maxRecordsPerBatch default)
 
 
 def jars() -> list[str]:
-    """MariaDB Connector/J for Spark's JDBC writer (resolved once into the jar cache)."""
+    """MariaDB's and MySQL's Connector/J for Spark's JDBC writer (resolved once into the jar cache)."""
     from tests.services.maven import MARIADB_CONNECTOR_J, resolve
 
-    return [str(j) for j in resolve([MARIADB_CONNECTOR_J], "mariadb-jdbc")]
+    return [str(j) for j in resolve([MARIADB_CONNECTOR_J], "mariadb-jdbc")
+            + resolve([MYSQL_CONNECTOR_J], "mysql-jdbc")]
 
 
 def _connect(info: dict[str, Any], **kw: Any):
@@ -63,6 +82,61 @@ def _connect(info: dict[str, Any], **kw: Any):
 
     return pymysql.connect(host=info["host"], port=info["port"], user=info["user"], password=info["password"],
                            database=info["database"], autocommit=True, charset="utf8mb4", **kw)
+
+
+def _threads_oncpu(pid: int) -> dict[int, int]:
+    """Nanoseconds on CPU so far of each thread of process ``pid`` (``/proc/<pid>/task/*/schedstat``)."""
+    out: dict[int, int] = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                out[int(t)] = int(f.read().split()[0])
+        except OSError:
+            pass  # ended meanwhile
+    return out
+
+
+class _WriterThreads:
+    """The server's CPU seconds in the threads that served one writer's connections during a run.
+
+    The whole server's CPU (``server_cpu_s``) counts its background threads and every other client of the
+    shared server too.  Here a thread polls ``information_schema.PROCESSLIST`` every 10 ms for connections
+    whose running statement names the writer's table (the executors' LOAD DATA / INSERTs; MariaDB >= 10.5
+    shows each one's server thread, ``TID``) and the CPU of those threads between the start and the end of
+    the run is summed.  A connection none of whose statements is caught by a poll is missed: the driver's
+    ``XA COMMIT`` (a millisecond) is, a writer's connection that loads for tenths of a second is not."""
+
+    def __init__(self, info: dict[str, Any], pid: int, table: str) -> None:
+        self.info, self.pid, self.table = info, pid, table
+        self.seen: set[int] = set()
+
+    def __enter__(self) -> _WriterThreads:
+        import threading
+
+        self.before = _threads_oncpu(self.pid)
+        self.stop = threading.Event()
+        self.conn = _connect(self.info)
+        self.poller = threading.Thread(target=self._poll, daemon=True)
+        self.poller.start()
+        return self
+
+    def _poll(self) -> None:
+        like = "%" + self.table.replace("\\", "\\\\").replace("_", "\\_").replace("%", "\\%") + "%"
+        with self.conn.cursor() as cur:
+            while True:
+                cur.execute("SELECT TID FROM information_schema.PROCESSLIST WHERE INFO LIKE %s "
+                            "AND ID <> CONNECTION_ID()", (like,))
+                self.seen.update(int(r[0]) for r in cur.fetchall() if r[0])
+                if self.stop.wait(0.01):
+                    return
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.poller.join()
+        self.conn.close()
+        after = _threads_oncpu(self.pid)
+        self.cpu_s = sum(after.get(t, 0) - self.before.get(t, 0) for t in self.seen) / 1e9
+        self.connections = len(self.seen)
 
 
 def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
@@ -98,13 +172,20 @@ def run(spark, df, params: Params, services: dict[str, Any]) -> dict[str, Any]:
         for t in made:
             sql(f"DROP TABLE IF EXISTS `{t}`")
         conn.close()
-    goals = [goal(f"MySqlSink >= {GOAL}x Spark df.write.jdbc at {pt['partitions']} partitions", pt["ratio"],
-                  GOAL, ">=") for pt in points]
-    return {"title": "MySQL / MariaDB", "baseline": SPARK, "connector_j": _coordinate(), "points": points,
+    goals = [goal(f"MySqlSink >= {GOAL}x Spark df.write.jdbc (MariaDB Connector/J, bulk) at {pt['partitions']} "
+                  "partitions", pt["ratio"], GOAL, ">=") for pt in points]
+    goals += [goal(f"MySqlSink >= {GOAL}x Spark df.write.jdbc ({name.split('(', 1)[1][:-1]}) at "
+                   f"{pt['partitions']} partitions", r, GOAL, ">=")
+              for name in (SPARK_MYSQL_RW, SPARK_MYSQL) for pt in points
+              if (r := pt["ratios_mysql_connector_j"].get(name)) is not None]
+    return {"title": "MySQL / MariaDB", "baseline": SPARK, "connector_j": _coordinate(),
+            "mysql_connector_j": None if params.quick else MYSQL_CONNECTOR_J, "points": points,
             "loaders": loaders, "goals": goals,
             "note": ("MySqlSink through Coordinator.write (at most defaultParallelism XA branches per batch) "
                      "against Spark's df.write.jdbc (one task and connection per input partition, batchsize "
-                     "1000, Connector/J's bulk INSERTs), same cached DataFrame of P partitions, interleaved.")}
+                     "1000): MariaDB Connector/J with its bulk INSERTs and, unless --quick, MySQL Connector/J "
+                     "with its defaults (one INSERT a row) and with rewriteBatchedStatements=true (one "
+                     "multi-row INSERT a batch); same cached DataFrame of P partitions, interleaved.")}
 
 
 def _coordinate() -> str:
@@ -119,6 +200,7 @@ def _point(spark, df, params: Params, info: dict[str, Any], p: int, tag: str, cr
     from twophase.sinks.mysql import MySqlSink
 
     ours_t, jdbc_t = create(f"bench_my_sink_{tag}_{p}"), create(f"bench_my_jdbc_{tag}_{p}")
+    mysql_ts = [] if params.quick else [create(f"bench_my_cj_{tag}_{p}"), create(f"bench_my_cjrw_{tag}_{p}")]
     dp = df.repartition(p).cache()
     dp.count()
     sink = MySqlSink(info["host"], info["port"], info["database"], ours_t, user=info["user"],
@@ -129,32 +211,67 @@ def _point(spark, df, params: Params, info: dict[str, Any], p: int, tag: str, cr
            "?permitMysqlScheme&useBulkStmtsForInserts=true")
     props = {"user": info["user"], "password": info["password"], "driver": "org.mariadb.jdbc.Driver",
              "batchsize": "1000"}
+    # MySQL Connector/J: the plain url (its defaults), then the one setting Spark users add for batches.
+    my_url = f"jdbc:mysql://{info['host']}:{info['port']}/{info['database']}"
+    my_props = dict(props, driver="com.mysql.cj.jdbc.Driver")
 
     def truncate(t: str):
         return lambda: sql(f"TRUNCATE TABLE `{t}`")
+
+    def status() -> dict[str, int]:
+        return {k: int(v) for k, v in sql("SHOW GLOBAL STATUS WHERE variable_name IN "
+                                           f"({', '.join(['%s'] * len(STATUS))})", STATUS)}
+
+    def counted(fn, table: str):
+        def run():
+            s0 = status()
+            with _WriterThreads(info, pgid, table) if pgid else contextlib.nullcontext() as w:
+                out = fn() or {}
+            s1 = status()
+            out = dict(out, status={k: s1.get(k, 0) - s0.get(k, 0) for k in STATUS})
+            if w is not None:
+                out.update(writer_server_cpu_s=round(w.cpu_s, 4), writer_server_threads=w.connections)
+            return out
+        return run
 
     def ours():
         prog = coord.write(dp, batch_id=next(batch))
         assert prog["rows"] == params.rows, prog
         return {k: prog[k] for k in ("handles", "prepare_ms", "commit_ms", "log_ms", "total_ms")}
 
-    def theirs():
-        dp.write.jdbc(url, jdbc_t, mode="append", properties=props)
+    def jdbc(u: str, table: str, pr: dict[str, str]):
+        return lambda: dp.write.jdbc(u, table, mode="append", properties=pr)
 
-    variants = [Variant(OURS, ours, truncate(ours_t)), Variant(SPARK, theirs, truncate(jdbc_t))]
+    variants = [Variant(OURS, counted(ours, ours_t), truncate(ours_t)),
+                Variant(SPARK, counted(jdbc(url, jdbc_t, props), jdbc_t), truncate(jdbc_t))]
+    if mysql_ts:
+        variants += [Variant(SPARK_MYSQL, counted(jdbc(my_url, mysql_ts[0], my_props), mysql_ts[0]),
+                             truncate(mysql_ts[0])),
+                     Variant(SPARK_MYSQL_RW, counted(jdbc(my_url + "?rewriteBatchedStatements=true", mysql_ts[1],
+                                                          my_props), mysql_ts[1]), truncate(mysql_ts[1]))]
     try:
         interleave(variants, params.reps, params.warmup, f"mysql/P={p}", server_pgid=pgid)
-        for t in (ours_t, jdbc_t):  # the last run of each left every row, once
+        for t in (ours_t, jdbc_t, *mysql_ts):  # the last run of each left every row, once
             n, distinct = sql(f"SELECT count(*), count(DISTINCT id) FROM `{t}`")[0]
             assert n == distinct == params.rows, f"{t} holds {n} rows ({distinct} ids), expected {params.rows}"
     finally:
         sink.close()
         dp.unpersist()
     s = {v.name: summarize(v, params.rows, nbytes) for v in variants}
+    for v in variants:
+        s[v.name]["status_median"] = {k: statistics.median(e["status"][k] for e in v.extras) for k in STATUS}
+        if pgid:
+            s[v.name]["writer_server_cpu_s"] = [e["writer_server_cpu_s"] for e in v.extras]
+            s[v.name]["writer_server_cpu_median_s"] = round(statistics.median(s[v.name]["writer_server_cpu_s"]), 3)
+            s[v.name]["writer_server_threads"] = [e["writer_server_threads"] for e in v.extras]
     r = ratio(s[OURS], s[SPARK])
     ex = variants[0].extras
-    progress(f"mysql: P={p}: {r:.2f}x Spark's JDBC writer")
+    progress(f"mysql: P={p}: {r:.2f}x Spark's JDBC writer (MariaDB Connector/J)")
+    others = {name: s.pop(name) for name in (SPARK_MYSQL, SPARK_MYSQL_RW) if name in s}
     return {"partitions": p, "variants": s, "ratio": r,
+            # MySQL Connector/J: beside "variants" (which holds the goal's two writers), same runs, interleaved.
+            "mysql_connector_j": others,
+            "ratios_mysql_connector_j": {name: ratio(s[OURS], v) for name, v in others.items()},
             "transactions_per_batch": sorted({e["handles"] for e in ex}),
             "phases_ms": ex,
             "commit_latency_ms": {"p50": percentile([e["commit_ms"] for e in ex], 50),
@@ -166,7 +283,7 @@ def _loaders(df, params: Params, info: dict[str, Any], table: str, sql, pgid: in
     """The sink's two loaders, multi-row INSERT and LOAD DATA LOCAL INFILE: same rows, same table, in one XA branch."""
     import pyarrow.csv as pacsv
 
-    from twophase.sinks.mysql import _py_value
+    from twophase.sinks.mysql import _csv_options, _csv_table, _py_value
 
     local_infile = sql("SELECT @@local_infile")[0][0]
     if not local_infile:
@@ -175,8 +292,7 @@ def _loaders(df, params: Params, info: dict[str, Any], table: str, sql, pgid: in
     batches = df.toArrow().to_batches(max_chunksize=ARROW_BATCH)
     insert_sql = f"INSERT INTO `{table}` (`id`, `payload`) VALUES (%s, %s)"
     scratch = tmpdir("mysql-load")
-    csv_opts = pacsv.WriteOptions(include_header=False, quoting_style="needed")
-    load_sql = (f"LOAD DATA LOCAL INFILE %s INTO TABLE `{table}` CHARACTER SET utf8mb4 "
+    load_sql = (f"LOAD DATA LOCAL INFILE %s INTO TABLE `{table}` CHARACTER SET binary "
                 "FIELDS TERMINATED BY ',' OPTIONALLY ENCLOSED BY '\"' ESCAPED BY '' "
                 "LINES TERMINATED BY '\\n' (id, payload)")
     xa = iter(range(10**9))
@@ -220,7 +336,7 @@ def _loaders(df, params: Params, info: dict[str, Any], table: str, sql, pgid: in
     def infile_load(cur) -> None:
         path = os.path.join(scratch, "batch.csv")
         for b in batches:
-            pacsv.write_csv(b, path, csv_opts)
+            pacsv.write_csv(_csv_table(b), path, _csv_options())  # the sink's CSV and statement
             cur.execute(load_sql, (path,))
             if cur.warning_count:  # LOCAL turns bad rows into warnings: would be lost rows
                 cur.execute("SHOW WARNINGS LIMIT 5")
@@ -265,16 +381,25 @@ def _loaders(df, params: Params, info: dict[str, Any], table: str, sql, pgid: in
 
 def markdown(s: dict[str, Any]) -> list[str]:
     """The section's tables for results.md (benchmarks/report.py knows the older sections only)."""
-    lines = [f"## {s['title']}", "", f"Spark's JDBC writer with `{s['connector_j']}`.", "",
-             "| input partitions | MySqlSink rows/s | Spark JDBC rows/s | ratio | MySqlSink median s | "
-             "Spark median s | transactions per batch | MariaDB CPU s: ours / Spark's |",
-             "|---:|---:|---:|---:|---:|---:|---|---|"]
+    cj = [f"`{s['connector_j']}` (bulk)"] + ([f"`{s['mysql_connector_j']}` (defaults; rewriteBatchedStatements="
+                                             "true)"] if s.get("mysql_connector_j") else [])
+    lines = [f"## {s['title']}", "", f"Spark's JDBC writer with {' and '.join(cj)}.", "",
+             "| input partitions | baseline | MySqlSink rows/s | Spark JDBC rows/s | ratio | MySqlSink median s | "
+             "Spark median s | transactions per batch | MariaDB CPU s, whole server: ours / Spark's | "
+             "MariaDB CPU s, the writer's connections: ours / Spark's | statements: ours / Spark's |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---|---|---|"]
     for pt in s["points"]:
-        o, t = pt["variants"][OURS], pt["variants"][SPARK]
-        cpu = " / ".join(f"{x['server_cpu_median_s']:.2f}" for x in (o, t) if "server_cpu_median_s" in x) or "-"
-        lines.append(f"| {pt['partitions']} | {o['rows_per_s']:,.0f} | {t['rows_per_s']:,.0f} | "
-                     f"**{pt['ratio']:.2f}x** | {o['median_s']:.3f} | {t['median_s']:.3f} | "
-                     f"{', '.join(str(h) for h in pt['transactions_per_batch'])} | {cpu} |")
+        o = pt["variants"][OURS]
+        base = [(SPARK, pt["variants"][SPARK], pt["ratio"])] + [
+            (n, v, pt["ratios_mysql_connector_j"][n]) for n, v in pt.get("mysql_connector_j", {}).items()]
+        for name, t, r in base:
+            cpu = " / ".join(f"{x['server_cpu_median_s']:.2f}" for x in (o, t) if "server_cpu_median_s" in x) or "-"
+            wcpu = " / ".join(f"{x['writer_server_cpu_median_s']:.2f}" for x in (o, t)
+                              if "writer_server_cpu_median_s" in x) or "-"
+            qs = " / ".join(f"{x['status_median']['Questions']:,.0f}" for x in (o, t) if "status_median" in x) or "-"
+            lines.append(f"| {pt['partitions']} | {name.split('(', 1)[1][:-1]} | {o['rows_per_s']:,.0f} | "
+                         f"{t['rows_per_s']:,.0f} | **{r:.2f}x** | {o['median_s']:.3f} | {t['median_s']:.3f} | "
+                         f"{', '.join(str(h) for h in pt['transactions_per_batch'])} | {cpu} | {wcpu} | {qs} |")
     ld = s["loaders"]
     lines += ["", s["note"], "", "| loader (one XA branch) | median s | load step median s | rows/s | "
               "client CPU s | MariaDB CPU s |", "|---|---:|---:|---:|---:|---:|"]
