@@ -76,6 +76,11 @@ def test_a_job_runs_on_two_executors_each_in_its_own_jvm(cluster_driver):
     wait_until(lambda: not cluster.executors(app_id), 60, f"the executors of {app_id} to exit")
 
 
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="CI time: an executor SIGKILLed mid-job and its task retried in another is the "
+                           "nemesis's executor-kill (tests/test_nemesis.py, on three sinks, checking that the "
+                           "killed attempt's partition ran again beside it), on the cluster of the test hosts; "
+                           "TWOPHASE_FULL_CHAOS=1 runs it")
 def test_an_executor_sigkilled_mid_job_costs_a_retried_task_not_the_job(cluster_driver, tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
