@@ -1066,19 +1066,28 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         cols = [[_py_value(v) for v in batch.column(i).to_pylist()] for i in range(batch.num_columns)]
         rows = list(zip(*cols))
         head, row_sql, tail = txn.extra["sql"]
+        label = f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual})"
         try:
             with txn.conn.cursor() as cur:
+                self._list_every_note(txn, cur)
+
+                def insert(values: list[str]) -> None:
+                    # A server without strict mode stores a bad value with a warning (a string cut to
+                    # the column's length): refused as the LOAD path refuses it.
+                    cur.execute(head + ", ".join(values) + tail)
+                    self._refuse_warnings(cur, label, "INSERT")
+
                 for i in range(0, len(rows), self.insert_rows):
                     values: list[str] = []
                     size = 0
                     for row in rows[i:i + self.insert_rows]:
                         v = cur.mogrify(row_sql, row)
                         if values and size + len(v) > _MAX_STATEMENT:  # as executemany splits
-                            cur.execute(head + ", ".join(values) + tail)
+                            insert(values)
                             values, size = [], 0
                         values.append(v)
                         size += len(v) + 2
-                    cur.execute(head + ", ".join(values) + tail)
+                    insert(values)
         except my.Error as e:
             raise MySqlWriteError(
                 f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): INSERT into table {self.table} failed: "
@@ -1144,25 +1153,9 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         conn._twophase_infile = (name.encode(), out.getvalue())
         try:
             with conn.cursor() as cur:
-                if not txn.extra.get("max_error_count"):
-                    # Every note listed (a decimal rounded to the column's scale gives one per row), up to
-                    # the server's maximum, so that notes can be told from warnings below.
-                    cur.execute("SET SESSION max_error_count = 65535")
-                    txn.extra["max_error_count"] = True
+                self._list_every_note(txn, cur)
                 loaded = cur.execute(sql)  # no arguments: no %-formatting of the names
-                warnings = cur.warning_count
-                if warnings:
-                    cur.execute("SHOW WARNINGS")
-                    listed = cur.fetchall()
-                    # Notes (1265: a value rounded to the column's scale, a timestamp stored as a DATE)
-                    # are what INSERT does silently in strict mode; warnings are what it refuses.
-                    bad = [w for w in listed if str(w[0]).lower() != "note"]
-                    if not bad and len(listed) >= warnings:
-                        return self._loaded(label, loaded, num_rows)
-                    shown = "; ".join(f"{w[2]} [{str(w[0]).lower()} {w[1]}]" for w in (bad or listed)[:3])
-                    raise MySqlWriteError(
-                        f"{label}: LOAD DATA into table {self.table} gave {warnings} warning(s): {self._redact(shown)}. "
-                        "The branch is rolled back; nothing of this batch became visible.")
+                self._refuse_warnings(cur, label, "LOAD DATA")
         except my.Error as e:
             if _errno(e) in _LOCAL_INFILE_OFF:
                 if (self.host, self.port) not in _NO_LOCAL_INFILE:
@@ -1177,6 +1170,34 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         finally:
             conn._twophase_infile = None
         return self._loaded(label, loaded, num_rows)
+
+    @staticmethod
+    def _list_every_note(txn: MySqlTransaction, cur: Any) -> None:
+        """Once per branch: every note listed by SHOW WARNINGS (a decimal rounded to the column's scale
+        gives one per row), up to the server's maximum, so that notes can be told from warnings."""
+        if not txn.extra.get("max_error_count"):
+            cur.execute("SET SESSION max_error_count = 65535")
+            txn.extra["max_error_count"] = True
+
+    def _refuse_warnings(self, cur: Any, label: str, statement: str) -> None:
+        """Fail the write if the statement just run left a warning (notes pass).
+
+        Notes (1265: a value rounded to the column's scale, a timestamp stored as a DATE) are what
+        INSERT does silently in strict mode; warnings are what strict mode refuses, and what a server
+        without STRICT_TRANS_TABLES (or LOAD DATA in any mode) stores anyway: a string cut to the
+        column's length, a NULL made 0, an out-of-range number clamped."""
+        warnings = cur.warning_count
+        if not warnings:
+            return
+        cur.execute("SHOW WARNINGS")
+        listed = cur.fetchall()
+        bad = [w for w in listed if str(w[0]).lower() != "note"]
+        if not bad and len(listed) >= warnings:
+            return
+        shown = "; ".join(f"{w[2]} [{str(w[0]).lower()} {w[1]}]" for w in (bad or listed)[:3])
+        raise MySqlWriteError(
+            f"{label}: {statement} into table {self.table} gave {warnings} warning(s): {self._redact(shown)}. "
+            "The branch is rolled back; nothing of this batch became visible.")
 
     def _loaded(self, label: str, loaded: int, num_rows: int) -> bool:
         if loaded != num_rows:

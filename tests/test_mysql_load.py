@@ -192,6 +192,42 @@ def test_a_value_the_server_only_warns_about_fails_the_load(env, monkeypatch, ca
     assert loads == []  # it raised inside the load
 
 
+@pytest.mark.parametrize("case", ["bad integer", "null in not null", "too long"])
+def test_a_server_without_strict_mode_fails_the_insert_path_on_a_warning_as_the_load_path(env, monkeypatch, case):
+    """Issue 49: the INSERT path (upsert mode; insert mode's fallback) on a server without strict mode
+    (``sql_mode=''``, MySQL's default before 5.7 and some managed servers'), which stores a bad value
+    with a warning: a string cut to the column's length, a NULL made 0, a bad number made 0.  Before,
+    the write went through and the branch committed the changed values; now it fails, naming the
+    warning, and nothing is stored.  The sink's own sessions run without strict mode here (its
+    connections set ``sql_mode=''``), the rest of the server is untouched."""
+    real_connect = MySqlSink._connect
+
+    def lax_connect(self, load=False):
+        conn = real_connect(self, load)
+        with conn.cursor() as cur:
+            cur.execute("SET SESSION sql_mode = ''")
+        return conn
+
+    monkeypatch.setattr(MySqlSink, "_connect", lax_connect)
+    tbl = env["table"]("id BIGINT PRIMARY KEY, n INT NOT NULL, v VARCHAR(3)")
+    n, v = pa.array([5, 6], pa.int32()), pa.array(["a", "b"])
+    if case == "bad integer":
+        n = pa.array(["5", "x"])
+    elif case == "null in not null":
+        n = pa.array([5, None], pa.int32())
+    else:
+        v = pa.array(["a", "abcd"])
+    batch = pa.record_batch({"id": pa.array([1, 2], pa.int64()), "n": n, "v": v})
+    with pytest.raises(MySqlWriteError, match=r"INSERT into table .* gave 1 warning\(s\): .*\[warning \d+\]"):
+        write(env["make"](tbl, mode="upsert", key_columns=["id"]), [batch])
+    assert q(env["db"], f"SELECT COUNT(*) FROM `{tbl}`")[0][0] == 0
+    # The same session mode, good values: written (the check is on warnings, not on the mode).
+    good = pa.record_batch({"id": pa.array([1, 2], pa.int64()), "n": pa.array([5, 6], pa.int32()),
+                            "v": pa.array(["a", "b"])})
+    write(env["make"](tbl, mode="upsert", key_columns=["id"]), [good])
+    assert q(env["db"], f"SELECT id, n, v FROM `{tbl}` ORDER BY id") == ((1, 5, "a"), (2, 6, "b"))
+
+
 def test_a_server_that_refuses_local_loads_gets_inserts_and_one_log_line(env, monkeypatch, caplog):
     """The real server's refusal (here: the connection does not offer LOCAL, answered as with
     local_infile=OFF): the batch goes in by INSERT inside the same branch; logged once."""
