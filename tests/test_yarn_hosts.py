@@ -161,7 +161,8 @@ def test_the_daemons_listen_on_their_own_hosts_address_only(yarn_hosts_service):
 
 @pytest.mark.chaos
 @on_hosts
-def test_the_am_sigkilled_on_its_host_is_restarted_by_yarn_and_every_id_lands_once(yarn_hosts_service, tmp_path):
+def test_the_am_sigkilled_on_its_host_is_restarted_by_yarn_and_every_id_lands_once(yarn_hosts_service, tmp_path,
+                                                                                   request):
     from hdfs import InsecureClient
 
     from tests.conftest import _service
@@ -169,7 +170,9 @@ def test_the_am_sigkilled_on_its_host_is_restarted_by_yarn_and_every_id_lands_on
     info = _service("hdfs_host")
     client = InsecureClient(info["webhdfs_url"], user=info["user"])
     t = _hdfs_target(tmp_path, info)
+    request.addfinalizer(t.cleanup)
     name = f"yarn-hosts-{uuid.uuid4().hex[:8]}"
+    request.addfinalizer(lambda: client.delete(f"/twophase-yarn-hosts/{name}", recursive=True))
     ids = write_input(tmp_path / "in", FILES, RECORDS)
     input_dir = f"/twophase-yarn-hosts/{name}/in"
     for f in sorted((tmp_path / "in").glob("*.json")):
@@ -227,41 +230,37 @@ def test_the_am_sigkilled_on_its_host_is_restarted_by_yarn_and_every_id_lands_on
         _stop(proc)
         if app_id:
             _kill_app(app_id)
-        client.delete(f"/twophase-yarn-hosts/{name}", recursive=True)
     took = time.monotonic() - t0
-    try:
-        assert rc == 0, log.read_text(errors="replace")[-3000:]
-        app = yarn.app(app_id, base=BASE)
-        assert app is not None and (app["state"], app["finalStatus"]) == ("FINISHED", "SUCCEEDED"), app
-        attempts: list[dict] = []
+    assert rc == 0, log.read_text(errors="replace")[-3000:]
+    app = yarn.app(app_id, base=BASE)
+    assert app is not None and (app["state"], app["finalStatus"]) == ("FINISHED", "SUCCEEDED"), app
+    attempts: list[dict] = []
 
-        def settled() -> bool:
-            attempts[:] = yarn.app_attempts(app_id, base=BASE)
-            return bool(attempts) and attempts[-1]["appAttemptState"] not in ("RUNNING", "FINISHING")
-        wait_until(settled, 60, f"the last attempt of {app_id} to end")
-        # YARN itself started attempt 2 (nobody resubmitted), in a new AM container on a worker host.
-        assert [a["id"] for a in attempts] == [1, 2], attempts
-        assert [a["appAttemptState"] for a in attempts] == ["FAILED", "FINISHED"], attempts
-        assert attempts[0]["containerId"] == first[0]["containerId"] != attempts[1]["containerId"]
-        # On the other worker host (the ResourceManager skips a failed AM's node), which took the
-        # log over once attempt 1's lease (held on the first host) had expired.
-        second_host = attempts[1]["nodeId"].split(":")[0]
-        assert {am_host, second_host} == {"worker-1", "worker-2"}, attempts
-        assert _skipped_for(attempts[1]) == [am_host], attempts
-        assert (holder["host"], holder["epoch"]) == (am_host, 1), holder
-        assert (_lease(t)["host"], _lease(t)["epoch"]) == (second_host, 2), _lease(t)
-        taken = json.loads(t.log_read("epochs/0000000002.json"))["body"]["started_at"] - killed_at
-        rm_log = YARN_HOSTS.daemon_log_path(YARN_HOSTS.resourcemanager).read_text(errors="replace")
-        assert (f"Updating application attempt {attempts[0]['appAttemptId']} with final state: FAILED, "
-                f"and exit status: 137") in rm_log
-        assert progress_at_kill < len(t.log_names())
-        assert committed_at_kill != list(range(FILES)), committed_at_kill
-        assert _committed(t) == list(range(FILES))
-        _check_target(t, ids)
-        # Spark removed its staging folder on HDFS when the application succeeded.
-        assert not client.status(app_staging, strict=False), client.list(app_staging)
-    finally:
-        t.cleanup()
+    def settled() -> bool:
+        attempts[:] = yarn.app_attempts(app_id, base=BASE)
+        return bool(attempts) and attempts[-1]["appAttemptState"] not in ("RUNNING", "FINISHING")
+    wait_until(settled, 60, f"the last attempt of {app_id} to end")
+    # YARN itself started attempt 2 (nobody resubmitted), in a new AM container on a worker host.
+    assert [a["id"] for a in attempts] == [1, 2], attempts
+    assert [a["appAttemptState"] for a in attempts] == ["FAILED", "FINISHED"], attempts
+    assert attempts[0]["containerId"] == first[0]["containerId"] != attempts[1]["containerId"]
+    # On the other worker host (the ResourceManager skips a failed AM's node), which took the
+    # log over once attempt 1's lease (held on the first host) had expired.
+    second_host = attempts[1]["nodeId"].split(":")[0]
+    assert {am_host, second_host} == {"worker-1", "worker-2"}, attempts
+    assert _skipped_for(attempts[1]) == [am_host], attempts
+    assert (holder["host"], holder["epoch"]) == (am_host, 1), holder
+    assert (_lease(t)["host"], _lease(t)["epoch"]) == (second_host, 2), _lease(t)
+    taken = json.loads(t.log_read("epochs/0000000002.json"))["body"]["started_at"] - killed_at
+    rm_log = YARN_HOSTS.daemon_log_path(YARN_HOSTS.resourcemanager).read_text(errors="replace")
+    assert (f"Updating application attempt {attempts[0]['appAttemptId']} with final state: FAILED, "
+            f"and exit status: 137") in rm_log
+    assert progress_at_kill < len(t.log_names())
+    assert committed_at_kill != list(range(FILES)), committed_at_kill
+    assert _committed(t) == list(range(FILES))
+    _check_target(t, ids)
+    # Spark removed its staging folder on HDFS when the application succeeded.
+    assert not client.status(app_staging, strict=False), client.list(app_staging)
     print(f"AM SIGKILLed on {am_host} {delay:.1f}s into batch {len(committed_at_kill)}; attempt 2 on "
           f"{second_host}, took the log {taken:.0f}s after the kill; staging {info['namenode']}{app_staging}: {took:.1f}s")
 
