@@ -530,9 +530,9 @@ def spark_submit_command(script: str | Path, *args: str, deploy_mode: str = "clu
     the Spark jars are the wheel's (``spark.yarn.jars=local:``,
     nothing uploaded), staging is ``staging_dir`` (default the service's, on the local
     filesystem).  On a real cluster the hosts do not share this venv: ship one packed with
-    venv-pack as ``--conf spark.archives=env.tar.gz#env`` with ``spark.pyspark.python=./env/bin/python``
-    (``spark.yarn.appMasterEnv.PYSPARK_PYTHON`` too in cluster mode; tests/test_cluster_archives.py
-    packs such a venv), drop ``spark.yarn.jars`` (or point it at the jars on HDFS), and put staging
+    venv-pack as ``--archives env.tar.gz#env`` with ``spark.pyspark.python=./env/bin/python``
+    (``spark.yarn.appMasterEnv.PYSPARK_PYTHON`` too in cluster mode), as the ``[hdfs]`` AM-kill test
+    of tests/test_yarn.py submits it (tests/packing.py packs the venv by docs/clusters.md), drop ``spark.yarn.jars`` (or point it at the jars on HDFS), and put staging
     on HDFS (the default: the submitting user's home there).
 
     ``staging_dir`` is a local path or a URL (``hdfs://namenode:port/dir``: the NodeManagers
