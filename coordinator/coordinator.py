@@ -54,6 +54,13 @@ _STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "Streami
                      "StreamingGlobalLimit")
 
 
+def _cancelled(e: BaseException) -> bool:
+    """Whether a Spark action failed because its job was cancelled (a stopping query's, a cancelled
+    job group's), not because of the batch."""
+    text = str(e)
+    return "SPARK_JOB_CANCELLED" in text or "cancelled because SparkContext was shut down" in text
+
+
 def _job_failure(e: BaseException) -> str:
     """The cause of a failed Spark job in one line: py4j's first line only names the call
     (``An error occurred while calling ...collectAndServe``); the task's failure is below."""
@@ -294,6 +301,7 @@ class Coordinator:
         self._collect_ms = 0.0         # the driver path's collect
         self._last_rows: int | None = None  # rows of the last batch this coordinator's tasks wrote
         self._rows_refused = False     # a row did not convert: the Arrow path from then on
+        self._collect_refused = False  # a driver's collect failed: "auto" keeps to the tasks from then on
         self._batch_input = ""         # the path the current batch's tasks took
         self._probed = False           # executors checked (cluster masters, first batch)
         self._job: tuple[Any, str] | None = None  # (SparkContext, job group) of the batch's job while it runs
@@ -681,8 +689,9 @@ class Coordinator:
         Arrow task path (a burst after small batches), its plan run again there."""
         bound = self.driver_batch_rows
         if self.task_input == "auto":
-            if bound <= 0 or self._last_rows is None or self._last_rows > bound:
-                return None  # driver_batch_rows=0, the first batch, or after a large one: tasks
+            if bound <= 0 or self._last_rows is None or self._last_rows > bound or self._collect_refused:
+                # driver_batch_rows=0, the first batch, after a large one, or after a failed collect
+                return None
         elif self.task_input != "driver" or bound <= 0:
             return None
         if self.sink.prepares_batches():
@@ -711,14 +720,21 @@ class Coordinator:
             if table.num_rows <= bound:
                 table = table.cast(target)
         except Exception as e:  # noqa: BLE001 - nothing of the batch was planned yet: the tasks write it
+            if _cancelled(e):
+                # The query is being stopped (or its job group cancelled): no fallback job for it.
+                raise
             # A type toArrow() refuses (the Arrow tasks convert it), rows past spark.driver.maxResultSize
             # (the bound counts rows, not bytes), ...: the batch takes the Arrow task path, which reads
-            # it again.  A failure of the batch's own (its source) fails there too.
+            # it again.  A failure of the batch's own (its source) fails there too.  Under "auto" the
+            # later batches keep to the tasks (the same columns would fail the same collect).
             # The cause, not py4j's "An error occurred while calling ..." nor a wrapper's "awaitResult".
             first = next((ln.strip()[:300] for ln in str(e).splitlines()
                           if "Exception:" in ln and "awaitResult" not in ln and "error occurred while" not in ln),
                          _job_failure(e))
             self._input_note = f"{_COLLECT_FAILED} ({first}): the Arrow task path"
+            if self.task_input == "auto":
+                self._collect_refused = True
+                self._input_note += ", for this batch and the coordinator's next ones"
             log.warning("%s: %s", self.name, self._input_note)
             return None
         finally:

@@ -155,7 +155,9 @@ from twophase.spark import local_session
 out, log, ck, batch_out, batch_log = sys.argv[1:6]
 spark = local_session("local[2]", "connect-no-checkpoint", connect=True)
 # A batch DataFrame over Connect: the coordinator runs in this client; batch 0 twice = once.
-c = Coordinator(FileSink(batch_out, format="jsonl"), log_location=batch_log, name="connect-batch")
+# Tasks for every batch (driver_batch_rows=0): batch 1's coalesce(1) is about the task plan.
+c = Coordinator(FileSink(batch_out, format="jsonl"), log_location=batch_log, name="connect-batch",
+                driver_batch_rows=0)
 df = spark.range(0, 100, 1, 3).selectExpr("CAST(id AS STRING) AS id")
 first, again = c.write(df, batch_id=0), c.write(df, batch_id=0)
 # A batch that ends in the user's own coalesce(1) keeps it (one task, one file).

@@ -116,6 +116,9 @@ for task_input in ("arrow", "driver", "auto"):
             batch = 1
         p = c.write(df, batch_id=batch)
         found[task_input] = {"rows": p["rows"], "task_input": p["task_input"], "note": p["input_note"][:300]}
+        if task_input == "auto":  # a small batch after the failed collect: no collect tried again
+            n = c.write(small, batch_id=batch + 1)
+            found["auto-next"] = {"task_input": n["task_input"], "collect_ms": n["collect_ms"]}
     except Exception as e:
         text = str(e)
         found[task_input] = {"error": next((ln.strip()[:300] for ln in text.splitlines() if "maxResultSize" in ln),
@@ -146,6 +149,10 @@ def test_wide_rows_under_the_row_bound_fall_back_to_tasks_instead_of_failing_the
         got = found[task_input]
         assert (got["rows"], got["task_input"]) == (400, "arrow"), found
         assert got["note"].startswith("the driver's collect failed (") and "maxResultSize" in got["note"], found
+    # Under "auto" the coordinator's next batches keep to the tasks: the same columns would fail the same
+    # collect, each batch paying for it first.
+    assert "next ones" in found["auto"]["note"], found
+    assert found["auto-next"]["task_input"] in ("rows", "arrow") and found["auto-next"]["collect_ms"] == 0, found
 
 
 class WholeBatches(TwoPhaseCommitSink):

@@ -91,6 +91,35 @@ def test_driver_input_stays_on_the_driver_up_to_the_bound_and_no_further(spark, 
     assert _file_ids(out) == list(range(102))
 
 
+def test_a_collect_whose_job_is_cancelled_fails_the_batch_instead_of_starting_the_task_path(spark, tmp_path):
+    """A stopping query cancels the batch's running job (``q.stop()``: SPARK_JOB_CANCELLED).  If that
+    job is the driver path's collect, the batch fails with the cancellation; before, the coordinator
+    took it for a collect that cannot work and started the Arrow tasks for a query being stopped
+    (seen at the stops of the cluster benchmark's driver-path queries).  Here the running jobs are
+    cancelled from another thread while the collect waits on a slow column."""
+    import threading
+
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType
+
+    slow = F.udf(lambda x: (time.sleep(0.5), x)[1], LongType())
+    out = tmp_path / "out"
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="cancelled", task_input="driver")
+    df = spark.range(0, 40, numPartitions=2).select(slow("id").alias("id"))
+    timer = threading.Timer(3.0, spark.sparkContext.cancelAllJobs)
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Exception, match="SPARK_JOB_CANCELLED|cancelled"):
+            c.write(df, batch_id=0)
+    finally:
+        timer.cancel()
+        c.close()
+    # 40 rows at 0.5 s over 2 cores is 10 s: the write ended at the cancellation, no task path after it.
+    assert time.monotonic() - t0 < 9, time.monotonic() - t0
+    assert not list(out.glob("*.parquet"))
+
+
 def test_driver_path_settings_are_checked(tmp_path):
     with pytest.raises(ConfigurationError, match="task_input must be one of auto, arrow, rows, driver"):
         Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"), task_input="pickle")
