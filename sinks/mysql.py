@@ -74,6 +74,15 @@ ER_NO_SUCH_THREAD = 1094  # KILL of a connection that is gone already
 DETACH_WAIT_SECONDS = 10.0
 #: Text columns' character sets LOAD DATA ... CHARACTER SET binary writes as INSERT does (the CSV is UTF-8).
 _LOAD_CHARSETS = frozenset({"utf8mb4", "utf8mb3", "utf8"})
+#: The most warnings and notes a server lists for one statement (max_error_count's maximum): each
+#: statement of a write carries at most this many values, so that every note can be seen.
+_MAX_LISTED = 65535
+#: ER_WARN_DEPRECATED_SYNTAX: a warning about the statement's syntax, not about a value.
+_DEPRECATED_SYNTAX = 1287
+#: Column types (information_schema's data_type) LOAD DATA reads a number's text into otherwise than
+#: INSERT stores the number (see ``MySqlSink._loadable``).
+_INTEGER_TYPES = frozenset({"tinyint", "smallint", "mediumint", "int", "integer", "bigint"})
+_TEXT_TYPES = frozenset({"char", "varchar", "tinytext", "text", "mediumtext", "longtext", "json"})
 #: Tables whose columns keep their batches on INSERT (logged once per table and process).
 _INSERT_TABLES: set[str] = set()
 #: Bytes of row values per multi-row INSERT at most (PyMySQL's executemany splits at 1,024,000).
@@ -1058,12 +1067,24 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                         "partition; a NULL key matches no row, so it cannot be upserted. Nothing of this batch "
                         "became visible; filter or fill NULL keys in Spark and restart the query.", column=k)
         self._refuse_non_finite(txn, batch)
-        if self.mode == "insert" and (self.host, self.port) not in _NO_LOCAL_INFILE and self._loadable(txn):
+        if self.mode == "insert" and (self.host, self.port) not in _NO_LOCAL_INFILE and self._loadable(txn, batch.schema):
             csv = _csv_table(batch)
-            if csv is not None and self._load(txn, csv, batch.num_rows):
-                txn.rows += batch.num_rows
-                return
-        cols = [[_py_value(v) for v in batch.column(i).to_pylist()] for i in range(batch.num_columns)]
+            if csv is not None:
+                step = _rows_per_statement(batch.num_columns)
+                for off in range(0, batch.num_rows, step):
+                    if not self._load(txn, csv.slice(off, step), min(step, batch.num_rows - off)):
+                        if off:  # LOCAL refused after a part was loaded: INSERT would write it twice
+                            raise MySqlWriteError(f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): the server "
+                                                  "stopped allowing LOAD DATA LOCAL in the middle of a batch. The "
+                                                  "branch is rolled back; nothing of this batch became visible.")
+                        break
+                else:
+                    txn.rows += batch.num_rows
+                    return
+        cols = [[_py_value(v) for v in batch.column(i).to_pylist()] if not (
+                    pa.types.is_duration(f.type) and txn.columns[name].data_type == "time")
+                else [None if v is None else _time_text(v) for v in batch.column(i).to_pylist()]
+                for i, (f, name) in enumerate(zip(batch.schema, txn.insert_columns))]
         rows = list(zip(*cols))
         head, row_sql, tail = txn.extra["sql"]
         label = f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual})"
@@ -1077,10 +1098,11 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                     cur.execute(head + ", ".join(values) + tail)
                     self._refuse_warnings(cur, label, "INSERT")
 
-                for i in range(0, len(rows), self.insert_rows):
+                step = min(self.insert_rows, _rows_per_statement(batch.num_columns))
+                for i in range(0, len(rows), step):
                     values: list[str] = []
                     size = 0
-                    for row in rows[i:i + self.insert_rows]:
+                    for row in rows[i:i + step]:
                         v = cur.mogrify(row_sql, row)
                         if values and size + len(v) > _MAX_STATEMENT:  # as executemany splits
                             insert(values)
@@ -1095,16 +1117,30 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 errno=_errno(e)) from None
         txn.rows += batch.num_rows
 
-    def _loadable(self, txn: MySqlTransaction) -> bool:
+    def _loadable(self, txn: MySqlTransaction, schema: pa.Schema) -> bool:
         """Whether LOAD DATA stores what the INSERT path stores in the mapped columns (asked once per
         transaction).  The CSV is UTF-8 and loaded ``CHARACTER SET binary`` (binary columns get their
         bytes as they are): a text column of another character set (latin1, utf16, ...) would get the
         UTF-8 bytes unconverted, without a warning; a BIT column reads "1" as a byte string (1264).
-        Those tables are written by INSERT."""
+        LOAD reads every field as text, where INSERT sends numbers: a YEAR column reads "0" as 2000
+        (INSERT's 0 is 0000), an integer column rounds a float's text "2.5" half up (INSERT's double
+        half to even), and a text or JSON column keeps a number's, time's or timestamp's CSV spelling
+        ("1e+20", "12:00:00.000000") where INSERT stores the server's ("1e20", "12:00:00").  Those
+        tables are written by INSERT."""
         ok = txn.extra.get("loadable")
         if ok is None:
-            odd = [c for c in (txn.columns[n] for n in txn.insert_columns or [])
-                   if c.data_type == "bit" or (c.charset is not None and c.charset not in _LOAD_CHARSETS)]
+            def odd_one(c: _Column, t: pa.DataType) -> bool:
+                if c.data_type in ("bit", "year"):
+                    return True
+                if c.charset is not None and c.charset not in _LOAD_CHARSETS:
+                    return True
+                if c.data_type in _INTEGER_TYPES and pa.types.is_floating(t):
+                    return True
+                return c.data_type in _TEXT_TYPES and not (
+                    pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+                    or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t) or pa.types.is_null(t)
+                    or pa.types.is_dictionary(t))
+            odd = [txn.columns[n] for n, f in zip(txn.insert_columns or [], schema) if odd_one(txn.columns[n], f.type)]
             ok = not odd
             txn.extra["loadable"] = ok
             if odd and self.table not in _INSERT_TABLES:
@@ -1176,7 +1212,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         """Once per branch: every note listed by SHOW WARNINGS (a decimal rounded to the column's scale
         gives one per row), up to the server's maximum, so that notes can be told from warnings."""
         if not txn.extra.get("max_error_count"):
-            cur.execute("SET SESSION max_error_count = 65535")
+            cur.execute(f"SET SESSION max_error_count = {_MAX_LISTED}")
             txn.extra["max_error_count"] = True
 
     def _refuse_warnings(self, cur: Any, label: str, statement: str) -> None:
@@ -1189,11 +1225,23 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         warnings = cur.warning_count
         if not warnings:
             return
+        if warnings >= _MAX_LISTED:
+            # The protocol's count stops at 65,535 (and so does the list): the true count, before
+            # SHOW WARNINGS (which does not clear it).
+            cur.execute("SHOW COUNT(*) WARNINGS")
+            warnings = int(cur.fetchone()[0])
         cur.execute("SHOW WARNINGS")
         listed = cur.fetchall()
-        bad = [w for w in listed if str(w[0]).lower() != "note"]
+        # Notes, and 1287 (MySQL 8.0.20+ on every upsert: "'VALUES function' is deprecated"), which is
+        # about the statement's syntax, not a value.
+        bad = [w for w in listed if str(w[0]).lower() != "note" and w[1] != _DEPRECATED_SYNTAX]
         if not bad and len(listed) >= warnings:
             return
+        if not bad:
+            raise MySqlWriteError(
+                f"{label}: {statement} into table {self.table} gave {warnings} notes or warnings, more than the "
+                f"server lists ({len(listed)}): whether one is a warning cannot be told. The branch is rolled back; "
+                "nothing of this batch became visible.")
         shown = "; ".join(f"{w[2]} [{str(w[0]).lower()} {w[1]}]" for w in (bad or listed)[:3])
         raise MySqlWriteError(
             f"{label}: {statement} into table {self.table} gave {warnings} warning(s): {self._redact(shown)}. "
@@ -1402,6 +1450,21 @@ def _alive(conn: Any) -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure: that connection is done
         return False
+
+
+def _rows_per_statement(columns: int) -> int:
+    """Rows one LOAD or INSERT carries at most: a note per value at most, all of them listed."""
+    return max(1, _MAX_LISTED // max(1, columns))
+
+
+def _time_text(v: _dt.timedelta) -> str:
+    """A duration as a TIME literal ``[-]H:MM:SS.ffffff`` (hours past 24 kept): a number would be
+    read as HHMMSS (two minutes' 120 seconds as 00:01:20)."""
+    us = (v.days * 86400 + v.seconds) * 1_000_000 + v.microseconds
+    sign, us = ("-", -us) if us < 0 else ("", us)
+    secs, frac = divmod(us, 1_000_000)
+    h, rem = divmod(secs, 3600)
+    return f"{sign}{h}:{rem // 60:02d}:{rem % 60:02d}.{frac:06d}"
 
 
 def _py_value(v: Any) -> Any:

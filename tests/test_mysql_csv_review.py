@@ -2,8 +2,11 @@
 pyarrow quoting "needed": text quoted, numbers, dates and times bare) and bc025a5 (the INSERT path
 fails on a warning as the LOAD path does; ``SET SESSION max_error_count = 65535`` once per branch).
 
-Each test is a finding, reproduced against the real MariaDB (127.0.0.1:13306) as a strict xfail (the
-code is not fixed here).  Most compare what insert mode stores by LOAD DATA with what the INSERT path
+Each test is a finding, reproduced against the real MariaDB (127.0.0.1:13306); each failed as reviewed
+(36e7428, as strict xfails) and passes since the fix: at most 65,535 values a statement and the true
+count read past the protocol's cap (R5-1), durations sent to TIME columns as TIME text (R5-2), and
+YEAR columns, floats into integer columns and non-text values into text or JSON columns written by
+INSERT in insert mode too (R5-3 to R5-5).  Most compare what insert mode stores by LOAD DATA with what the INSERT path
 (upsert mode, and insert mode's fallback) stores for the same batch, the INSERT path checked first so
 that a test fails on the LOAD path's behaviour; the others compare a stored value with the value
 sent.  None depends on 13fff85: quoting every valid value ("all_valid") stores the same (the LOAD
@@ -38,19 +41,18 @@ def _by_insert(env, ddl: str, batch: pa.RecordBatch) -> tuple:
     return q(env["db"], f"SELECT id, v FROM `{tbl}` ORDER BY id")
 
 
-def _by_load(env, monkeypatch, ddl: str, batch: pa.RecordBatch) -> tuple:
-    """What insert mode stores for ``batch``, by LOAD DATA (checked: one load, no INSERT fallback)."""
+def _by_load(env, monkeypatch, ddl: str, batch: pa.RecordBatch, loaded: bool = True) -> tuple:
+    """What insert mode stores for ``batch``: by LOAD DATA (checked: one load, no INSERT fallback), or
+    (``loaded=False``: columns LOAD DATA reads otherwise than INSERT stores, since the fix) by the
+    INSERT path, with no LOAD tried."""
     tbl = env["table"](ddl)
     loads = spy_loads(monkeypatch)
     write(env["make"](tbl), [batch])
-    assert loads == [True]
+    assert loads == ([True] if loaded else [])
     return q(env["db"], f"SELECT id, v FROM `{tbl}` ORDER BY id")
 
 
 # --------------------------------------------------------------- 1. a warning past 65,535 notes
-@pytest.mark.xfail(strict=True, reason="R5-1: the OK packet's warning count stops at 65,535 and SHOW WARNINGS "
-                   "lists at most max_error_count (65,535) conditions: 65,535 notes listed >= the count, so a "
-                   "warning after them (a string cut to the column's length) passes and the branch commits it")
 def test_a_warning_after_65535_notes_in_one_load_still_fails_the_write(env, monkeypatch):
     n = 33_000  # 2 rounded decimals a row: 66,000 notes, then one warning on the last row
     tbl = env["table"]("id BIGINT PRIMARY KEY, a DECIMAL(20,4), b DECIMAL(20,4), s VARCHAR(3)")
@@ -69,14 +71,14 @@ def test_a_warning_after_65535_notes_in_one_load_still_fails_the_write(env, monk
         with pytest.raises(MySqlWriteError, match=r"warning"):
             write(env["make"](tbl), [batch])
     finally:
-        assert calls == [n]  # the batch went by LOAD DATA
+        # The batch went by LOAD DATA, since the fix in statements of at most 65,535 values (16,383 rows
+        # of 4 columns): the third one's warning is listed.
+        assert calls == [16_383, 16_383, n - 2 * 16_383], calls
     # Seen (without the raise): the write committed, the last row's 'toolong' stored as 'too'.
     assert q(env["db"], f"SELECT COUNT(*) FROM `{tbl}`")[0][0] == 0
 
 
 # --------------------------------------------------------------- 2. durations into TIME (INSERT path)
-@pytest.mark.xfail(strict=True, reason="R5-2: _py_value sends a duration as total_seconds(), a number the "
-                   "server reads as [H]HMMSS: 2 minutes stored as 00:01:20, 25 hours as 09:00:00, no warning")
 def test_a_duration_into_a_time_column_is_stored_as_the_duration_sent(env, monkeypatch):
     durations = [dt.timedelta(minutes=2), dt.timedelta(hours=25), dt.timedelta(seconds=-5)]
     tbl = env["table"]("id BIGINT PRIMARY KEY, v TIME(6)")
@@ -87,25 +89,20 @@ def test_a_duration_into_a_time_column_is_stored_as_the_duration_sent(env, monke
 
 
 # --------------------------------------------------------------- 3. numbers the LOAD reads as text
-@pytest.mark.xfail(strict=True, reason="R5-3: LOAD DATA reads the bare 0 as the string '0', which a YEAR column "
-                   "stores as 2000; the INSERT path's number 0 is stored as 0000")
 def test_year_zero_loads_as_the_insert_path_stores_it(env, monkeypatch):
     ddl = "id BIGINT PRIMARY KEY, v YEAR"
     batch = _batch(pa.array([0, 5, 2024], pa.int16()))
     inserted = _by_insert(env, ddl, batch)
     assert [r[1] for r in inserted] == [0, 2005, 2024]
-    assert _by_load(env, monkeypatch, ddl, batch) == inserted  # seen: (1, 2000)
+    assert _by_load(env, monkeypatch, ddl, batch, loaded=False) == inserted  # seen: (1, 2000) by LOAD
 
 
-@pytest.mark.xfail(strict=True, reason="R5-4: a double into an integer column: the INSERT path's double rounds "
-                   "half to even (2.5 -> 2), LOAD DATA's text '2.5' rounds half up (-> 3): the stored value "
-                   "depends on the mode and on the local_infile fallback, no warning or note either way")
 def test_a_half_double_into_an_integer_column_loads_as_the_insert_path_stores_it(env, monkeypatch):
     ddl = "id BIGINT PRIMARY KEY, v BIGINT"
     batch = _batch(pa.array([2.5, -3.5, 1e15]))
     inserted = _by_insert(env, ddl, batch)
     assert [r[1] for r in inserted] == [2, -4, 10**15]
-    assert _by_load(env, monkeypatch, ddl, batch) == inserted  # seen: (1, 3)
+    assert _by_load(env, monkeypatch, ddl, batch, loaded=False) == inserted  # seen: (1, 3) by LOAD
 
 
 TEXT_CASES = {
@@ -122,9 +119,6 @@ TEXT_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="R5-5: into a text or JSON column LOAD DATA stores Arrow's text of a "
-                   "number, time or timestamp, the INSERT path the server's (PyMySQL's): another string per "
-                   "mode for the same value, no warning")
 @pytest.mark.parametrize("case", list(TEXT_CASES))
 def test_numbers_times_and_timestamps_into_a_text_column_load_as_the_insert_path_stores_them(env, monkeypatch,
                                                                                               case):
@@ -133,4 +127,4 @@ def test_numbers_times_and_timestamps_into_a_text_column_load_as_the_insert_path
     batch = _batch(values)
     inserted = _by_insert(env, ddl, batch)
     assert len(inserted) == len(values)
-    assert _by_load(env, monkeypatch, ddl, batch) == inserted
+    assert _by_load(env, monkeypatch, ddl, batch, loaded=False) == inserted

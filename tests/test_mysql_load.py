@@ -350,3 +350,30 @@ def test_the_load_csv_quotes_every_text_value_and_leaves_numbers_dates_and_nulls
     pcsv.write_csv(mysql_mod._csv_table(batch), out, mysql_mod._csv_options())
     assert out.getvalue().to_pybytes() == (b'7,"NULL","NULL",1.50,0.5,2024-01-02,2024-01-02 03:04:05.000006,1\n'
                                            b'NULL,"",NULL,NULL,NULL,NULL,NULL,NULL\n')
+
+
+class _Listed:
+    """A cursor that has run a statement with ``listed`` warnings and notes (SHOW WARNINGS' rows)."""
+
+    def __init__(self, listed):
+        self.listed, self.warning_count, self.ran = listed, len(listed), []
+
+    def execute(self, sql):
+        self.ran.append(sql)
+
+    def fetchall(self):
+        return self.listed
+
+
+def test_mysql8s_deprecation_warning_on_every_upsert_is_not_taken_for_a_bad_value():
+    """MySQL 8.0.20+ warns 1287 ("'VALUES function' is deprecated") on every INSERT ... ON DUPLICATE KEY
+    UPDATE ... VALUES(c): a warning about the statement, which must not fail every upsert batch (MySQL 8
+    is not installable here: a cursor that lists what MySQL 8 lists; the real-server twins are the
+    warning tests above, on MariaDB).  A value's warning beside it still fails the write."""
+    sink = MySqlSink("127.0.0.1", 3306, "db", "t", user="u", password="p", mode="upsert", key_columns=["id"])
+    deprecated = ("Warning", 1287, "'VALUES function' is deprecated and will be removed in a future release.")
+    sink._refuse_warnings(_Listed([deprecated, ("Note", 1265, "Data truncated for column 'd' at row 1")]),
+                          "label", "INSERT")
+    with pytest.raises(MySqlWriteError, match=r"Data truncated for column 's' at row 2 \[warning 1265\]"):
+        sink._refuse_warnings(_Listed([deprecated, ("Warning", 1265, "Data truncated for column 's' at row 2")]),
+                              "label", "INSERT")
