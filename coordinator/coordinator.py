@@ -10,12 +10,14 @@ and replays N with the same rows after a crash anywhere before that.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -716,10 +718,18 @@ class Coordinator:
             return None
         t0 = time.perf_counter()
         try:
-            table = df.limit(bound + 1).toArrow()
+            with self._cancellable(df):  # a fence found while it runs cancels the collect, as a task job
+                table = df.limit(bound + 1).toArrow()
             if table.num_rows <= bound:
                 table = table.cast(target)
+        except LogOwnershipError:
+            raise
         except Exception as e:  # noqa: BLE001 - nothing of the batch was planned yet: the tasks write it
+            if self.log is not None and self.log.fenced:
+                raise LogOwnershipError(
+                    f"{self.name}: this coordinator (epoch {self.log.epoch}) was fenced by a newer one while the "
+                    "driver collected its batch; the collect was cancelled and the newer coordinator finishes "
+                    "the batch") from e
             if _cancelled(e):
                 # The query is being stopped (or its job group cancelled): no fallback job for it.
                 raise
@@ -744,6 +754,29 @@ class Coordinator:
             log.info("%s: %s %d rows: this batch takes the Arrow task path", self.name, _OVER_BOUND, bound)
             return None
         return table
+
+    @contextlib.contextmanager
+    def _cancellable(self, df) -> Iterator[None]:
+        """Run a Spark action of the batch in a job group that a fence found by the heartbeat cancels
+        (:meth:`_stop_job`): a streaming query's own group (its run id), else one of ours."""
+        if is_connect(df.sparkSession):
+            yield
+            return
+        sc = df.sparkSession.sparkContext
+        group = sc.getLocalProperty("spark.jobGroup.id")
+        own_group = None
+        if not group:
+            own_group = group = f"twophase-{self.name}-{uuid.uuid4().hex[:8]}"
+            sc.setLocalProperty("spark.jobGroup.id", group)
+        self._job = (sc, group)  # before the look at the fence: a fence found later cancels the job
+        try:
+            if self.log is not None and self.log.fenced:
+                self.log.check_fence()  # raises: fenced before the job started
+            yield
+        finally:
+            self._job = None
+            if own_group is not None:
+                sc.setLocalProperty("spark.jobGroup.id", None)
 
     def _prepare_in_driver(self, table, name: str, batch_id: int, intent: dict[str, Any],
                            run: str) -> list[dict[str, Any]]:
