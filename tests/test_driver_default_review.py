@@ -89,3 +89,65 @@ def test_control_a_deposed_driver_on_the_task_path_stops_its_batch_at_once(spark
 def test_a_deposed_driver_on_the_driver_path_stops_its_collect_at_once(spark, tmp_path):
     lingered, note = _deposed_while_the_batch_runs(spark, tmp_path, driver_batch_rows=10000)
     assert lingered < SLOW_S / 2, (lingered, note)
+
+
+
+
+
+_WIDE_RUN = r"""
+import json, sys
+from twophase.coordinator import Coordinator
+from twophase.sinks.files import FileSink
+from twophase.spark import local_session
+
+base = sys.argv[1]
+spark = local_session("local[2]", app_name="r4-wide")  # spark.driver.memory: TWOPHASE_SPARK_DRIVER_MEMORY
+# 4,000 rows of 100 KB (400 MB): under the driver path's default bound (10,000 rows) and under
+# spark.driver.maxResultSize's default (1g), over what a 512 MB driver holds at once.
+wide = spark.range(0, 4000, 1, 16).selectExpr("id", "repeat(cast(id % 10 as string), 100000) AS v")
+small = spark.range(10000, 10010, 1, 2).selectExpr("id", "'s' AS v")
+for label, bound in (("tasks", 0), ("default", None)):
+    c = Coordinator(FileSink(base + "/out-" + label, format="jsonl"), log_location=base + "/log-" + label,
+                    name="wide" + label, driver_batch_rows=bound)
+    first = c.write(small, batch_id=0)["task_input"]
+    try:
+        p = c.write(wide, batch_id=1)
+        got = {"first": first, "rows": p["rows"], "task_input": p["task_input"]}
+    except Exception as e:
+        got = {"first": first, "error": type(e).__name__ + ": " + (str(e).splitlines() or [""])[0][:200]}
+    print("RESULT " + label + " " + json.dumps(got), flush=True)
+    c.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def wide_run(tmp_path_factory) -> dict:
+    """One Spark application with a 512 MB driver, in a subprocess (spark.driver.memory is static):
+    a small batch, then 4,000 rows of 100 KB, on the task paths and then with the default."""
+    import json
+    import os
+    import subprocess
+
+    base = tmp_path_factory.mktemp("wide")
+    env = dict(os.environ, TWOPHASE_SPARK_DRIVER_MEMORY="512m")
+    run = subprocess.run([sys.executable, "-c", _WIDE_RUN, str(base)], cwd=Path(__file__).resolve().parents[1],
+                         env=env, capture_output=True, text=True, timeout=600)
+    found = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+             for line in run.stdout.splitlines() if line.startswith("RESULT ")}
+    found["oom"] = "OutOfMemoryError" in run.stderr
+    found["rc"] = run.returncode
+    return found
+
+
+def test_control_wide_rows_under_the_row_bound_are_written_by_the_task_paths(wide_run):
+    assert wide_run.get("tasks") == {"first": "arrow", "rows": 4000, "task_input": "rows"}, wide_run
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the default driver_batch_rows (10,000) counts rows, not bytes: after a small batch, 4,000 rows of "
+    "100 KB (under spark.driver.maxResultSize) are collected into a 512 MB driver, whose JVM dies of "
+    "OutOfMemoryError (the task paths wrote the batch); each restart's first batch is on tasks, the next "
+    "small-but-wide one kills the driver again"))
+def test_wide_rows_under_the_row_bound_do_not_kill_the_driver_by_default(wide_run):
+    assert not wide_run["oom"], wide_run
+    assert wide_run.get("default", {}).get("rows") == 4000, wide_run
