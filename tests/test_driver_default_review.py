@@ -1,9 +1,16 @@
 """Adversarial review (task R4) of "task_input='auto' takes the driver path by default" (issue 51,
-commit 68e7a82): every default pipeline now switches between the task paths and the driver path
-from batch to batch.  Each finding is an xfail(strict=True) test that fails on the code as reviewed;
-each has a control on the task path (driver_batch_rows=0) that passes, which shows the check can fail.
+commit 68e7a82, and 6835e51): every default pipeline now switches between the task paths and the
+driver path from batch to batch.  Each finding is an xfail(strict=True) test that fails on the code as
+reviewed (or passes once fixed); each has a control on the task path (driver_batch_rows=0) that passes.
 
-On the ``spark`` fixture (local[2]) with a FileSink on local disk; no shared server is needed.
+Findings: a deposed driver's driver-path collect was not cancelled when its heartbeat found the fence
+(``_stop_job`` cancelled ``self._job``, which ``_driver_rows`` never set; fixed by ccddc2c); the default
+bound counts rows, not bytes, so a small-but-wide batch (under spark.driver.maxResultSize) kills a
+512 MB driver's JVM (open).
+
+The first pair runs on the ``spark`` fixture (local[2], a FileSink on local disk, ~15 s: the slow row
+sleeps up to 25 s, cut short by the fence); the second runs one Spark application of its own in a subprocess (a static
+setting, spark.driver.memory; ~20 s).  No shared server is needed.
 """
 
 from __future__ import annotations
@@ -73,21 +80,23 @@ def _deposed_while_the_batch_runs(spark, tmp_path: Path, driver_batch_rows: int)
         a.close()
         newer.close()
     assert fenced_at, "the newer driver never took the log over"
-    return ended - fenced_at[0], {"input_note": a._input_note, "task_input": a._batch_input}
+    return ended - fenced_at[0], {"input_note": a._input_note, "task_input": a._batch_input,
+                                   "collect_ms": a._collect_ms}
 
 
 def test_control_a_deposed_driver_on_the_task_path_stops_its_batch_at_once(spark, tmp_path):
     lingered, note = _deposed_while_the_batch_runs(spark, tmp_path, driver_batch_rows=0)
+    assert note["collect_ms"] == 0 and note["task_input"] == "rows", note  # batch 1 on the task path
     # The heartbeat (every 0.5 s) finds the fence and cancels the job (Coordinator._stop_job).
     assert lingered < SLOW_S / 2, (lingered, note)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a deposed driver's collect on the driver path is not cancelled when the heartbeat finds the "
-    "fence (_stop_job cancels self._job, which _driver_rows never sets): the deposed driver runs "
-    "the batch's whole plan on (a job waiting for resources: for ever) before it notices"))
 def test_a_deposed_driver_on_the_driver_path_stops_its_collect_at_once(spark, tmp_path):
+    """Finding 1 (a strict xfail in 23430a2: the deposed driver lingered 25.0 s, the slow row's whole
+    sleep, and failed only at _prepare_in_driver's look at the fence); passes since ccddc2c (the
+    collect runs in a job group the fence cancels)."""
     lingered, note = _deposed_while_the_batch_runs(spark, tmp_path, driver_batch_rows=10000)
+    assert note["collect_ms"] > 0, note  # batch 1 was on the driver path: its collect ran (and was cancelled)
     assert lingered < SLOW_S / 2, (lingered, note)
 
 
@@ -102,9 +111,9 @@ from twophase.spark import local_session
 
 base = sys.argv[1]
 spark = local_session("local[2]", app_name="r4-wide")  # spark.driver.memory: TWOPHASE_SPARK_DRIVER_MEMORY
-# 4,000 rows of 100 KB (400 MB): under the driver path's default bound (10,000 rows) and under
+# 6,000 rows of 100 KB (600 MB): under the driver path's default bound (10,000 rows) and under
 # spark.driver.maxResultSize's default (1g), over what a 512 MB driver holds at once.
-wide = spark.range(0, 4000, 1, 16).selectExpr("id", "repeat(cast(id % 10 as string), 100000) AS v")
+wide = spark.range(0, 6000, 1, 16).selectExpr("id", "repeat(cast(id as string), 100000 div length(cast(id as string))) AS v")
 small = spark.range(10000, 10010, 1, 2).selectExpr("id", "'s' AS v")
 for label, bound in (("tasks", 0), ("default", None)):
     c = Coordinator(FileSink(base + "/out-" + label, format="jsonl"), log_location=base + "/log-" + label,
@@ -123,7 +132,7 @@ for label, bound in (("tasks", 0), ("default", None)):
 @pytest.fixture(scope="module")
 def wide_run(tmp_path_factory) -> dict:
     """One Spark application with a 512 MB driver, in a subprocess (spark.driver.memory is static):
-    a small batch, then 4,000 rows of 100 KB, on the task paths and then with the default."""
+    a small batch, then 6,000 rows of 100 KB, on the task paths and then with the default."""
     import json
     import os
     import subprocess
@@ -140,14 +149,14 @@ def wide_run(tmp_path_factory) -> dict:
 
 
 def test_control_wide_rows_under_the_row_bound_are_written_by_the_task_paths(wide_run):
-    assert wide_run.get("tasks") == {"first": "arrow", "rows": 4000, "task_input": "rows"}, wide_run
+    assert wide_run.get("tasks") == {"first": "arrow", "rows": 6000, "task_input": "rows"}, wide_run
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "the default driver_batch_rows (10,000) counts rows, not bytes: after a small batch, 4,000 rows of "
+    "the default driver_batch_rows (10,000) counts rows, not bytes: after a small batch, 6,000 rows of "
     "100 KB (under spark.driver.maxResultSize) are collected into a 512 MB driver, whose JVM dies of "
     "OutOfMemoryError (the task paths wrote the batch); each restart's first batch is on tasks, the next "
     "small-but-wide one kills the driver again"))
 def test_wide_rows_under_the_row_bound_do_not_kill_the_driver_by_default(wide_run):
     assert not wide_run["oom"], wide_run
-    assert wide_run.get("default", {}).get("rows") == 4000, wide_run
+    assert wide_run.get("default", {}).get("rows") == 6000, wide_run
