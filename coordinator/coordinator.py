@@ -304,6 +304,7 @@ class Coordinator:
         self._last_rows: int | None = None  # rows of the last batch this coordinator's tasks wrote
         self._rows_refused = False     # a row did not convert: the Arrow path from then on
         self._collect_refused = False  # a driver's collect failed: "auto" keeps to the tasks from then on
+        self._unsafe_collect: str | None = None  # why "auto" must not collect here (_collect_unsafe)
         self._batch_input = ""         # the path the current batch's tasks took
         self._probed = False           # executors checked (cluster masters, first batch)
         self._job: tuple[Any, str] | None = None  # (SparkContext, job group) of the batch's job while it runs
@@ -699,6 +700,11 @@ class Coordinator:
         if self.sink.prepares_batches():
             self._input_note = "the sink prepares batches with a Spark job of its own"
             return None
+        if self.task_input == "auto":
+            unsafe = self._collect_unsafe(df.sparkSession)
+            if unsafe:
+                self._input_note = unsafe
+                return None
         query_id, streaming = self._batch_query
         if streaming and self._is_stateful(df, query_id):
             # The collect's limit may stop reading a partition before its end (past the bound), and a
@@ -754,6 +760,34 @@ class Coordinator:
             log.info("%s: %s %d rows: this batch takes the Arrow task path", self.name, _OVER_BOUND, bound)
             return None
         return table
+
+    def _collect_unsafe(self, spark) -> str:
+        """Why "auto" must not collect batches into this driver ("" if it may), asked once.
+
+        The collect's bytes are bounded by ``spark.driver.maxResultSize`` alone (the row bound counts
+        rows: 6,000 rows of 100 KB are under both defaults): past it the collect fails and the batch
+        takes the tasks.  A limit the driver's heap cannot hold (0, unlimited; or more than 1.25x
+        the heap, e.g. the default 1g with ``spark.driver.memory=512m``) lets a batch of wide rows end
+        the driver with OutOfMemoryError instead.  Spark's defaults (1g and a 1g driver) pass."""
+        if self._unsafe_collect is None:
+            self._unsafe_collect = ""
+            if not is_connect(spark):
+                try:
+                    sc = spark.sparkContext
+                    heap = int(sc._jvm.java.lang.Runtime.getRuntime().maxMemory())
+                    text = sc.getConf().get("spark.driver.maxResultSize", "1g")
+                    limit = int(sc._jvm.org.apache.spark.network.util.JavaUtils.byteStringAsBytes(text))
+                except Exception:  # noqa: BLE001 - cannot tell: the task paths, which are always safe
+                    log.debug("cannot read the driver's heap or maxResultSize", exc_info=True)
+                    self._unsafe_collect = "the driver's heap and spark.driver.maxResultSize cannot be read"
+                else:
+                    if limit <= 0 or limit > 1.25 * heap:
+                        self._unsafe_collect = (
+                            f"spark.driver.maxResultSize={text} does not fit the driver's heap ({heap // 2**20} MiB): "
+                            "a batch of wide rows collected here could end the driver, so auto keeps to the tasks "
+                            "(set it under the heap, or task_input='driver')")
+                        log.warning("%s: %s", self.name, self._unsafe_collect)
+        return self._unsafe_collect
 
     @contextlib.contextmanager
     def _cancellable(self, df) -> Iterator[None]:

@@ -1,12 +1,13 @@
 """Adversarial review (task R4) of "task_input='auto' takes the driver path by default" (issue 51,
 commit 68e7a82, and 6835e51): every default pipeline now switches between the task paths and the
 driver path from batch to batch.  Each finding is an xfail(strict=True) test that fails on the code as
-reviewed (or passes once fixed); each has a control on the task path (driver_batch_rows=0) that passes.
+reviewed (and passes since its fix); each has a control on the task path (driver_batch_rows=0) that passes.
 
 Findings: a deposed driver's driver-path collect was not cancelled when its heartbeat found the fence
 (``_stop_job`` cancelled ``self._job``, which ``_driver_rows`` never set; fixed by ccddc2c); the default
-bound counts rows, not bytes, so a small-but-wide batch (under spark.driver.maxResultSize) kills a
-512 MB driver's JVM (open).
+bound counts rows, not bytes, so a small-but-wide batch (under spark.driver.maxResultSize) killed a
+512 MB driver's JVM (a strict xfail in fccee4d; fixed: "auto" collects only where maxResultSize, the
+collect's byte bound, fits the driver's heap, Coordinator._collect_unsafe).
 
 The first pair runs on the ``spark`` fixture (local[2], a FileSink on local disk, ~15 s: the slow row
 sleeps up to 25 s, cut short by the fence); the second runs one Spark application of its own in a subprocess (a static
@@ -152,11 +153,6 @@ def test_control_wide_rows_under_the_row_bound_are_written_by_the_task_paths(wid
     assert wide_run.get("tasks") == {"first": "arrow", "rows": 6000, "task_input": "rows"}, wide_run
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the default driver_batch_rows (10,000) counts rows, not bytes: after a small batch, 6,000 rows of "
-    "100 KB (under spark.driver.maxResultSize) are collected into a 512 MB driver, whose JVM dies of "
-    "OutOfMemoryError (the task paths wrote the batch); each restart's first batch is on tasks, the next "
-    "small-but-wide one kills the driver again"))
 def test_wide_rows_under_the_row_bound_do_not_kill_the_driver_by_default(wide_run):
     assert not wide_run["oom"], wide_run
     assert wide_run.get("default", {}).get("rows") == 6000, wide_run
