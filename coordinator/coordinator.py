@@ -724,8 +724,11 @@ class Coordinator:
             return None
         t0 = time.perf_counter()
         try:
-            with self._cancellable(df):  # a fence found while it runs cancels the collect, as a task job
+            if is_connect(df.sparkSession):  # no job groups to cancel by (as the Connect task path)
                 table = df.limit(bound + 1).toArrow()
+            else:
+                with self._cancellable(df):  # a fence found while it runs cancels the collect
+                    table = df.limit(bound + 1).toArrow()
             if table.num_rows <= bound:
                 table = table.cast(target)
         except LogOwnershipError:
@@ -790,23 +793,22 @@ class Coordinator:
         return self._unsafe_collect
 
     @contextlib.contextmanager
-    def _cancellable(self, df) -> Iterator[None]:
-        """Run a Spark action of the batch in a job group that a fence found by the heartbeat cancels
-        (:meth:`_stop_job`): a streaming query's own group (its run id), else one of ours."""
-        if is_connect(df.sparkSession):
-            yield
-            return
+    def _cancellable(self, df, tag: str = "") -> Iterator[tuple[Any, str]]:
+        """Run the batch's Spark actions (the task job, the driver path's collect) in a job group that
+        a fence found by the heartbeat cancels (:meth:`_stop_job`): a streaming query's own group
+        (its run id: query.stop() cancels by it), else one of ours.  Yields (SparkContext, group);
+        the fence is looked at once the group is set, so a fence found later cancels the job."""
         sc = df.sparkSession.sparkContext
         group = sc.getLocalProperty("spark.jobGroup.id")
         own_group = None
         if not group:
-            own_group = group = f"twophase-{self.name}-{uuid.uuid4().hex[:8]}"
+            own_group = group = f"twophase-{self.name}-{tag}{uuid.uuid4().hex[:8]}"
             sc.setLocalProperty("spark.jobGroup.id", group)
-        self._job = (sc, group)  # before the look at the fence: a fence found later cancels the job
+        self._job = (sc, group)
         try:
             if self.log is not None and self.log.fenced:
                 self.log.check_fence()  # raises: fenced before the job started
-            yield
+            yield sc, group
         finally:
             self._job = None
             if own_group is not None:
@@ -897,38 +899,25 @@ class Coordinator:
             # that pre-commits after the abort below leaves a transaction that the batch's replay
             # aborts (by its INTENT) before it opens any of its own.
             return self._handles(batch_id, job())
-        sc = df.sparkSession.sparkContext
-        # Our job must be findable after a failure (see _wait_for_tasks). A streaming query's jobs
-        # already carry its run id as job group (query.stop() cancels by it): keep that one.
-        group = sc.getLocalProperty("spark.jobGroup.id")
-        own_group = None
-        if not group:
-            own_group = group = f"twophase-{self.name}-{batch_id}-{uuid.uuid4().hex[:8]}"
-            sc.setLocalProperty("spark.jobGroup.id", group)
-        self._job = (sc, group)  # before the look at the fence: a fence found later cancels the job
-        try:
-            if self.log is not None and self.log.fenced:
-                self.log.check_fence()  # raises: fenced before the job started
-            rows = job()
-        except BaseException as e:
-            if target is not None and self.task_input == "auto" and CONVERSION_FAILED in str(e):
-                self._rows_refused = True
-                log.warning("%s: batch %d: a row did not convert to Arrow on the rows path; this "
-                            "coordinator's batches take the Arrow path from now on, this one included",
-                            self.name, batch_id)
-            # collect() fails as soon as one task fails, while sibling tasks may still be finishing
-            # and could pre-commit after the caller aborted leftovers. Let them end first.
-            self._wait_for_tasks(sc, group)
-            if self.log is not None and self.log.fenced and not isinstance(e, LogOwnershipError):
-                raise LogOwnershipError(
-                    f"{self.name}: batch {batch_id}: this coordinator (epoch {self.log.epoch}) was fenced by a "
-                    f"newer one while its Spark job ran; the job was cancelled and the newer coordinator "
-                    "finishes the batch") from e
-            raise
-        finally:
-            self._job = None
-            if own_group is not None:
-                sc.setLocalProperty("spark.jobGroup.id", None)
+        # Our job must be findable after a failure (see _wait_for_tasks), and cancelled by a fence.
+        with self._cancellable(df, f"{batch_id}-") as (sc, group):
+            try:
+                rows = job()
+            except BaseException as e:
+                if target is not None and self.task_input == "auto" and CONVERSION_FAILED in str(e):
+                    self._rows_refused = True
+                    log.warning("%s: batch %d: a row did not convert to Arrow on the rows path; this "
+                                "coordinator's batches take the Arrow path from now on, this one included",
+                                self.name, batch_id)
+                # collect() fails as soon as one task fails, while sibling tasks may still be finishing
+                # and could pre-commit after the caller aborted leftovers. Let them end first.
+                self._wait_for_tasks(sc, group)
+                if self.log is not None and self.log.fenced and not isinstance(e, LogOwnershipError):
+                    raise LogOwnershipError(
+                        f"{self.name}: batch {batch_id}: this coordinator (epoch {self.log.epoch}) was fenced by a "
+                        f"newer one while its Spark job ran; the job was cancelled and the newer coordinator "
+                        "finishes the batch") from e
+                raise
         return self._handles(batch_id, rows)
 
     def _handles(self, batch_id: int, rows) -> list[dict[str, Any]]:

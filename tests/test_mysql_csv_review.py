@@ -25,13 +25,10 @@ import pyarrow as pa
 import pytest
 
 from tests.test_mysql_load import env, q, spy_loads, write  # noqa: F401 - env is a fixture
+from tests.test_mysql_load_review import _batch
 from twophase.sinks.mysql import MySqlSink, MySqlWriteError
 
 pytestmark = [pytest.mark.mysql, pytest.mark.timeout(180)]
-
-
-def _batch(v: pa.Array) -> pa.RecordBatch:
-    return pa.record_batch({"id": pa.array(range(1, len(v) + 1), pa.int64()), "v": v})
 
 
 def _by_insert(env, ddl: str, batch: pa.RecordBatch) -> tuple:
