@@ -171,3 +171,33 @@ def test_two_pruners_deleting_one_temp_file_both_succeed(tmp_path, monkeypatch):
     owner.prune(3)  # raises nothing (its count is of the names it listed, gone or not)
     assert not temp.exists()
     assert sorted(owner.batches()) == [3] and owner.is_pruned(2, fresh=True)
+
+
+# -------------------------------------------------------------------------------------- HDFS
+def test_hdfs_late_decision_whose_temp_is_swept_fails_cleanly_and_lands_nothing(hdfs_service, monkeypatch):
+    """HDFS: the sweep deletes the temp file between the writer's write and its rename2: the rename
+    fails (FileNotFoundException), the write raises, nothing lands and nothing is left."""
+    from hdfs import InsecureClient
+
+    path = f"/twophase-test/r6-{uuid.uuid4().hex[:10]}"
+    opts = {"webhdfs_url": hdfs_service["webhdfs_url"], "user": hdfs_service["user"]}
+    try:
+        owner, deposed = _owner_and_deposed(f"{hdfs_service['namenode']}{path}/log", storage_options=opts)
+        for b in range(4):
+            _commit(owner, b)
+        real = deposed.store.storage.write_bytes
+        seen: list[str] = []
+
+        def write_bytes(p, data):
+            real(p, data)
+            if not seen:
+                seen.append(p)
+                owner.prune(3)
+
+        monkeypatch.setattr(deposed.store.storage, "write_bytes", write_bytes)
+        with pytest.raises(LogUnavailableError, match="FileNotFoundException|does not exist|not found"):
+            deposed.decide(0, 1, {"handles": [{"sink": "x"}]})
+        assert len(seen) == 1 and temp_record_name(seen[0].rsplit("/", 1)[1])
+        assert _batch_files(owner, 0) == [] and sorted(owner.batches()) == [3]
+    finally:
+        InsecureClient(hdfs_service["webhdfs_url"], user=hdfs_service["user"]).delete(path, recursive=True)
