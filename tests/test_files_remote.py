@@ -358,6 +358,25 @@ def test_transaction_log_on_hdfs(hdfs_service, hdfs, hroot):
 
 
 @pytest.mark.hdfs
+def test_prune_on_hdfs_deletes_the_temp_records_a_killed_driver_left_in_pruned_batches(hdfs_service, hdfs, hroot):
+    """The real-server twin of tests/test_log.py's temp-record test: the WebHDFS listing of hidden
+    names, and the delete."""
+    url, path = hroot
+    tlog = TransactionLog(f"{url}/log", storage_options=hopts(hdfs_service), retain_batches=1)
+    tlog.acquire("query-1", "t")
+    left = {b: f".batch-{b:012d}.prepared.json.{uuid.uuid4().hex}.tmp" for b in (0, 1)}
+    for name in left.values():
+        hdfs.write(f"{path}/log/g0001/{name}", b"half a rec")
+    for b in range(2):
+        tlog.write(b, INTENT, {"intent": {}})
+        tlog.write(b, COMMITTED, {})
+        tlog.prune(b)
+    names = hdfs.list(f"{path}/log/g0001")
+    assert left[0] not in names and left[1] in names  # batch 0 pruned, batch 1 kept
+    assert sorted(TransactionLog(f"{url}/log", storage_options=hopts(hdfs_service)).batches(1)) == [1]
+
+
+@pytest.mark.hdfs
 @pytest.mark.spark
 def test_coordinator_with_data_and_log_on_hdfs(hdfs_service, hdfs, hroot, spark):
     from twophase.coordinator import Coordinator

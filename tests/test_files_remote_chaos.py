@@ -23,6 +23,7 @@ import uuid
 import pytest
 
 from twophase import chaos
+from twophase.log import parse_batch_name, temp_record_name
 from twophase.sinks.files import FileSink
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1500)]
@@ -103,8 +104,8 @@ def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_servic
     full = writer == "spark"
     points = chaos.SINK_POINTS if full else ("after_pre_commit", "after_prepared_logged", "mid_commit")
     try:
-        _run(tmp_path, sink, env={}, log=f"{url}/log", log_options=opts, seed=20251123, points=points,
-             random_kills=1 if full else 0)
+        runs = _run(tmp_path, sink, env={}, log=f"{url}/log", log_options=opts, seed=20251123, points=points,
+                    random_kills=1 if full else 0)
         rows = spark.read.parquet(f"{url}/out").select("id", "k").collect()
         verdict = chaos.verify(expected, [r["id"] for r in rows])
         assert verdict.exactly_once, verdict.to_dict()
@@ -115,7 +116,13 @@ def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_servic
         # the log on HDFS says every batch committed
         batches = client.list(f"{path}/log/g0001")
         assert sum(n.endswith(".committed.json") for n in batches) >= 1
-        assert not [n for n in batches if n.endswith(".tmp")]
+        # A driver killed between a record's temp file and its rename (CI's SIGKILL once landed
+        # there) leaves the hidden temp file: at most one per killed run, each a record's of a
+        # batch that then committed (prune deletes them with the batch: tests/test_log.py).
+        left = [n for n in batches if n.startswith(".")]
+        committed = {p[0] for p in map(parse_batch_name, batches) if p and p[1] == "committed"}
+        assert len(left) <= len(runs) - 1, left
+        assert all((parse_batch_name(temp_record_name(n) or "") or (-1,))[0] in committed for n in left), left
     finally:
         client.delete(path, recursive=True)
 

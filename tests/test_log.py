@@ -208,6 +208,33 @@ def test_retention_keeps_recent_and_uncommitted_batches(tmp_path):
     assert len(tlog.store.list(f"g{tlog.generation:04d}/low-water")) == 1  # one file holds the union
 
 
+def test_a_killed_writers_temp_records_go_with_their_pruned_batch(tmp_path):
+    """A driver SIGKILLed between a record's temp file and its rename leaves the temp file (CI saw
+    ``.batch-000000000004.prepared.json.<uuid>.tmp`` on HDFS).  It is never read as a record, and
+    prune deletes those of the batches it prunes; a temp of a batch still kept stays."""
+    tlog = make_log(tmp_path, retain_batches=2)
+    folder = tmp_path / "log" / f"g{tlog.generation:04d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    temp = {b: folder / f".batch-{b:012d}.prepared.json.{os.urandom(16).hex()}.tmp" for b in (0, 4)}
+    for t in temp.values():
+        t.write_bytes(b"half a rec")
+    other = folder / ".notes.tmp"  # not a record's temp file: never ours to delete
+    other.write_bytes(b"x")
+    for b in range(5):
+        tlog.write(b, INTENT, {"intent": {}})
+        tlog.write(b, PREPARED, {"handles": []})
+        tlog.write(b, COMMITTED, {})
+        assert set(tlog.batches()[b]) == {INTENT, PREPARED, COMMITTED}  # the temp file is no record
+        tlog.prune(b)
+    assert sorted(tlog.batches()) == [3, 4]
+    assert not temp[0].exists()  # batch 0 was pruned: its temp file went with it
+    assert temp[4].exists() and other.exists()  # batch 4 is kept: its temp file too
+    from twophase.log import temp_record_name
+    assert temp_record_name(temp[4].name) == "batch-000000000004.prepared.json"
+    assert temp_record_name(".batch-000000000004.prepared.json.tmp") is None
+    assert temp_record_name(other.name) is None
+
+
 def test_object_store_without_exclusive_create_is_refused(tmp_path):
     # (S3 is accepted only where the endpoint honours conditional writes: tests/test_files_remote.py.)
     for url in ("gs://bucket/log", "abfs://container/log"):

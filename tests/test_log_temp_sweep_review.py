@@ -3,7 +3,9 @@ batch is deleted with the batch's records).
 
 Each test puts a late writer, a second pruner or a look-alike name next to the sweep for real (local
 store in tmp_path, HDFS through the ``hdfs_service`` fixture) and checks what each side sees.  The
-strict xfail is a finding; the rest held.
+finding (a late write to a filled slot whose temp file the sweep deleted got "whether it landed is
+unknown" instead of the slot's record) is fixed: the stores' ``create`` takes a vanished temp file
+for "not created", and the write reads the slot again; the rest held.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import uuid
 
 import pytest
 
-from twophase.errors import LogUnavailableError
+from twophase.errors import LogOwnershipError
 from twophase.log import COMMITTED, INTENT, TransactionLog, temp_record_name
 
 G = "g0001"
@@ -67,7 +69,7 @@ def test_late_decision_whose_temp_is_swept_fails_cleanly_and_lands_nothing(tmp_p
     for b in range(4):
         _commit(owner, b)
     made = _sweep_after_temp(monkeypatch, deposed, owner, committed=3)
-    with pytest.raises(LogUnavailableError, match="batch 0: the decision could not be written"):
+    with pytest.raises(LogOwnershipError, match="committed and its records pruned meanwhile"):
         deposed.decide(0, 1, {"handles": [{"sink": "x"}]})  # ballot 1: its slot was never filled
     assert len(made) == 1 and temp_record_name(made[0]) == "batch-000000000000.prepared.1.json"
     assert _batch_files(owner, 0) == []  # record, temp and the owner's records all gone
@@ -92,11 +94,6 @@ def _pause_before_record_deletes(monkeypatch, owner: TransactionLog) -> None:
     monkeypatch.setattr(owner.store, "delete", delete)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "R6 finding: a late write to a filled slot whose temp file the sweep deletes between its write and "
-    "its link gets LogUnavailableError ('whether it landed is unknown', from os.link's ENOENT) instead "
-    "of the slot's record; without the sweep it gets the owner's decision back (not mine), and "
-    "Protocol aborts its own pre-committed handles (_abort_own) before it stops"))
 def test_late_decision_on_a_filled_slot_whose_temp_is_swept_still_sees_the_slots_record(tmp_path, monkeypatch):
     owner, deposed = _owner_and_deposed(str(tmp_path / "log"))
     for b in range(4):
@@ -195,7 +192,7 @@ def test_hdfs_late_decision_whose_temp_is_swept_fails_cleanly_and_lands_nothing(
                 owner.prune(3)
 
         monkeypatch.setattr(deposed.store.storage, "write_bytes", write_bytes)
-        with pytest.raises(LogUnavailableError, match="FileNotFoundException|does not exist|not found"):
+        with pytest.raises(LogOwnershipError, match="committed and its records pruned meanwhile"):
             deposed.decide(0, 1, {"handles": [{"sink": "x"}]})
         assert len(seen) == 1 and temp_record_name(seen[0].rsplit("/", 1)[1])
         assert _batch_files(owner, 0) == [] and sorted(owner.batches()) == [3]

@@ -155,6 +155,17 @@ def _batch_name(generation: int, batch_id: int, state: str, ballot: int = 0) -> 
     return f"g{generation:04d}/batch-{batch_id:012d}.{state}.json"
 
 
+def temp_record_name(name: str) -> str | None:
+    """The record a store's temp file was to become (``.batch-...json.<uuid hex>.tmp``, the name a
+    write leaves when its process dies between the temp file and its rename), else None."""
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return None
+    stem, _, tag = name[1:-4].rpartition(".")
+    if len(tag) != 32 or any(c not in "0123456789abcdef" for c in tag):
+        return None
+    return stem if parse_batch_name(stem) is not None else None
+
+
 def parse_batch_name(name: str) -> tuple[int, str, int] | None:
     """(batch id, state, ballot) of a record's file name in a generation folder, else None."""
     parts = name.split(".")
@@ -807,12 +818,13 @@ class TransactionLog:
         if not created:
             existing = self.record(batch_id, state, generation=g, ballot=ballot)
             if existing is None:
-                # Another writer's record was there and is gone: the batch was committed and its records
-                # pruned by the owner meanwhile, so this writer is behind it (deposed, or late).
+                # Another writer's record was there and is gone, or the owner's prune swept this
+                # writer's temp file: the batch was committed and its records pruned meanwhile, so
+                # this writer is behind it (deposed, or late).
                 raise LogOwnershipError(
-                    f"{self.store.location(name)} was written by another coordinator and deleted before this "
-                    f"one (epoch {self.epoch}) could read it: the batch was committed and pruned meanwhile; "
-                    "this one stops")
+                    f"{self.store.location(name)} could not be created by this coordinator (epoch {self.epoch}) "
+                    "and is not there now: the batch was committed and its records pruned meanwhile; this one "
+                    "stops")
             return existing
         return BatchRecord(batch_id, state, body, self.store.location(name))
 
@@ -898,6 +910,15 @@ class TransactionLog:
         for n in read:  # only files whose ranges the new one holds (another pruner's new file stays)
             self.store.delete(f"{marks}/{n}")
         deleted = 0
+        # A driver killed between a record's temp file and its rename left the temp file (hidden:
+        # never read as a record).  Those of pruned batches go with their records.  A late writer
+        # whose temp file goes here finds it not created and reads the slot (the stores' create);
+        # one whose temp file appears after this listing is refused by is_pruned, as before.
+        for n in self.store.list(folder, hidden=True):
+            stem = temp_record_name(n)
+            parsed = parse_batch_name(stem) if stem else None
+            if parsed is not None and parsed[0] in doomed:
+                self.store.delete(f"{folder}/{n}")
         # Delete the committed marker last, so a crash mid-prune leaves a batch still marked committed.
         for n in sorted(names, key=lambda x: x.endswith(".committed.json")):
             parsed = parse_batch_name(n)

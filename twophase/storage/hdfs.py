@@ -493,7 +493,10 @@ class HdfsLogStore(LogStore):
             return True
         except HdfsError as e:
             self.storage.delete(tmp)
-            if hdfs_exc(e) == "FileAlreadyExistsException" and not overwrite:
+            # Exists: another writer's record.  Not found (the source: the target's folder is the
+            # temp file's): the owner's prune swept the temp file of a batch it pruned, so this is
+            # a late write; either way not created, and the caller reads the slot again.
+            if hdfs_exc(e) in ("FileAlreadyExistsException", "FileNotFoundException") and not overwrite:
                 return False
             raise
 

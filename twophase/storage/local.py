@@ -425,6 +425,11 @@ class LocalStore(LogStore):
             os.link(tmp, path)  # fails with EEXIST instead of overwriting: exclusive and atomic
         except FileExistsError:
             return False
+        except FileNotFoundError:
+            # The temp file is gone: the owner's prune swept it (TransactionLog.prune deletes the
+            # temp files of the batches it prunes), so this is a late write to a pruned batch.  Not
+            # created; the caller reads the slot again and finds its record or that it was pruned.
+            return False
         except OSError as e:
             if e.errno not in NO_HARD_LINKS:
                 raise
@@ -433,6 +438,8 @@ class LocalStore(LogStore):
             try:
                 if not rename_noreplace(tmp, path):
                     return False
+            except FileNotFoundError:
+                return False  # the temp file swept, as above
             except OSError as e2:
                 raise LogError(
                     f"cannot write the transaction log record {path}: "
