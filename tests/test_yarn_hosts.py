@@ -208,7 +208,7 @@ def test_the_am_sigkilled_on_its_host_is_restarted_by_yarn_and_every_id_lands_on
         am_host = first[0]["nodeId"].split(":")[0]
         assert am_host in ("worker-1", "worker-2"), first
 
-        delay, committed_at_kill = _mid_batch(t, log)
+        delay = _mid_batch(t, log)
         running = _containers(app_id)
         # Attempt 1's AM and executors run on both worker hosts (one NodeManager has room for the
         # AM and one executor), each JVM with its own host as SPARK_LOCAL_IP, listening there.
@@ -220,11 +220,11 @@ def test_the_am_sigkilled_on_its_host_is_restarted_by_yarn_and_every_id_lands_on
             _check_listening(host, java)
         am = YARN_HOSTS.container_pid(app_id, first[0]["containerId"], first[0]["nodeId"])
         assert am is not None and running[first[0]["containerId"]] == (am_host, am), (first, running)
-        progress_at_kill = len(t.log_names())
         holder = _lease(t)
         os.killpg(am, signal.SIGKILL)
         killed_at = time.time()
         wait_until(lambda: not pid_alive(am), 30, f"the AM container's process group {am} to die")
+        progress_at_kill, committed_at_kill = len(t.log_names()), _committed(t)  # what attempt 1 did
         rc = _end(proc, 540)
     finally:
         _stop(proc)
