@@ -281,7 +281,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         pw = resolve_secret(self._password_ref, "MySqlSink password") if self._password_ref \
             else self._password_inline
         try:
-            return _load_connection_class()(
+            conn = _load_connection_class()(
                               host=self.host, port=self.port, user=self.user, password=pw or "",
                               database=self.database, connect_timeout=self.connect_timeout,
                               autocommit=True, charset="utf8mb4", local_infile=load,
@@ -290,6 +290,17 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                               init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
         except my.Error as e:
             raise _ConnectError(f"cannot connect to MySQL at {self.where}: {self._describe(e)}") from None
+        try:
+            with conn.cursor() as cur:
+                # Timestamps are sent as UTC wall time (_py_value, the CSV): a TIMESTAMP column reads
+                # them in the session's zone, which is the server's unless set (a server in +05:00
+                # stored every instant 5 hours early).  An offset needs no time zone tables.
+                cur.execute("SET SESSION time_zone = '+00:00'")
+        except my.Error as e:
+            conn.close()
+            raise _ConnectError(f"cannot set the session time zone on MySQL at {self.where}: "
+                                f"{self._describe(e)}") from None
+        return conn
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:

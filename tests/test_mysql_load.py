@@ -228,6 +228,38 @@ def test_a_server_without_strict_mode_fails_the_insert_path_on_a_warning_as_the_
     assert q(env["db"], f"SELECT id, n, v FROM `{tbl}` ORDER BY id") == ((1, 5, "a"), (2, 6, "b"))
 
 
+@pytest.mark.parametrize("mode", ["insert", "upsert"])
+def test_a_server_in_another_time_zone_stores_each_instant_in_a_timestamp_column(env, monkeypatch, mode):
+    """A TIMESTAMP column holds instants; the sink sends them as UTC wall time, which the server reads
+    in the session's time zone: the server's own unless set.  Before, a server in +05:00 stored
+    every instant 5 hours early (insert mode's LOAD and upsert mode's INSERT alike).  The sink's
+    sessions start as a server in +05:00 would start them (the test sets it on each new connection
+    of the sink's, nothing else on the server changes); the instants read back as epoch seconds."""
+    real_class = mysql_mod._load_connection_class()
+
+    class InPlus5(real_class):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            with self.cursor() as cur:
+                cur.execute("SET SESSION time_zone = '+05:00'")
+
+    monkeypatch.setattr(mysql_mod, "_load_connection_class", lambda: InPlus5)
+    loads = spy_loads(monkeypatch)
+    tbl = env["table"]("id BIGINT PRIMARY KEY, t TIMESTAMP(6) NULL, w DATETIME(6) NULL")
+    instants = [dt.datetime(2026, 11, 29, 9, 30, 0, 250000, tzinfo=dt.UTC),
+                dt.datetime(2024, 3, 31, 1, 30, tzinfo=BERLIN)]
+    batch = pa.record_batch({"id": pa.array([1, 2], pa.int64()),
+                             "t": pa.array(instants, pa.timestamp("us", tz="UTC")),
+                             "w": pa.array(instants, pa.timestamp("us", tz="UTC"))})
+    sink = env["make"](tbl, mode=mode, **({"key_columns": ["id"]} if mode == "upsert" else {}))
+    write(sink, [batch])
+    assert loads == ([True] if mode == "insert" else [])
+    got = q(env["db"], f"SELECT id, UNIX_TIMESTAMP(t), w FROM `{tbl}` ORDER BY id")
+    assert [(i, float(e)) for i, e, _ in got] == [(n + 1, x.timestamp()) for n, x in enumerate(instants)]
+    # A DATETIME has no zone: it holds the instant's UTC wall time (docs/mysql.md).
+    assert [w for _, _, w in got] == [x.astimezone(dt.UTC).replace(tzinfo=None) for x in instants]
+
+
 def test_a_server_that_refuses_local_loads_gets_inserts_and_one_log_line(env, monkeypatch, caplog):
     """The real server's refusal (here: the connection does not offer LOCAL, answered as with
     local_infile=OFF): the batch goes in by INSERT inside the same branch; logged once."""
