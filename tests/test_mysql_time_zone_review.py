@@ -5,6 +5,7 @@ own test does: a session whose ``time_zone`` is '+05:00' (the sink's connection 
 the sink's own SET, or a plain session of the test's).  Plain tests: concerns that hold.  xfail
 (strict): findings.
 """
+# ruff: noqa: F811 - the tests take the imported fixture `env` by name
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import datetime as dt
 
 import pyarrow as pa
 import pytest
-from tests.test_mysql_load import env, q, spy_loads, write  # noqa: F401 - env is a fixture
 
+from tests.test_mysql_load import env, q, spy_loads, write  # noqa: F401 - env is a fixture
 from twophase.sinks import mysql as mysql_mod
 from twophase.sinks.mysql import MySqlWriteError
 
