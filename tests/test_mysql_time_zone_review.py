@@ -2,8 +2,8 @@
 
 Against the real MariaDB (127.0.0.1:13306).  A server in another zone is simulated as the commit's
 own test does: a session whose ``time_zone`` is '+05:00' (the sink's connection class runs it before
-the sink's own SET, or a plain session of the test's).  Plain tests: concerns that hold.  xfail
-(strict): findings.
+the sink's own SET, or a plain session of the test's).  Plain tests: concerns that hold; the one
+finding (naive timestamps into a TIMESTAMP column) is a semantics the sink now states and pins.
 """
 # ruff: noqa: F811 - the tests take the imported fixture `env` by name
 
@@ -76,13 +76,13 @@ def test_an_instant_outside_the_timestamp_range_fails_the_write_naming_the_colum
     assert q(env["db"], f"SELECT COUNT(*) FROM `{tbl}`") == ((0,),)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "A naive (tz-less) Arrow timestamp is a wall time; it is sent unchanged, and with the session now "
-    "in +00:00 a TIMESTAMP column takes it as a UTC wall time: on a server in +05:00 the stored instant "
-    "moved 5 hours (a reader in the server's zone sees 14:30 for the 09:30 sent), silently, in both modes. "
-    "Before the change the same wall time was read in the server's zone and read back unchanged."))
 @pytest.mark.parametrize("mode", ["insert", "upsert"])
-def test_a_naive_timestamp_reads_back_as_the_same_wall_time_in_the_servers_zone(env, monkeypatch, mode):
+def test_a_naive_timestamp_into_a_timestamp_column_is_taken_as_utc_wall_time_whatever_the_servers_zone(
+        env, monkeypatch, mode):
+    """R7's finding, decided: a naive (tz-less) Arrow timestamp (Spark's TIMESTAMP_NTZ) has no instant;
+    a TIMESTAMP column needs one, and the sink's sessions (time_zone '+00:00') take the wall time as
+    UTC, on a server in any zone (docs/mysql.md).  Before the session zone was set, it was taken in
+    the server's zone, and every tz-aware instant was stored shifted by the server's offset."""
     _server_in_plus5(monkeypatch)
     loads = spy_loads(monkeypatch)
     tbl = env["table"]("id BIGINT PRIMARY KEY, t TIMESTAMP(6) NULL")
@@ -94,7 +94,9 @@ def test_a_naive_timestamp_reads_back_as_the_same_wall_time_in_the_servers_zone(
     db = env["db"]
     q(db, "SET SESSION time_zone = '+05:00'")
     try:
-        got = q(db, f"SELECT t FROM `{tbl}`")
+        got = q(db, f"SELECT t, UNIX_TIMESTAMP(t) FROM `{tbl}`")
     finally:
         q(db, "SET SESSION time_zone = DEFAULT")
-    assert got == ((wall,),)
+    # A reader in +05:00 sees 14:30:00.25 for the 09:30:00.25 sent: the instant 09:30:00.25 UTC.
+    assert got[0][0] == wall + dt.timedelta(hours=5)
+    assert float(got[0][1]) == wall.replace(tzinfo=dt.UTC).timestamp()
