@@ -894,7 +894,8 @@ class TransactionLog:
             return 0
         g = self.generation
         folder = f"g{g:04d}"
-        names = self.store.list(folder)
+        listed = self.store.list(folder, hidden=True)  # records, and temp files (swept below)
+        names = [n for n in listed if not n.startswith(".")]
         committed = sorted({p[0] for p in map(parse_batch_name, names) if p is not None and p[1] == COMMITTED})
         doomed = set(committed[:-self.retain_batches]) - {committed_batch}
         if not doomed:
@@ -913,8 +914,8 @@ class TransactionLog:
         # A driver killed between a record's temp file and its rename left the temp file (hidden:
         # never read as a record).  Those of pruned batches go with their records.  A late writer
         # whose temp file goes here finds it not created and reads the slot (the stores' create);
-        # one whose temp file appears after this listing is refused by is_pruned, as before.
-        for n in self.store.list(folder, hidden=True):
+        # one whose temp file appears after the listing is refused by is_pruned, as before.
+        for n in listed:
             stem = temp_record_name(n)
             parsed = parse_batch_name(stem) if stem else None
             if parsed is not None and parsed[0] in doomed:
