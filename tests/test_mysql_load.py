@@ -102,6 +102,20 @@ def spy_loads(monkeypatch):
     return loads
 
 
+def server_in_plus5(monkeypatch):
+    """The sink's new connections start in time_zone '+05:00', as on a server in that zone (set on
+    each of them before the sink's own statements; nothing else on the server changes)."""
+    real_class = mysql_mod._load_connection_class()
+
+    class InPlus5(real_class):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            with self.cursor() as cur:
+                cur.execute("SET SESSION time_zone = '+05:00'")
+
+    monkeypatch.setattr(mysql_mod, "_load_connection_class", lambda: InPlus5)
+
+
 def typed_batch(ids) -> pa.RecordBatch:
     n = len(ids)
     nasty = ['a"b,c\nd\\e\r\t\'x', "ü😀 \u2028", "", "NULL", "\\N", '"', ",", "\n"]
@@ -235,15 +249,7 @@ def test_a_server_in_another_time_zone_stores_each_instant_in_a_timestamp_column
     every instant 5 hours early (insert mode's LOAD and upsert mode's INSERT alike).  The sink's
     sessions start as a server in +05:00 would start them (the test sets it on each new connection
     of the sink's, nothing else on the server changes); the instants read back as epoch seconds."""
-    real_class = mysql_mod._load_connection_class()
-
-    class InPlus5(real_class):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            with self.cursor() as cur:
-                cur.execute("SET SESSION time_zone = '+05:00'")
-
-    monkeypatch.setattr(mysql_mod, "_load_connection_class", lambda: InPlus5)
+    server_in_plus5(monkeypatch)
     loads = spy_loads(monkeypatch)
     tbl = env["table"]("id BIGINT PRIMARY KEY, t TIMESTAMP(6) NULL, w DATETIME(6) NULL")
     instants = [dt.datetime(2026, 11, 29, 9, 30, 0, 250000, tzinfo=dt.UTC),

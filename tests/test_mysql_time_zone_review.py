@@ -14,23 +14,11 @@ import datetime as dt
 import pyarrow as pa
 import pytest
 
-from tests.test_mysql_load import env, q, spy_loads, write  # noqa: F401 - env is a fixture
+from tests.test_mysql_load import env, q, server_in_plus5, spy_loads, write  # noqa: F401 - env is a fixture
 from twophase.sinks import mysql as mysql_mod
 from twophase.sinks.mysql import MySqlWriteError
 
 pytestmark = [pytest.mark.mysql, pytest.mark.timeout(60)]
-
-
-def _server_in_plus5(monkeypatch):
-    real_class = mysql_mod._load_connection_class()
-
-    class InPlus5(real_class):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            with self.cursor() as cur:
-                cur.execute("SET SESSION time_zone = '+05:00'")
-
-    monkeypatch.setattr(mysql_mod, "_load_connection_class", lambda: InPlus5)
 
 
 def test_claims_made_by_a_session_in_another_zone_are_dropped_by_the_listing_time_as_before(env, monkeypatch):
@@ -38,7 +26,7 @@ def test_claims_made_by_a_session_in_another_zone_are_dropped_by_the_listing_tim
     branch; the upgraded driver reads NOW(6) in UTC and drops claims made before it.  The claims'
     ``at`` is a TIMESTAMP (an instant), so the comparison holds across zones: the earlier claim is
     dropped, one made after the listing is kept."""
-    _server_in_plus5(monkeypatch)
+    server_in_plus5(monkeypatch)
     sink = env["make"](env["table"]("id BIGINT PRIMARY KEY"))
     claims = mysql_mod.quote_ident(sink.claims_table)
     db = env["db"]
@@ -83,7 +71,7 @@ def test_a_naive_timestamp_into_a_timestamp_column_is_taken_as_utc_wall_time_wha
     a TIMESTAMP column needs one, and the sink's sessions (time_zone '+00:00') take the wall time as
     UTC, on a server in any zone (docs/mysql.md).  Before the session zone was set, it was taken in
     the server's zone, and every tz-aware instant was stored shifted by the server's offset."""
-    _server_in_plus5(monkeypatch)
+    server_in_plus5(monkeypatch)
     loads = spy_loads(monkeypatch)
     tbl = env["table"]("id BIGINT PRIMARY KEY, t TIMESTAMP(6) NULL")
     wall = dt.datetime(2026, 11, 29, 9, 30, 0, 250000)
