@@ -2,8 +2,9 @@
 
 Usage: python -m tests.drivers.datasource_pipeline INPUT_DIR CHECKPOINT_DIR FORMAT [--schema DDL]
 [--option KEY=VALUE ...] [--path OUT] [--files-per-trigger N] [--cluster | --connect] [--no-register]
-[--coordinator] [--dedup].  ``--dedup``: a stateful query, as real jobs write one: the rows deduplicated by
-``id`` within a watermark (``dropDuplicatesWithinWatermark``) at Spark's default 200 shuffle partitions.
+[--coordinator] [--dedup [--shuffle-partitions N]].  ``--dedup``: a stateful query, as real jobs write one:
+the rows deduplicated by ``id`` within a watermark (``dropDuplicatesWithinWatermark``) at Spark's default
+200 shuffle partitions, or N.
 ``--coordinator`` (FORMAT twophase-kafka only): the same query through
 ``foreachBatch(Coordinator(KafkaSink(...)))`` built from the same options (``kafka.bootstrap.servers``,
 ``topic``, ``twophase.transactionalIdPrefix``, ``twophase.transactionTimeoutMs``), for a test that
@@ -65,6 +66,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--files-per-trigger", default="1")
     p.add_argument("--coordinator", action="store_true", help="foreachBatch(Coordinator(KafkaSink)) instead")
     p.add_argument("--dedup", action="store_true", help="deduplicate by id within a watermark, 200 shuffle partitions")
+    p.add_argument("--shuffle-partitions", type=int, default=200, metavar="N",
+                   help="the stateful query's shuffle partitions with --dedup (default: Spark's 200)")
     add_where_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -73,7 +76,7 @@ def main(argv: list[str]) -> int:
     df = spark.readStream.schema(args.schema).option("maxFilesPerTrigger", args.files_per_trigger).json(args.input)
     if args.dedup:
         # Spark's default (the test sessions set 2): fixed in the checkpoint by the first batch.
-        spark.conf.set("spark.sql.shuffle.partitions", "200")
+        spark.conf.set("spark.sql.shuffle.partitions", str(args.shuffle_partitions))
         cols = [f.name for f in df.schema.fields]
         df = (df.selectExpr(*cols, "current_timestamp() AS twophase_ts").withWatermark("twophase_ts", "10 minutes")
               .dropDuplicatesWithinWatermark(["id"]).select(*cols))
