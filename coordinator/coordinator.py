@@ -52,6 +52,13 @@ DRIVER_BATCH_ROWS = 10000
 #: the Arrow task path.
 _OVER_BOUND = "more rows than driver_batch_rows ="
 _COLLECT_FAILED = "the driver's collect failed"
+#: After a failed collect, ``task_input="auto"`` keeps to the tasks for this many batches, then tries
+#: the driver path again; each further failure in a row doubles the wait, up to
+#: :data:`_COLLECT_RETRY_MAX`.  A failure that recurs (a type toArrow() refuses, rows past
+#: maxResultSize) then costs one failed collect in 1,000 batches; one that does not (an executor lost
+#: mid-collect, a fetch failure) no longer keeps a long-running query off the driver path for good.
+_COLLECT_RETRY_FIRST = 10
+_COLLECT_RETRY_MAX = 1000
 _STATEFUL_MARKERS = ("StateStore", "WithState", "StreamingDeduplicate", "StreamingSymmetricHashJoin",
                      "StreamingGlobalLimit")
 
@@ -226,7 +233,8 @@ class Coordinator:
     which the driver pre-commits and decides like a task's.  The bound is ``driver_batch_rows``
     (default :data:`DRIVER_BATCH_ROWS`, 10,000 rows; None means the default), checked by that very
     collect: a batch with more rows takes the Arrow task path (the plan runs again; the log line
-    and progress say so).  ``"auto"`` takes the driver path when the previous batch this
+    and progress say so), as does a batch whose collect fails (after which ``"auto"`` keeps to the
+    tasks for 10 batches, doubled at each failure in a row up to 1,000, then collects again).  ``"auto"`` takes the driver path when the previous batch this
     coordinator wrote had at most ``driver_batch_rows`` rows (so never for its first batch), the
     rows or Arrow path otherwise as above; ``driver_batch_rows=0`` keeps ``"auto"`` on the task
     paths (and sends ``"driver"`` to the Arrow tasks).  Never on the driver path: a streaming
@@ -303,7 +311,8 @@ class Coordinator:
         self._collect_ms = 0.0         # the driver path's collect
         self._last_rows: int | None = None  # rows of the last batch this coordinator's tasks wrote
         self._rows_refused = False     # a row did not convert: the Arrow path from then on
-        self._collect_refused = False  # a driver's collect failed: "auto" keeps to the tasks from then on
+        self._collect_failures = 0     # failed driver collects in a row (reset by one that succeeds)
+        self._collect_wait = 0         # batches "auto" still keeps to the tasks after a failed collect
         self._unsafe_collect: str | None = None  # why "auto" must not collect here (_collect_unsafe)
         self._batch_input = ""         # the path the current batch's tasks took
         self._probed = False           # executors checked (cluster masters, first batch)
@@ -692,8 +701,11 @@ class Coordinator:
         Arrow task path (a burst after small batches), its plan run again there."""
         bound = self.driver_batch_rows
         if self.task_input == "auto":
-            if bound <= 0 or self._last_rows is None or self._last_rows > bound or self._collect_refused:
-                # driver_batch_rows=0, the first batch, after a large one, or after a failed collect
+            if self._collect_wait > 0:  # a collect failed lately: the tasks, for a while
+                self._collect_wait -= 1
+                return None
+            if bound <= 0 or self._last_rows is None or self._last_rows > bound:
+                # driver_batch_rows=0, the first batch, or after a large one
                 return None
         elif self.task_input != "driver" or bound <= 0:
             return None
@@ -752,12 +764,16 @@ class Coordinator:
                          _job_failure(e))
             self._input_note = f"{_COLLECT_FAILED} ({first}): the Arrow task path"
             if self.task_input == "auto":
-                self._collect_refused = True
-                self._input_note += ", for this batch and the coordinator's next ones"
+                self._collect_failures += 1
+                self._collect_wait = min(_COLLECT_RETRY_FIRST << min(self._collect_failures - 1, 20),
+                                         _COLLECT_RETRY_MAX)
+                self._input_note += (f", for this batch and the coordinator's next {self._collect_wait} "
+                                     "(then it collects again)")
             log.warning("%s: %s", self.name, self._input_note)
             return None
         finally:
             self._collect_ms += _ms(t0)
+        self._collect_failures = 0
         if table.num_rows > bound:
             self._input_note = f"{_OVER_BOUND} {bound} rows: the Arrow task path"
             log.info("%s: %s %d rows: this batch takes the Arrow task path", self.name, _OVER_BOUND, bound)

@@ -149,9 +149,10 @@ def test_wide_rows_under_the_row_bound_fall_back_to_tasks_instead_of_failing_the
         got = found[task_input]
         assert (got["rows"], got["task_input"]) == (400, "arrow"), found
         assert got["note"].startswith("the driver's collect failed (") and "maxResultSize" in got["note"], found
-    # Under "auto" the coordinator's next batches keep to the tasks: the same columns would fail the same
-    # collect, each batch paying for it first.
-    assert "next ones" in found["auto"]["note"], found
+    # Under "auto" the coordinator's next 10 batches keep to the tasks (then it collects again, and
+    # waits twice as long after each failure in a row): the same columns would fail the same collect,
+    # each batch paying for it first.
+    assert "the coordinator's next 10" in found["auto"]["note"], found
     assert found["auto-next"]["task_input"] in ("rows", "arrow") and found["auto-next"]["collect_ms"] == 0, found
 
 

@@ -120,6 +120,52 @@ def test_a_collect_whose_job_is_cancelled_fails_the_batch_instead_of_starting_th
     assert not list(out.glob("*.parquet"))
 
 
+def test_auto_collects_again_after_a_collect_that_failed_once(spark, tmp_path):
+    """A collect that failed once (here a column that fails its first evaluation after a marker
+    file appears, as an executor lost mid-collect would fail it) sends its batch to the tasks and
+    keeps "auto" there for the next 10 batches, 20 after a second failure in a row; then the
+    driver collects again, and a success starts the count over.  Before, one failure kept a
+    long-running query off the driver path until its driver restarted."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType
+
+    marker = tmp_path / "fail-the-next-evaluation"
+
+    def fails_once(x: int) -> int:
+        try:
+            os.remove(marker)
+        except FileNotFoundError:
+            return x
+        raise RuntimeError("a collect that fails once (tests/test_driver_prepared.py)")
+
+    col = F.udf(fails_once, LongType())
+    out = tmp_path / "out"
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="again", driver_batch_rows=100)
+    failing = {1, 12, 34}  # the first collect, the first after its 10 batches, and one after a success
+    progress = []
+    try:
+        for b in range(36):
+            if b in failing:
+                marker.touch()
+            df = spark.range(b * 10, b * 10 + 10, numPartitions=1).select(col("id").alias("id"))
+            progress.append(dict(c.write(df, batch_id=b)))
+    finally:
+        c.close()
+    paths = [p["task_input"] for p in progress]
+    # Collected: batch 1 (failed), 12 after its 10 (failed), 33 after 20 more (the driver path),
+    # 34 (failed: 10 more from here, the count started over).  Every other batch: the tasks.
+    tried = [b for b, p in enumerate(progress) if p["collect_ms"] > 0]
+    assert tried == [1, 12, 33, 34], (tried, paths)
+    assert [b for b, p in enumerate(paths) if p == "driver"] == [33], paths
+    for b, wait in ((1, 10), (12, 20), (34, 10)):
+        note = progress[b]["input_note"]
+        assert note.startswith("the driver's collect failed ("), (b, note)
+        assert f"the coordinator's next {wait} (then it collects again)" in note, (b, note)
+    assert not marker.exists()
+    assert [p["rows"] for p in progress] == [10] * 36
+    assert _file_ids(out) == list(range(360))
+
+
 def test_driver_path_settings_are_checked(tmp_path):
     with pytest.raises(ConfigurationError, match="task_input must be one of auto, arrow, rows, driver"):
         Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"), task_input="pickle")
