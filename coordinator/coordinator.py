@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -70,10 +71,30 @@ def _cancelled(e: BaseException) -> bool:
     return "SPARK_JOB_CANCELLED" in text or "cancelled because SparkContext was shut down" in text
 
 
+_PY_ERROR_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?)$")
+
+
+def _python_worker_error(text: str) -> str | None:
+    """The error a Python worker raised (its traceback's last line, ``RuntimeError: ...``) if a
+    Python worker failed the job, else None: Spark's own first line says only "An exception was
+    thrown from the Python worker"."""
+    if "Traceback (most recent call last)" not in text:
+        return None
+    found = None
+    for line in text.split("JVM stacktrace:", 1)[0].splitlines():
+        m = _PY_ERROR_LINE.match(line.strip())
+        if m:
+            found = m.group(1)
+    return found[:300] if found else None
+
+
 def _job_failure(e: BaseException) -> str:
     """The cause of a failed Spark job in one line: py4j's first line only names the call
     (``An error occurred while calling ...collectAndServe``); the task's failure is below."""
     text = str(e)
+    python = _python_worker_error(text)
+    if python:
+        return python
     m = re.search(r"Cannot run program \"[^\"]*\"[^\n)]*", text)
     if m:
         return m.group(0).strip()
@@ -234,7 +255,8 @@ class Coordinator:
     (default :data:`DRIVER_BATCH_ROWS`, 10,000 rows; None means the default), checked by that very
     collect: a batch with more rows takes the Arrow task path (the plan runs again; the log line
     and progress say so), as does a batch whose collect fails (after which ``"auto"`` keeps to the
-    tasks for 10 batches, doubled at each failure in a row up to 1,000, then collects again).  ``"auto"`` takes the driver path when the previous batch this
+    tasks for 10 batches, doubled at each failure in a row up to 1,000, then collects again;
+    never after an ``OutOfMemoryError``).  ``"auto"`` takes the driver path when the previous batch this
     coordinator wrote had at most ``driver_batch_rows`` rows (so never for its first batch), the
     rows or Arrow path otherwise as above; ``driver_batch_rows=0`` keeps ``"auto"`` on the task
     paths (and sends ``"driver"`` to the Arrow tasks).  Never on the driver path: a streaming
@@ -759,11 +781,18 @@ class Coordinator:
             # it again.  A failure of the batch's own (its source) fails there too.  Under "auto" the
             # later batches keep to the tasks (the same columns would fail the same collect).
             # The cause, not py4j's "An error occurred while calling ..." nor a wrapper's "awaitResult".
-            first = next((ln.strip()[:300] for ln in str(e).splitlines()
-                          if "Exception:" in ln and "awaitResult" not in ln and "error occurred while" not in ln),
-                         _job_failure(e))
+            first = _python_worker_error(str(e)) or next(
+                (ln.strip()[:300] for ln in str(e).splitlines()
+                 if "Exception:" in ln and "awaitResult" not in ln and "error occurred while" not in ln),
+                _job_failure(e))
             self._input_note = f"{_COLLECT_FAILED} ({first}): the Arrow task path"
-            if self.task_input == "auto":
+            if self.task_input == "auto" and "OutOfMemoryError" in str(e):
+                # The driver's heap (or an executor's) ran out on this collect: the same rows would run
+                # it out again, and the next time the driver's JVM may die of it.  Never again here.
+                self._collect_wait = sys.maxsize
+                self._input_note += (", for this batch and all the coordinator's next ones (out of memory: "
+                                     "it does not collect again)")
+            elif self.task_input == "auto":
                 self._collect_failures += 1
                 self._collect_wait = min(_COLLECT_RETRY_FIRST << min(self._collect_failures - 1, 20),
                                          _COLLECT_RETRY_MAX)

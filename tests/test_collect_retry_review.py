@@ -164,9 +164,6 @@ def test_a_cast_that_fails_after_the_collect_sends_the_batch_to_the_arrow_tasks(
     assert _file_ids(out) == list(range(40))
 
 
-@pytest.mark.xfail(strict=True, reason="R8 (pre-existing, not from 646547c): a collect failed by a Python "
-                   "worker's error is noted as 'the driver's collect failed (An exception was thrown from the "
-                   "Python worker:)', without the error; the log line says no more")
 def test_the_note_of_a_collect_failed_in_a_python_worker_names_the_error(spark, tmp_path, short_wait):
     """The failed collect's note (progress and the warning, the only trace of the failure) should
     name the error, so that an operator can tell a failure that recurs (a UDF that fails on the
@@ -181,4 +178,4 @@ def test_the_note_of_a_collect_failed_in_a_python_worker_names_the_error(spark, 
     finally:
         c.close()
     assert p["input_note"].startswith("the driver's collect failed ("), p
-    assert "RuntimeError" in p["input_note"] or "a collect that fails once" in p["input_note"], p["input_note"]
+    assert "RuntimeError: a collect that fails once" in p["input_note"], p["input_note"]

@@ -166,6 +166,45 @@ def test_auto_collects_again_after_a_collect_that_failed_once(spark, tmp_path):
     assert _file_ids(out) == list(range(360))
 
 
+def test_auto_never_collects_again_after_a_collect_out_of_memory(spark, tmp_path, monkeypatch):
+    """A collect that failed with an OutOfMemoryError (here a column whose error says so, once) is
+    not tried again by that coordinator: the same rows would run the heap out again, and the driver's
+    JVM may die of it the next time.  The wait of other failures is cut to 2 batches here."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType
+
+    import twophase.coordinator.coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "_COLLECT_RETRY_FIRST", 2)
+    marker = tmp_path / "fail-the-next-evaluation"
+
+    def runs_out_once(x: int) -> int:
+        try:
+            os.remove(marker)
+        except FileNotFoundError:
+            return x
+        raise RuntimeError("java.lang.OutOfMemoryError: Java heap space (tests/test_driver_prepared.py)")
+
+    col = F.udf(runs_out_once, LongType())
+    out = tmp_path / "out"
+    c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="oom", driver_batch_rows=100)
+    progress = []
+    try:
+        for b in range(6):
+            if b == 1:
+                marker.touch()
+            df = spark.range(b * 10, b * 10 + 10, numPartitions=1).select(col("id").alias("id"))
+            progress.append(dict(c.write(df, batch_id=b)))
+    finally:
+        c.close()
+    assert [b for b, p in enumerate(progress) if p["collect_ms"] > 0] == [1], progress
+    assert "driver" not in [p["task_input"] for p in progress], progress
+    note = progress[1]["input_note"]
+    assert "(RuntimeError: java.lang.OutOfMemoryError: Java heap space" in note, note
+    assert "out of memory: it does not collect again" in note, note
+    assert _file_ids(out) == list(range(60))
+
+
 def test_driver_path_settings_are_checked(tmp_path):
     with pytest.raises(ConfigurationError, match="task_input must be one of auto, arrow, rows, driver"):
         Coordinator(FileSink(str(tmp_path / "o")), log_location=str(tmp_path / "l"), task_input="pickle")
