@@ -92,12 +92,12 @@ def _job_failure(e: BaseException) -> str:
     """The cause of a failed Spark job in one line: py4j's first line only names the call
     (``An error occurred while calling ...collectAndServe``); the task's failure is below."""
     text = str(e)
-    python = _python_worker_error(text)
-    if python:
-        return python
     m = re.search(r"Cannot run program \"[^\"]*\"[^\n)]*", text)
     if m:
         return m.group(0).strip()
+    python = _python_worker_error(text)
+    if python:
+        return python
     for line in text.splitlines():
         line = line.strip().lstrip(": ")
         if "Exception:" in line and "An error occurred while calling" not in line:
