@@ -256,8 +256,8 @@ class Coordinator:
     collect: a batch with more rows takes the Arrow task path (the plan runs again; the log line
     and progress say so), as does a batch whose collect fails (after which ``"auto"`` keeps to the
     tasks for 10 batches, doubled at each failure in a row up to 1,000, then collects again;
-    never after an ``OutOfMemoryError``).  ``"auto"`` takes the driver path when the previous batch this
-    coordinator wrote had at most ``driver_batch_rows`` rows (so never for its first batch), the
+    never after an ``OutOfMemoryError``).  ``"auto"`` takes the driver path when the previous
+    batch this coordinator wrote had at most ``driver_batch_rows`` rows (so never for its first batch), the
     rows or Arrow path otherwise as above; ``driver_batch_rows=0`` keeps ``"auto"`` on the task
     paths (and sends ``"driver"`` to the Arrow tasks).  Never on the driver path: a streaming
     query with state (over Spark Connect every streaming query counts as one; see
@@ -779,7 +779,8 @@ class Coordinator:
             # A type toArrow() refuses (the Arrow tasks convert it), rows past spark.driver.maxResultSize
             # (the bound counts rows, not bytes), ...: the batch takes the Arrow task path, which reads
             # it again.  A failure of the batch's own (its source) fails there too.  Under "auto" the
-            # later batches keep to the tasks (the same columns would fail the same collect).
+            # next batches keep to the tasks for a while (the same columns would fail the same collect;
+            # a lost executor would not), for good after an OutOfMemoryError.
             # The cause, not py4j's "An error occurred while calling ..." nor a wrapper's "awaitResult".
             first = _python_worker_error(str(e)) or next(
                 (ln.strip()[:300] for ln in str(e).splitlines()
