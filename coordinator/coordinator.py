@@ -782,12 +782,13 @@ class Coordinator:
             # next batches keep to the tasks for a while (the same columns would fail the same collect;
             # a lost executor would not), for good after an OutOfMemoryError.
             # The cause, not py4j's "An error occurred while calling ..." nor a wrapper's "awaitResult".
-            first = _python_worker_error(str(e)) or next(
-                (ln.strip()[:300] for ln in str(e).splitlines()
+            text = str(e)
+            first = _python_worker_error(text) or next(
+                (ln.strip()[:300] for ln in text.splitlines()
                  if "Exception:" in ln and "awaitResult" not in ln and "error occurred while" not in ln),
                 _job_failure(e))
             self._input_note = f"{_COLLECT_FAILED} ({first}): the Arrow task path"
-            if self.task_input == "auto" and "OutOfMemoryError" in str(e):
+            if self.task_input == "auto" and "OutOfMemoryError" in text:
                 # The driver's heap (or an executor's) ran out on this collect: the same rows would run
                 # it out again, and the next time the driver's JVM may die of it.  Never again here.
                 self._collect_wait = sys.maxsize

@@ -9,18 +9,12 @@ driver's collect; the Arrow tasks that write the batch afterwards see no marker 
 
 from __future__ import annotations
 
-import os
-
-import pyarrow.parquet as pq
 import pytest
 
 import twophase.coordinator.coordinator as coordinator_module
+from tests.test_driver_prepared import _file_ids, failing_frame
 from twophase.coordinator import Coordinator
 from twophase.sinks.files import FileSink
-
-
-def _file_ids(out) -> list[int]:
-    return sorted(i for p in out.glob("*.parquet") for i in pq.read_table(p).column("id").to_pylist())
 
 
 @pytest.fixture
@@ -28,31 +22,11 @@ def short_wait(monkeypatch):
     monkeypatch.setattr(coordinator_module, "_COLLECT_RETRY_FIRST", 2)
 
 
-def _failing_frame(spark, marker):
-    """``frame(lo, n)``: ids lo..lo+n-1 through a column that fails once each time ``marker`` appears."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import LongType
-
-    def fails_once(x: int) -> int:
-        try:
-            os.remove(marker)
-        except FileNotFoundError:
-            return x
-        raise RuntimeError("a collect that fails once (tests/test_collect_retry_review.py)")
-
-    col = F.udf(fails_once, LongType())
-
-    def frame(lo: int, n: int):
-        return spark.range(lo, lo + n, numPartitions=1).select(col("id").alias("id"))
-
-    return frame
-
-
 def test_driver_input_tries_the_collect_at_every_batch_after_failures(spark, tmp_path, short_wait):
     """task_input="driver" keeps no wait: each batch collects, a failed one goes to the Arrow tasks
     (its note without a wait), and the next batch collects again and takes the driver path."""
     marker = tmp_path / "marker"
-    frame = _failing_frame(spark, marker)
+    frame = failing_frame(spark, marker)
     out = tmp_path / "out"
     c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="r8drv", task_input="driver",
                     driver_batch_rows=100)
@@ -78,7 +52,7 @@ def test_skipped_replays_do_not_use_up_the_wait(spark, tmp_path, short_wait):
     the wait: after a failed collect (wait 2 here), the next two batches written keep to the tasks
     however many replays come between, and the one after them collects."""
     marker = tmp_path / "marker"
-    frame = _failing_frame(spark, marker)
+    frame = failing_frame(spark, marker)
     out = tmp_path / "out"
     c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="r8skip", driver_batch_rows=100)
     progress, replays = [], []
@@ -106,7 +80,7 @@ def test_a_collect_over_the_bound_counts_as_a_success(spark, tmp_path, short_wai
     """A collect that ran (more rows than the bound: the Arrow tasks) ends the failures in a row:
     the next failure waits the first length again (2 here), not twice it."""
     marker = tmp_path / "marker"
-    frame = _failing_frame(spark, marker)
+    frame = failing_frame(spark, marker)
     out = tmp_path / "out"
     c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="r8over", driver_batch_rows=20)
     sizes = [10, 10, 10, 10, 30, 10, 10]  # 4: a burst over the bound; 5: after it, no collect
@@ -169,7 +143,7 @@ def test_the_note_of_a_collect_failed_in_a_python_worker_names_the_error(spark, 
     name the error, so that an operator can tell a failure that recurs (a UDF that fails on the
     batch's rows) from one that does not (an executor lost), which is what the wait is about."""
     marker = tmp_path / "marker"
-    frame = _failing_frame(spark, marker)
+    frame = failing_frame(spark, marker)
     c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="r8note",
                     task_input="driver", driver_batch_rows=100)
     try:

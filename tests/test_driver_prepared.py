@@ -47,6 +47,28 @@ def _write_all(c: Coordinator, spark, sizes: list[int]) -> list[dict]:
     return progress
 
 
+def failing_frame(spark, marker: Path, error: str = "a collect that fails once (tests/test_driver_prepared.py)"):
+    """``frame(lo, n)``: ids lo..lo+n-1 in one partition, through a column that raises
+    ``RuntimeError(error)`` at its first evaluation each time ``marker`` appears (it deletes the
+    marker): the driver's collect fails, and the Arrow tasks that write the batch after it succeed."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType
+
+    def fails_once(x: int) -> int:
+        try:
+            os.remove(marker)
+        except FileNotFoundError:
+            return x
+        raise RuntimeError(error)
+
+    col = F.udf(fails_once, LongType())
+
+    def frame(lo: int, n: int):
+        return spark.range(lo, lo + n, numPartitions=1).select(col("id").alias("id"))
+
+    return frame
+
+
 # ------------------------------------------------------------------ the choice, in-process
 def test_auto_takes_the_driver_path_after_a_small_batch_and_tasks_for_a_burst(spark, tmp_path, caplog):
     out = tmp_path / "out"
@@ -126,19 +148,8 @@ def test_auto_collects_again_after_a_collect_that_failed_once(spark, tmp_path):
     keeps "auto" there for the next 10 batches, 20 after a second failure in a row; then the
     driver collects again, and a success starts the count over.  Before, one failure kept a
     long-running query off the driver path until its driver restarted."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import LongType
-
     marker = tmp_path / "fail-the-next-evaluation"
-
-    def fails_once(x: int) -> int:
-        try:
-            os.remove(marker)
-        except FileNotFoundError:
-            return x
-        raise RuntimeError("a collect that fails once (tests/test_driver_prepared.py)")
-
-    col = F.udf(fails_once, LongType())
+    frame = failing_frame(spark, marker)
     out = tmp_path / "out"
     c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="again", driver_batch_rows=100)
     failing = {1, 12, 34}  # the first collect, the first after its 10 batches, and one after a success
@@ -147,8 +158,7 @@ def test_auto_collects_again_after_a_collect_that_failed_once(spark, tmp_path):
         for b in range(36):
             if b in failing:
                 marker.touch()
-            df = spark.range(b * 10, b * 10 + 10, numPartitions=1).select(col("id").alias("id"))
-            progress.append(dict(c.write(df, batch_id=b)))
+            progress.append(dict(c.write(frame(b * 10, 10), batch_id=b)))
     finally:
         c.close()
     paths = [p["task_input"] for p in progress]
@@ -170,22 +180,11 @@ def test_auto_never_collects_again_after_a_collect_out_of_memory(spark, tmp_path
     """A collect that failed with an OutOfMemoryError (here a column whose error says so, once) is
     not tried again by that coordinator: the same rows would run the heap out again, and the driver's
     JVM may die of it the next time.  The wait of other failures is cut to 2 batches here."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import LongType
-
     import twophase.coordinator.coordinator as coordinator_module
 
     monkeypatch.setattr(coordinator_module, "_COLLECT_RETRY_FIRST", 2)
     marker = tmp_path / "fail-the-next-evaluation"
-
-    def runs_out_once(x: int) -> int:
-        try:
-            os.remove(marker)
-        except FileNotFoundError:
-            return x
-        raise RuntimeError("java.lang.OutOfMemoryError: Java heap space (tests/test_driver_prepared.py)")
-
-    col = F.udf(runs_out_once, LongType())
+    frame = failing_frame(spark, marker, "java.lang.OutOfMemoryError: Java heap space (tests/test_driver_prepared.py)")
     out = tmp_path / "out"
     c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / "log"), name="oom", driver_batch_rows=100)
     progress = []
@@ -193,8 +192,7 @@ def test_auto_never_collects_again_after_a_collect_out_of_memory(spark, tmp_path
         for b in range(6):
             if b == 1:
                 marker.touch()
-            df = spark.range(b * 10, b * 10 + 10, numPartitions=1).select(col("id").alias("id"))
-            progress.append(dict(c.write(df, batch_id=b)))
+            progress.append(dict(c.write(frame(b * 10, 10), batch_id=b)))
     finally:
         c.close()
     assert [b for b, p in enumerate(progress) if p["collect_ms"] > 0] == [1], progress
