@@ -50,6 +50,12 @@ if [[ ",$EXTRAS," == *",test,"* ]]; then
   need_apt mkfs.vfat dosfstools || log "dosfstools not installed: the vfat tests will skip"
   need_apt fusefat fusefat || log "fusefat not installed: the vfat tests will skip"
 fi
+# uv keeps every revision of a source distribution it built: pyspark, about 1.4 GB a fresh
+# venv, so a machine that runs CI on clean clones filled its disk (39 GB after two days).
+# prune drops what no revision in use points to, in seconds.
+if "$VENV/bin/python" -m uv --version >/dev/null 2>&1; then
+  "$VENV/bin/python" -m uv cache prune -q || log "uv cache prune failed: the cache keeps old builds"
+fi
 export PATH="$VENV/bin:$PATH"
 export PYSPARK_PYTHON="$VENV/bin/python" PYSPARK_DRIVER_PYTHON="$VENV/bin/python"
 log "ready: $("$VENV/bin/python" --version), $(java -version 2>&1 | head -1)"

@@ -8,7 +8,17 @@ source scripts/setup.sh test,bench
 echo "[test] ruff check" >&2
 ruff check .   # lint first: seconds, and a failure here needs no servers
 python -m tests.services stop >/dev/null 2>&1 || true
-trap 'python -m tests.services stop || true' EXIT
+# The suite SIGKILLs a few hundred drivers, and a killed JVM leaves its spark-*/blockmgr-* folders
+# behind: Spark's local dirs go to one folder of this run's, removed when it ends.
+export SPARK_LOCAL_DIRS
+SPARK_LOCAL_DIRS="$(mktemp -d "${TMPDIR:-/tmp}/twophase-test-spark.XXXXXX")"
+trap 'python -m tests.services stop || true; rm -rf "$SPARK_LOCAL_DIRS"' EXIT
+free_gb=$(( $(df -Pk "${TMPDIR:-/tmp}" | awk 'NR==2 {print $4}') / 1048576 ))
+echo "[test] ${free_gb} GB free in ${TMPDIR:-/tmp}" >&2
+if [ "$free_gb" -lt 15 ]; then
+  echo "[test] WARNING: the suite needs about 15 GB of scratch space (fresh venvs, servers' data);" \
+       "with ${free_gb} GB tests may fail with 'No space left on device'" >&2
+fi
 # mypy (config in pyproject.toml; ~20 s of one core) checks while the servers start, mostly JVMs
 # waiting on their ports; its verdict is read before any test runs.
 echo "[test] mypy, while the services start" >&2

@@ -57,6 +57,8 @@ def archive() -> Path | None:
     JVM cannot make one (the drivers then start as before)."""
     path = CACHE / f"spark-driver-{_key()}.jsa"
     if path.exists():
+        with contextlib.suppress(OSError):
+            os.utime(path)  # in use: the last to be evicted
         return path
     CACHE.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=CACHE, suffix=".jsa.tmp")
@@ -77,8 +79,25 @@ def archive() -> Path | None:
             os.unlink(tmp)
         return None
     shutil.move(tmp, path)
+    _evict(keep=path)
     sys.stderr.write(f"[fastjvm] class-data archive for the drivers made in {time.monotonic() - t0:.0f}s: {path}\n")
     return path
+
+
+#: Archives kept: the key names the venv's Python, so each fresh clone (each CI run) makes one
+#: of about 190 MB; without a bound they filled the disk of the machine that runs CI.
+_KEEP = 3
+
+
+def _evict(keep: Path) -> None:
+    """Delete all but the ``_KEEP`` most recently used archives (``keep`` among them).  A JVM
+    already running on a deleted archive keeps its mapping; one started on it later runs
+    without sharing (the JVM skips an archive it cannot open)."""
+    others = sorted((p for p in CACHE.glob("spark-driver-*.jsa") if p != keep),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in others[_KEEP - 1:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 @contextlib.contextmanager
