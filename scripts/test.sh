@@ -15,8 +15,8 @@ SPARK_LOCAL_DIRS="$(mktemp -d "${TMPDIR:-/tmp}/twophase-test-spark.XXXXXX")"
 trap 'python -m tests.services stop || true; rm -rf "$SPARK_LOCAL_DIRS"' EXIT
 free_gb=$(( $(df -Pk "${TMPDIR:-/tmp}" | awk 'NR==2 {print $4}') / 1048576 ))
 echo "[test] ${free_gb} GB free in ${TMPDIR:-/tmp}" >&2
-if [ "$free_gb" -lt 15 ]; then
-  echo "[test] WARNING: the suite needs about 15 GB of scratch space (fresh venvs, servers' data);" \
+if [ "$free_gb" -lt 10 ]; then
+  echo "[test] WARNING: the suite needs about 10 GB of scratch space (fresh venvs, servers' data);" \
        "with ${free_gb} GB tests may fail with 'No space left on device'" >&2
 fi
 # mypy (config in pyproject.toml; ~20 s of one core) checks while the servers start, mostly JVMs
