@@ -159,6 +159,19 @@ def prune_below(batch_id: int, retention_batches: int) -> int | None:
     return below if below > 0 else None
 
 
+def prunable_ranges(settled: Any, query_name: str, batch_id: int,
+                    retention_batches: int) -> list[tuple[int, int]]:
+    """The batch ids whose marker rows a cleanup may delete: those the log shows finished
+    (``settled``, a :class:`twophase.evidence.Settled`: COMMITTED, or pruned after it) and below
+    ``batch_id - retention_batches``.  Never by batch-id order alone: a backfill's decided batch
+    below the current id may still be committing, and its markers are what prove its commits
+    (docs/design.md, "What may justify a destructive action").  No evidence (``None``): nothing."""
+    below = prune_below(batch_id, retention_batches)
+    if below is None or settled is None:
+        return []
+    return list(settled.ranges_below(query_name, below))
+
+
 def update_columns(columns: Iterable[str], key_columns: Iterable[str]) -> list[str]:
     """Upsert: the columns an existing row of a key takes from the new one (all but the keys); empty:
     the statement only inserts new keys (``DO NOTHING``, ``INSERT IGNORE``-like)."""

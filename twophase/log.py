@@ -772,6 +772,18 @@ class TransactionLog:
         self._pruned[g] = (ranges, done)
         return ranges
 
+    def settled_ranges(self, generation: int) -> list[list[int]]:
+        """Ranges ``[first, last]`` of the batch ids of a generation the log shows finished: a
+        COMMITTED record, or a pruned range (a pruner records only ids it saw COMMITTED).
+
+        The evidence :class:`twophase.evidence.Settled` hands a sink's cleanup.  The listing comes
+        first and what was pruned is read afresh after it: a batch whose COMMITTED record a prune
+        deleted before the listing is in a pruned range written before that deletion.
+        """
+        committed = {p[0] for p in map(parse_batch_name, self.store.list(f"g{generation:04d}"))
+                     if p is not None and p[1] == COMMITTED}
+        return _merge(self.pruned(generation, fresh=True) + [[b, b] for b in committed])
+
     def is_pruned(self, batch_id: int, generation: int | None = None, *, fresh: bool = False) -> bool:
         """Was ``batch_id`` committed and its records pruned?"""
         return _in(self.pruned(generation, fresh=fresh, at_least=batch_id if fresh else None), batch_id)

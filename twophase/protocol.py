@@ -42,9 +42,10 @@ from twophase.errors import (
     TransactionTakenError,
     TwoPhaseError,
 )
+from twophase.evidence import Settled
 from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog, parse_batch_name
 from twophase.recovery import Committer, closer_for, forgetter_for, pending_batches, recover_pending
-from twophase.sink import TwoPhaseCommitSink
+from twophase.sink import TwoPhaseCommitSink, abort_lingering
 
 log = logging.getLogger("twophase.protocol")
 
@@ -241,7 +242,7 @@ class TwoPhaseProtocol:
             self._replaced = replaced
         for g, name, last in replaced:
             try:
-                n = self.sink.abort_lingering(name, last + 1, {}, [])
+                n = abort_lingering(self.sink, name, last + 1, {}, [], Settled(tlog))
             except Exception:  # noqa: BLE001 - see the docstring
                 log.warning("%s: could not sweep leftovers of generation %d of the log", self.name, g, exc_info=True)
                 continue
@@ -525,7 +526,7 @@ class TwoPhaseProtocol:
             e.generation, e.ballot = tlog.generation, number
             raise
         # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
-        aborted = self.sink.abort_lingering(opened.query_name, batch_id, opened.intent, decoded)
+        aborted = abort_lingering(self.sink, opened.query_name, batch_id, opened.intent, decoded, Settled(tlog))
         if aborted:
             log.info("%s: batch %d: aborted %d transactions of failed task attempts", self.name, batch_id,
                      aborted)
@@ -620,7 +621,8 @@ class TwoPhaseProtocol:
         # Every earlier ballot is closed as aborted now: its names are garbage. Recovery (when it ran
         # just now) already aborted those closed before.
         for ballot in (closed_now if after_recovery else view.ballots):
-            n = self.sink.abort_lingering(str(ballot.name or self.query_name), batch_id, ballot.plan, [])
+            n = abort_lingering(self.sink, str(ballot.name or self.query_name), batch_id, ballot.plan, [],
+                                Settled(tlog))
             prog.aborted_lingering += n
         if prog.aborted_lingering:
             log.info("%s: batch %d: aborted %d transactions left by earlier ballots", self.name, batch_id,
@@ -645,7 +647,7 @@ class TwoPhaseProtocol:
                       self.name, batch_id, ballot)
             return
         try:
-            self.sink.abort_lingering(self.query_name, batch_id, intent, [])
+            abort_lingering(self.sink, self.query_name, batch_id, intent, [], Settled(self.tlog))
         except Exception:
             log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
                         "replay aborts them", self.name, batch_id, exc_info=True)

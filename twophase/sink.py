@@ -22,6 +22,8 @@ from twophase.context import BatchContext, TransactionContext
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from twophase.evidence import Settled
+
 TxnT = TypeVar("TxnT")
 HandleT = TypeVar("HandleT")
 
@@ -232,6 +234,14 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         ``batch_id`` itself may be a paused coordinator's ballot, still to be decided:
         leave it, or abort it only through a fence the decision must pass (PostgresSink
         dooms a gid in its claims table before it rolls it back).
+
+        A sink whose method also takes the keyword ``settled`` (a
+        :class:`twophase.evidence.Settled`) is given it by the protocol: the log's evidence
+        for anything of *other* batches this call destroys (a sweep of earlier batches' staged
+        files, a prune of marker rows): only batches it names finished (COMMITTED, or pruned after
+        it) may be touched, never by batch-id order (a backfill of an older id may be running).
+        ``None``: no evidence at hand; touch nothing of other batches (docs/design.md, "What may
+        justify a destructive action").
         """
         return 0
 
@@ -341,3 +351,26 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
     def from_config(cls, config: dict[str, Any]) -> TwoPhaseCommitSink[Any, Any]:
         params = {k: v for k, v in config.items() if k != "sink"}
         return cls(**params)
+
+
+_TAKES_SETTLED: dict[type, bool] = {}
+
+
+def abort_lingering(sink: TwoPhaseCommitSink[Any, Any], query_name: str, batch_id: int, intent: dict[str, Any],
+                    keep: list[Any], settled: Settled | None) -> int:
+    """``sink.abort_lingering``, with the log's evidence (``settled``) where the sink's method takes it
+    (a user's sink written against the four-argument form keeps working)."""
+    cls = type(sink)
+    takes = _TAKES_SETTLED.get(cls)
+    if takes is None:
+        import inspect
+
+        try:
+            takes = "settled" in inspect.signature(sink.abort_lingering).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _TAKES_SETTLED[cls] = takes
+    if takes and settled is not None:
+        method: Any = sink.abort_lingering
+        return int(method(query_name, batch_id, intent, keep, settled=settled))
+    return int(sink.abort_lingering(query_name, batch_id, intent, keep))
