@@ -48,6 +48,7 @@ from twophase._deps import require
 from twophase.config import is_secret_ref, resolve_secret
 from twophase.context import TransactionContext
 from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
+from twophase.evidence import Settled
 from twophase.sink import CommitResult, TwoPhaseCommitSink
 from twophase.sinks import _sql2pc as names
 
@@ -148,6 +149,7 @@ class _Column:
     has_default: bool
     generated: bool
     charset: str | None = None  # text columns' character set; None for others (binary types included)
+    auto_increment: bool = False
 
 
 @dataclass
@@ -424,17 +426,43 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 f"GRANT XA_RECOVER_ADMIN ON *.* TO {user}") from None
 
     def _check_keys(self, cur: Any) -> None:
-        cur.execute("SELECT index_name, column_name FROM information_schema.statistics WHERE table_schema = %s "
-                    "AND table_name = %s AND non_unique = 0 ORDER BY index_name, seq_in_index",
-                    (self.database, self.table))
+        """Upsert: a PRIMARY KEY or UNIQUE index on exactly ``key_columns``, and no other unique index that
+        could match a row of another key.  ``ON DUPLICATE KEY UPDATE`` fires on a duplicate of *any*
+        unique index: with ``(id PK, email UNIQUE)`` and key ``id``, upserting ``(2, 'a@x')`` over
+        ``(1, 'a@x')`` updates row 1 and writes no id 2, without an error (silent loss, issue 61).  An
+        index on a superset of the key columns is harmless (a row it matches has the same key, so it is
+        the row the key matches); an ``AUTO_INCREMENT`` column alone is too, as long as the DataFrame
+        does not write it (checked per task, :meth:`_map_columns`)."""
+        cur.execute("SELECT s.index_name, s.column_name, c.extra FROM information_schema.statistics s "
+                    "JOIN information_schema.columns c ON c.table_schema = s.table_schema "
+                    "AND c.table_name = s.table_name AND c.column_name = s.column_name "
+                    "WHERE s.table_schema = %s AND s.table_name = %s AND s.non_unique = 0 "
+                    "ORDER BY s.index_name, s.seq_in_index", (self.database, self.table))
         indexes: dict[str, list[str]] = {}
-        for index, col in cur.fetchall():
+        auto: set[str] = set()
+        for index, col, extra in cur.fetchall():
+            index, col = _text(index), _text(col)
             indexes.setdefault(index, []).append(col)
-        if not any(sorted(cols) == sorted(self.key_columns) for cols in indexes.values()):
-            cols = ", ".join(quote_ident(k) for k in self.key_columns)
+            if "auto_increment" in _text(extra or "").lower():
+                auto.add(col)
+        cols = ", ".join(quote_ident(k) for k in self.key_columns)
+        if not any(sorted(c) == sorted(self.key_columns) for c in indexes.values()):
             raise ConfigurationError(
                 f"upsert on {quote_ident(self.table)} needs a PRIMARY KEY or UNIQUE index on exactly ({cols}) "
                 f"for ON DUPLICATE KEY UPDATE; create one: ALTER TABLE {quote_ident(self.table)} ADD UNIQUE ({cols})")
+        keys = set(self.key_columns)
+        others = {name: c for name, c in indexes.items()
+                  if not keys <= set(c) and not (len(c) == 1 and c[0] in auto)}
+        if others:
+            shown = "; ".join(f"{quote_ident(n)} on ({', '.join(quote_ident(x) for x in c)})"
+                              for n, c in sorted(others.items()))
+            raise ConfigurationError(
+                f"upsert on {quote_ident(self.table)} by ({cols}) is refused: the table has another unique index, "
+                f"{shown}. MySQL's INSERT ... ON DUPLICATE KEY UPDATE fires on a duplicate of any unique index, so "
+                "a row whose key is new but whose value in that index is taken would overwrite the other row "
+                "(of another key) and never be written, without an error. Either upsert by that index's columns, "
+                "or drop it (ALTER TABLE ... DROP INDEX ...), or write with mode='insert' (a duplicate of any "
+                "unique index then fails the batch)")
 
     def _marker_ddl(self) -> str:
         return (f"CREATE TABLE IF NOT EXISTS {quote_ident(self.marker_table)} ("
@@ -650,10 +678,21 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             self._release(conn)
 
     def _check_database(self, handle: dict) -> None:
+        """Refuse a handle whose branch this sink would judge by other evidence than it was written
+        with: another database, or another marker table (a recovery config whose ``marker_table``
+        differs would read another table, find no marker of a committed branch and judge it never
+        visible: the batch voided and written again, issue 61).  A handle of before the field (no
+        ``marker_table``) is judged by the sink's marker table, as it was."""
         if handle.get("database") and handle["database"] != self.database:
             raise ConfigurationError(
                 f"{self.describe_handle(handle)} was prepared in database {handle['database']!r} but this "
                 f"sink connects to {self.database!r}; point the sink at the database of the log's handles")
+        marker = handle.get("marker_table")
+        if marker is not None and marker != self.marker_table:
+            raise ConfigurationError(
+                f"{self.describe_handle(handle)} wrote its marker row into marker table {marker!r} but this sink "
+                f"reads marker table {self.marker_table!r}; its commit could not be proven there. Give the sink "
+                f"marker_table={marker!r}, the one the batch was written with")
 
     def _resolve_missing(self, handle: dict) -> CommitResult:
         my = _my()
@@ -690,27 +729,38 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         """The branch is listed by ``XA RECOVER`` but ``XA COMMIT`` answers 1397: on MariaDB it is still
         attached to the session that prepared it, an executor's that has not disconnected (paused, or
         its disconnect not yet processed); it stays so for as long as that session lives.  A fence, not
-        a timer: the handle names that session (``session``, its CONNECTION_ID()), and if
-        ``information_schema.PROCESSLIST`` shows that id under this sink's own user, it is KILLed; the
-        server then detaches the branch, still prepared, and the commit is retried until it is (at most
-        :data:`DETACH_WAIT_SECONDS`).  A handle without a session, or an id that is not our user's:
-        retried later, as before.  (MySQL 8.0.30+ detaches a branch at XA PREPARE by default,
-        ``xa_detach_on_prepare``, so this is never reached there.)"""
+        a timer: the handle names that session (``session``, its CONNECTION_ID(); ``session_user``, its
+        user; ``session_at``, the server's clock after it connected), and it is KILLed only if
+        ``information_schema.PROCESSLIST`` shows that id under that user, which is this sink's own user
+        too, and the server has been up since before ``session_at``: connection ids restart with the
+        server and are not reused within one run of it, so a connection with that id made after the
+        branch began (after a restart) is someone else's and is never killed.  The server then detaches
+        the branch, still prepared, and the commit is retried until it is (at most
+        :data:`DETACH_WAIT_SECONDS`).  A handle without those fields (written before them), or a
+        connection that does not match: retried later (the session idles out
+        ``PREPARED_SESSION_IDLE_SECONDS`` after it pre-committed).  (MySQL 8.0.30+ detaches a branch at
+        XA PREPARE by default, ``xa_detach_on_prepare``, so this is never reached there.)"""
         import time
 
         my = _my()
         name = f"{handle['gtrid']}/{handle['bqual']}"
-        session = handle.get("session")
+        session, suser, sat = handle.get("session"), handle.get("session_user"), handle.get("session_at")
         still = CommitResult.retry_later(f"XA branch {name} is still attached to the session that prepared it")
         if not isinstance(session, int) or session <= 0:
             return still
         with conn.cursor() as cur:
-            cur.execute("SELECT p.user FROM information_schema.PROCESSLIST p WHERE p.id = %s "
-                        "AND p.user = SUBSTRING_INDEX(USER(), '@', 1)", (session,))
-            if cur.fetchone() is None:
-                # Not our user's (or gone already: then its disconnect is on its way).
-                log.info("XA branch %s is attached to session %d, which is not one of this sink's user's "
-                         "connections (or is gone): retried later", name, session)
+            ours = False
+            if isinstance(suser, str) and isinstance(sat, (int, float)):
+                cur.execute("SELECT p.id FROM information_schema.PROCESSLIST p WHERE p.id = %s AND p.user = %s "
+                            "AND p.user = SUBSTRING_INDEX(USER(), '@', 1)", (session, suser))
+                if cur.fetchone() is not None:
+                    ours = self._up_since(cur, float(sat))
+            if not ours:
+                # Not that connection (another user's, one made after a restart, or gone already: then
+                # its disconnect is on its way).
+                log.info("XA branch %s is attached to session %d, which is not the connection that prepared it "
+                         "as its handle names it (user, and made before the branch began), or is gone: retried "
+                         "later", name, session)
             else:
                 log.warning("XA branch %s is still attached to session %d, which prepared it and did not "
                             "disconnect (a paused or hung executor): killing that connection so the branch "
@@ -740,6 +790,16 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         return CommitResult.lost(
             f"XA branch {name} does not exist and its marker row is absent: it was rolled back (XA ROLLBACK "
             "by someone else, or the database was restored from an older backup)", never_visible=True)
+
+    @staticmethod
+    def _up_since(cur: Any, at: float) -> bool:
+        """Has the server been up since before ``at`` (its own clock, UNIX seconds)?  Its boot time is
+        now minus ``Uptime`` (whole seconds: up to 1 s late)."""
+        cur.execute("SHOW GLOBAL STATUS LIKE 'Uptime'")
+        row = cur.fetchone()
+        cur.execute("SELECT UNIX_TIMESTAMP(NOW(6))")
+        now = float(cur.fetchone()[0])
+        return row is not None and now - float(_text(row[1])) < at + 1.0
 
     def recover_and_abort(self, handle: dict) -> None:
         """``XA ROLLBACK`` the handle's branch if it still exists (driver)."""
@@ -804,11 +864,13 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         except _my().Error:
             return True
 
-    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]) -> int:
+    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict], *,
+                        settled: Settled | None = None) -> int:
         """Roll back this ballot's prepared branches except ``keep``, and every prepared branch of an
         *earlier* batch of this query (a late task attempt's: it holds row locks) that can be claimed
-        doomed, found by XA RECOVER; prune marker rows older than the retention and the claims of this
-        query's branches that are no longer prepared (driver)."""
+        doomed, found by XA RECOVER; prune the marker rows of batches the log shows finished
+        (``settled``, below the retention; None: none) and the claims of this query's branches that are
+        no longer prepared (driver)."""
         my = _my()
         prefix = self._intent_prefix(query_name, batch_id, intent)
         head = self.query_prefix(query_name)
@@ -828,8 +890,9 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             n = self._rollback([by_name[k] for k in own])
             if n:
                 log.info("batch %d: rolled back %d prepared XA branches under %s", batch_id, n, prefix)
+            # rule: a late leftover is rolled back only once this sink holds its "doomed" claim.
             n += self._rollback_late(query_name, batch_id, [by_name[k] for k in late])
-            self._prune_markers(query_name, batch_id)
+            self._prune_markers(query_name, batch_id, settled)
             conn = self._driver_conn()
             try:
                 self._drop_claims(conn, head, listed, listed_at)
@@ -881,25 +944,40 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for late XA branches: {e}") from None
 
-    def _prune_markers(self, query_name: str, batch_id: int) -> int:
-        below = names.prune_below(batch_id, self.marker_retention_batches)
-        if below is None:
+    def _prune_markers(self, query_name: str, batch_id: int, settled: Settled | None = None) -> int:
+        """Delete the marker rows of this query's batches the log shows finished and below the retention.
+
+        rule: a marker proves its branch committed; it may go only once the log holds the batch
+        COMMITTED (or pruned after it): ``settled``, by ``_sql2pc.prunable_ranges``.  Never by batch-id
+        distance: a backfill's batch 5, decided and committed but not yet COMMITTED in the log while a
+        run of batch 200 cleans up, would lose the markers that prove its commits, be judged never
+        visible, voided and written again (issue 59, scenario 3).  No evidence (None): nothing.
+
+        Each row is deleted by its primary key (``gtrid = %s AND bqual = %s``): a consistent read sees
+        only committed markers, and a DELETE by key equality locks only that row.  MariaDB 10.11 runs
+        ``WHERE (gtrid, bqual) IN ((g, b))`` of one key as a full scan, which waited on any prepared
+        branch's uncommitted marker row (another pipeline's, sharing the marker table) and failed with
+        1205 after the lock wait, every batch (issue 61)."""
+        ranges = names.prunable_ranges(settled, query_name, batch_id, self.marker_retention_batches)
+        if not ranges:
             return 0
         my = _my()
+        markers = quote_ident(self.marker_table)
         conn = self._driver_conn()
         try:
             with conn.cursor() as cur:
-                # A consistent read sees only committed markers; deleting those by key never waits on a
-                # prepared branch's marker (a late attempt's, of an old batch), as a range DELETE would.
                 cur.execute("SET SESSION innodb_lock_wait_timeout = 5")
-                cur.execute(f"SELECT gtrid, bqual FROM {quote_ident(self.marker_table)} WHERE query_name = %s "
-                            "AND batch_id < %s", (query_name, below))
-                keys = cur.fetchall()
+                keys: list[tuple[Any, Any]] = []
+                for first, last in ranges:
+                    cur.execute(f"SELECT gtrid, bqual FROM {markers} WHERE query_name = %s "
+                                "AND batch_id BETWEEN %s AND %s", (query_name, int(first), int(last)))
+                    keys.extend(cur.fetchall())
                 n = 0
-                for i in range(0, len(keys), 500):
-                    part = keys[i:i + 500]
-                    n += cur.execute(f"DELETE FROM {quote_ident(self.marker_table)} WHERE (gtrid, bqual) IN ("
-                                     + ", ".join(["(%s, %s)"] * len(part)) + ")", [v for k in part for v in k])
+                for i in range(0, len(keys), 100):
+                    part = keys[i:i + 100]
+                    n += cur.execute(f"DELETE FROM {markers} WHERE "
+                                     + " OR ".join(["(gtrid = %s AND bqual = %s)"] * len(part)),
+                                     [v for k in part for v in k])
                 return n
         except my.Error as e:
             if _errno(e) != ER_NO_SUCH_TABLE:
@@ -932,8 +1010,12 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 cur.execute("SET SESSION innodb_lock_wait_timeout = %s", (self.lock_wait_timeout,))
                 # The session the branch stays attached to on MariaDB until it disconnects: in the
                 # handle, so a commit can end a lingering one (see _commit_detached).
-                cur.execute("SELECT CONNECTION_ID()")
-                txn.extra["session"] = int(cur.fetchone()[0])
+                # Its user and the server's clock now (after it connected) name that connection: ids
+                # restart with the server, and a commit KILLs only a connection of that user made before
+                # the branch began (see _commit_detached).
+                cur.execute("SELECT CONNECTION_ID(), SUBSTRING_INDEX(USER(), '@', 1), UNIX_TIMESTAMP(NOW(6))")
+                sid, suser, sat = cur.fetchone()
+                txn.extra.update(session=int(sid), session_user=_text(suser), session_at=float(sat))
                 cur.execute("SELECT column_name, data_type, is_nullable, column_default, extra, character_set_name "
                             "FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
                             "ORDER BY ordinal_position", (self.database, self.table))
@@ -942,7 +1024,8 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                     txn.columns[name] = _Column(name, str(dtype).lower(), nullable == "YES",
                                                 default is not None or "auto_increment" in extra,
                                                 "generated" in extra or "virtual" in extra or "persistent" in extra,
-                                                str(charset).lower() if charset else None)
+                                                str(charset).lower() if charset else None,
+                                                "auto_increment" in extra)
                 if not txn.columns:
                     raise MySqlWriteError(f"{ctx.label}: table {quote_ident(self.table)} does not exist in "
                                           f"database {self.database!r}")
@@ -1034,6 +1117,14 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 raise MySqlWriteError(f"{label}: the table's column {c.name!r} is NOT NULL without a default "
                                       "but the DataFrame has no such column", column=c.name)
         if self.mode == "upsert":
+            auto = [n for n in out if txn.columns[n].auto_increment and n not in self.key_columns]
+            if auto:
+                # open() let a unique index on this AUTO_INCREMENT column pass because new rows take fresh
+                # values; a written value could match another key's row (see _check_keys).
+                raise MySqlWriteError(f"{label}: column {auto[0]!r} is AUTO_INCREMENT and not an upsert key "
+                                      "column: a value written to it could make ON DUPLICATE KEY UPDATE overwrite "
+                                      "the row of another key; drop it from the DataFrame (the server numbers "
+                                      "new rows)", column=auto[0])
             missing = [k for k in self.key_columns if k not in present]
             if missing:
                 raise MySqlWriteError(f"{label}: upsert key columns {missing} are missing from the DataFrame",
@@ -1124,9 +1215,46 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         except my.Error as e:
             raise MySqlWriteError(
                 f"{txn.ctx.label} (xid {txn.gtrid}/{txn.bqual}): INSERT into table {self.table} failed: "
-                f"{self._describe(e)}. The branch is rolled back; nothing of this batch became visible.",
+                f"{self._describe(e)}.{self._lock_wait_hint(txn, e)} The branch is rolled back; nothing of this "
+                "batch became visible.",
                 errno=_errno(e)) from None
         txn.rows += batch.num_rows
+
+    def _lock_wait_hint(self, txn: MySqlTransaction, e: BaseException) -> str:
+        """For a write that gave up waiting on a row lock (1205), what holds it and what to do, else "".
+
+        A prepared branch keeps its row locks until the driver commits the batch, after every partition
+        prepared: a key written by two partitions of one batch makes the second wait on the first on
+        every attempt and every run (a stall, not a loss).  ``XA RECOVER`` (on a connection of its own:
+        this one is inside the branch) says whether a branch of this same ballot holds it: then it is
+        that, by name; otherwise it names the other candidates."""
+        if _errno(e) != ER_LOCK_WAIT_TIMEOUT:
+            return ""
+        table = quote_ident(self.table)
+        keys = ", ".join(self.key_columns) if self.key_columns else "a unique index's columns"
+        ballot = txn.gtrid[:txn.gtrid.rfind(":") + 1]
+        mates: list[str] = []
+        try:
+            conn = self._connect()
+            try:
+                mates = sorted(f"partition {g[len(ballot):]} ({g}/{b})" for g, b in self._recover(conn)
+                               if g.startswith(ballot) and g != txn.gtrid)
+            finally:
+                _close_quietly(conn)
+        except Exception:  # noqa: BLE001 - only a hint: the advice below stands without it
+            pass
+        if mates:
+            found = (f" A prepared XA branch of this same batch holds rows of table {table}: "
+                     f"{', '.join(mates[:5])}{', ...' if len(mates) > 5 else ''}; so a key is written by two "
+                     "partitions of this batch.")
+        else:
+            found = (f" A row lock on table {table} was held for lock_wait_timeout={self.lock_wait_timeout}s: by a "
+                     "prepared XA branch of this batch (a key written by two partitions of one batch), of a late "
+                     "attempt of an earlier batch, or another writer.")
+        return (f"{found} Each partition's branch keeps its row locks until the driver commits the batch, after "
+                "every partition prepared, so a key in two partitions of one batch fails the second one on every "
+                f"attempt and every run: repartition the DataFrame by the key columns ({keys}), "
+                "df.repartition(*keys), so that each key is written by one partition.")
 
     def _loadable(self, txn: MySqlTransaction, schema: pa.Schema) -> bool:
         """Whether LOAD DATA stores what the INSERT path stores in the mapped columns (asked once per
@@ -1211,7 +1339,8 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                 "INSERT instead (slower; SET GLOBAL local_infile = ON to load)", txn.ctx.label,
                                 self.where, self._describe(e))
                 return False
-            raise MySqlWriteError(f"{label}: LOAD DATA into table {self.table} failed: {self._describe(e)}. The "
+            raise MySqlWriteError(f"{label}: LOAD DATA into table {self.table} failed: {self._describe(e)}."
+                                  f"{self._lock_wait_hint(txn, e)} The "
                                   "branch is rolled back; nothing of this batch became visible.",
                                   errno=_errno(e)) from None
         finally:
@@ -1291,7 +1420,8 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         txn.closed = True
         return {"gtrid": txn.gtrid, "bqual": txn.bqual, "database": self.database, "table": self.table,
                 "rows": txn.rows, "batch": ctx.batch_id, "partition": ctx.partition_id,
-                "session": txn.extra.get("session")}
+                "session": txn.extra.get("session"), "session_user": txn.extra.get("session_user"),
+                "session_at": txn.extra.get("session_at"), "marker_table": self.marker_table}
 
     def abort(self, txn: MySqlTransaction) -> None:
         """Roll back the branch, open or prepared (executor; best effort, idempotent)."""
