@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -46,6 +46,9 @@ from twophase.errors import ConfigurationError, HandleError, TwoPhaseError
 from twophase.sink import CommitResult, TwoPhaseCommitSink
 from twophase.sinks import _postgres_dsn as _dsn
 from twophase.sinks import _sql2pc as _names
+
+if TYPE_CHECKING:
+    from twophase.evidence import Settled
 
 log = logging.getLogger("twophase.sinks.postgres")
 
@@ -906,7 +909,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         return _names.batch_of(self.query_prefix(query_name), gid)
 
     def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any],
-                        keep: list[dict]) -> int:
+                        keep: list[dict], *, settled: Settled | None = None) -> int:
         """Roll back this batch's prepared transactions (gid prefix from the INTENT) except ``keep``,
         and every prepared transaction of an *earlier* batch of this query (driver).
 
@@ -921,8 +924,11 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         later batches, of other queries and in ``keep`` are never touched.
 
         Only this database's ``pg_prepared_xacts`` are looked at.  Also deletes marker
-        rows of this query older than ``marker_retention_batches`` batches (by then
-        the log has them COMMITTED, so no commit can need them), and, in one statement,
+        rows of this query's batches that ``settled`` (the log's evidence, handed by the
+        protocol) shows finished and that are older than ``marker_retention_batches``
+        batches: never by batch-id distance alone, since a backfill of an older id may be
+        decided and committing, and its marker rows are what prove its commits (without
+        ``settled`` none are deleted; see :meth:`_prune_markers`), and, in one statement,
         the claims of this query's gids that are no longer prepared (``keep``, once
         committed, and everything rolled back): the claims table holds only gids that
         may still be committed or rolled back.
@@ -937,7 +943,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             if n:
                 log.info("batch %d: rolled back %d prepared transactions under %s", batch_id, n, prefix)
             n += self._rollback_late(query_name, batch_id, late)
-            self._prune_markers(query_name, batch_id, keep)
+            self._prune_markers(query_name, batch_id, keep, settled)
             schema = next((h["marker_schema"] for h in keep if h.get("marker_schema")), None) or self._marker_home
             self._drop_claims(schema, prefix=self.query_prefix(query_name))
         except _ConnectError as e:
@@ -980,24 +986,38 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for late prepared transactions: {e}") from None
 
-    def _prune_markers(self, query_name: str, batch_id: int, keep: list[dict]) -> int:
-        """Delete this query's marker rows older than the retention, in the marker table's own
-        schema (from the handles, or fixed by :meth:`open`); not knowing it (a sink never
-        opened, no handle), nothing is pruned rather than a table of the session's search_path."""
+    def _prune_markers(self, query_name: str, batch_id: int, keep: list[dict],
+                       settled: Settled | None = None) -> int:
+        """Delete this query's marker rows of batches the log shows finished (``settled``: COMMITTED,
+        or pruned after it) below ``batch_id - marker_retention_batches``, one DELETE per range, in
+        the marker table's own schema (from the handles, or fixed by :meth:`open`); not knowing it
+        (a sink never opened, no handle), nothing is pruned rather than a table of the session's
+        search_path.
+
+        Rule (docs/design.md, "What may justify a destructive action"): a marker row is the only
+        proof that a gone prepared transaction was committed, so it goes only once the log holds
+        its batch's COMMITTED record (or a pruned range, written only over COMMITTED batches).  Not
+        by batch-id distance: a backfill of batch 5, decided and committed but not yet COMMITTED in
+        the log, would lose its markers to a run of batch 200 and be read as "rolled back, never
+        visible", voided and written twice.  No evidence (``settled`` None): nothing is pruned."""
         pg = _pg()
-        below = _names.prune_below(batch_id, self.marker_retention_batches)
-        if below is None:
+        ranges = _names.prunable_ranges(settled, query_name, batch_id, self.marker_retention_batches)
+        if not ranges:
             return 0
         schema = next((h["marker_schema"] for h in keep if h.get("marker_schema")), None) or self._marker_home
         if not schema:
             return 0
+        deleted = 0
         try:
             with self._driver_cursor() as cur:
-                cur.execute(pg.sql.SQL("DELETE FROM {} WHERE query_name = %s AND batch_id < %s").format(
-                    self._ident(schema, self.marker_table)), (query_name, below))
-                return cur.rowcount
+                for first, last in ranges:
+                    # rule: the log shows every batch of [first, last] COMMITTED (or pruned after it).
+                    cur.execute(pg.sql.SQL("DELETE FROM {} WHERE query_name = %s AND batch_id BETWEEN %s AND %s")
+                                .format(self._ident(schema, self.marker_table)), (query_name, first, last))
+                    deleted += cur.rowcount
         except pg.errors.UndefinedTable:
-            return 0
+            return deleted
+        return deleted
 
     def describe_handle(self, handle: dict) -> str:
         return (f"prepared transaction {handle.get('gid')!r} in database {handle.get('database')!r} "

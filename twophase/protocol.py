@@ -44,7 +44,14 @@ from twophase.errors import (
 )
 from twophase.evidence import Settled
 from twophase.log import COMMITTED, INTENT, BatchView, TransactionLog, parse_batch_name
-from twophase.recovery import Committer, closer_for, forgetter_for, pending_batches, recover_pending
+from twophase.recovery import (
+    Committer,
+    closer_for,
+    finished_after_all,
+    forgetter_for,
+    pending_batches,
+    recover_pending,
+)
 from twophase.sink import TwoPhaseCommitSink, abort_lingering
 
 log = logging.getLogger("twophase.protocol")
@@ -301,7 +308,24 @@ class TwoPhaseProtocol:
         """Beyond Flink (which fails or drops such a batch): the batch being run was decided, but
         every transaction of its decision is gone and the sink proved none of it was ever visible.
         Record that decision as void and run the batch again in a new ballot.  Only the batch
-        Spark is replaying (its rows are at hand) of this generation; anything else stays data loss."""
+        Spark is replaying (its rows are at hand) of this generation; anything else stays data loss.
+
+        Also True, with nothing voided, when the log read now shows the batch finished after all
+        (:func:`~twophase.recovery.finished_after_all`): its evidence at the sink was pruned after
+        another run committed it.  The caller runs the batch again, which reads the log and skips it
+        (or is refused as pruned): never written twice.  Chosen over a DataLossError: COMMITTED is
+        written only after every handle's commit returned, so nothing is lost, and a pipeline must
+        not stop over a batch the log proves done (the same record skips it on any other replay)."""
+        if e.batch_id is not None:
+            # rule: a void needs the log's word that the batch is not finished, read after the sink's
+            # verdict (a marker row is pruned only after its batch's COMMITTED record is written).
+            finished = finished_after_all(self.tlog, int(e.batch_id), e.generation)
+            if finished is not None:
+                log.warning("%s: batch %d: its transactions are gone and the sink shows none of it visible, but "
+                            "the log shows it %s (another run committed it and its evidence at the sink was "
+                            "pruned): not void, not written again", self.name, e.batch_id, finished)
+                self.dirty = True
+                return True
         if e.batch_id != batch_id or e.generation not in (None, self.tlog.generation):
             return False
         decided = next((b for b in self.tlog.view(batch_id).ballots if b.committed), None)

@@ -444,6 +444,29 @@ def _close_open_ballots(b: PendingBatch, close_ballot: Callable[[PendingBatch, i
         b.ballot, b.name, b.intent = ballot.ballot, ballot.name, ballot.intent
 
 
+def finished_after_all(tlog: TransactionLog, batch_id: int, generation: int | None) -> str | None:
+    """Read after a sink's verdict that every transaction of a decided batch is gone and none of it
+    was ever visible (:class:`~twophase.errors.BatchVanishedError`): does the log show the batch
+    finished after all?  Returns what it shows ("COMMITTED", "pruned") or None.
+
+    Such a verdict rests on evidence that can be deleted (PostgreSQL's and MySQL's marker rows are
+    pruned; a Kafka record can be compacted away).  A marker row is pruned only once the log holds
+    its batch's COMMITTED record (or a pruned range, written only over COMMITTED batches), so a read
+    of the log made *after* the sink found the marker absent sees that record, if that is why it
+    was absent.  Then the batch is not vanished: someone committed it, all of it (COMMITTED is
+    written only after every handle's commit), and voiding it would write it twice.  The listing
+    first, then what was pruned, read afresh (a prune writes its range before it deletes records).
+    """
+    g = generation if generation is not None else tlog.generation
+    if g is None:
+        return None
+    if tlog.view(batch_id, generation=g).committed is not None:
+        return COMMITTED
+    if tlog.is_pruned(batch_id, g, fresh=True):
+        return "pruned"
+    return None
+
+
 def closer_for(tlog: TransactionLog, reason: str) -> Callable[[PendingBatch, int], dict[str, Any]]:
     """A ``close_ballot`` for :func:`recover_pending` that closes slots in ``tlog``.
 
@@ -527,6 +550,16 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
                 if e.batch_id is None or e.ballot is None or e.generation != tlog.generation \
                         or e.batch_id in voided:
                     raise
+                # rule: a void needs the log's word that the batch is not finished, read after the
+                # sink's verdict (its evidence, marker rows, can be pruned once the batch is COMMITTED).
+                finished = finished_after_all(tlog, e.batch_id, e.generation)
+                if finished is not None:
+                    log.warning("twophase recover: batch %d: its transactions are gone and no marker is left, but "
+                                "the log shows it %s (another run committed it, then its markers were pruned): it "
+                                "is not void and is not run again", e.batch_id, finished)
+                    voided.append(e.batch_id)  # once: a second verdict on it is raised
+                    pending = pending_batches(tlog)
+                    continue
                 tlog.void_ballot(e.batch_id, e.ballot, str(e))
                 log.warning("twophase recover: batch %d: its decision (ballot %d) is void: %s. The query runs it "
                             "again when Spark replays it.", e.batch_id, e.ballot, e)

@@ -1,0 +1,233 @@
+"""Issue 59 on PostgreSQL, and the log's and protocol's parts of it: backfills and overlapping runs of
+one batch job (batch ids the user picks), where no destructive action may rest on batch-id order or on
+evidence someone else can delete.
+
+- Scenario 3 (DUPLICATE): marker rows pruned by batch-id distance took a backfill's markers while
+  its decided batch was committed but not yet COMMITTED in the log; the re-run read "gone, marker
+  absent" as "rolled back, never visible", voided the batch and wrote it again.  Now a marker row is
+  pruned only when the log shows its batch finished (``settled``), and a "never visible" verdict is
+  checked against the log read after it (COMMITTED or pruned: not vanished, never voided).
+- Scenario 4: ``PostgresSink.target()`` left out a schema resolved by ``search_path``, so two jobs of
+  one name and log writing same-named tables in two schemas shared a batch query id.
+- Mutants: the log's prune recording ``[min, max]`` of what it pruned (a backfill in the gap refused),
+  and "a late decision found while closing a ballot wins" (protocol and recovery) never taken.
+
+Without Spark (tests/inprocess.py): a real PostgreSQL server and a real log in local files.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.inprocess import Driver, OneTask, PgTable, ids, run_attempt
+from twophase import TransactionContext
+from twophase.errors import PrunedBatchError
+from twophase.log import COMMITTED, INTENT, TransactionLog, batch_query_id
+from twophase.protocol import BatchProgress
+from twophase.recovery import Committer
+
+
+def _sink(t: PgTable, **kw: Any):
+    from twophase.sinks.postgres import PostgresSink
+
+    return PostgresSink(t.dsn, table=t.name, marker_table=f"{t.name}_m", gid_prefix=t.gid_prefix, **kw)
+
+
+def _counts(t: PgTable) -> Counter:
+    return Counter(r[0] for r in t.execute(f'SELECT id FROM "{t.name}"'))
+
+
+def _marker_batches(t: PgTable) -> list[int]:
+    return sorted({r[0] for r in t.execute(f'SELECT batch_id FROM "{t.name}_m"')})
+
+
+def _backfill_decided_and_committed(t: PgTable, log_url: str, qid: str, batch_id: int, rows) -> Driver:
+    """A backfill X takes the log over, decides ``batch_id``, commits every prepared transaction of it,
+    and dies before its COMMITTED record."""
+    x = Driver(_sink(t), log_url, qid, takeover=True)
+    opened = x.protocol.open_ballot(batch_id, lambda planned: 1, BatchProgress("pipe", batch_id, None, "committed"))
+    assert opened is not None
+    results = OneTask(x.sink, rows).prepare(opened.query_name, batch_id, opened.intent, opened.run)
+    x.protocol.check_prepared(opened, results, started_at=0)
+    assert x.tlog.mine(x.tlog.decide(batch_id, opened.number, {"handles": [r["handle"] for r in results],
+                                                               "rows": rows.num_rows, "partitions": [0]}))
+    Committer(x.sink, backoff=0.01).commit(batch_id, [x.sink.decode_handle(r["handle"]) for r in results],
+                                           recovering=False)
+    return x   # dies here: no COMMITTED record
+
+
+# ---------------------------------------------------------------- scenario 3 (PostgreSQL)
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_scenario_3_a_backfills_committed_markers_pruned_by_a_newer_run_is_not_voided_and_written_twice(
+        postgres_service, tmp_path):
+    """X decides a backfill of batch 5 and commits it, then dies before COMMITTED; Y (batch 200) runs
+    its cleanup, which pruned every marker below 100 (X's too); the re-run of batch 5 then found the
+    transaction gone and its marker absent, voided the batch and wrote it again: every row twice."""
+    log_url = str(tmp_path / "log")
+    with PgTable(postgres_service["dsn"], "bf3") as t:
+        t.execute(f'ALTER TABLE "{t.name}" DROP CONSTRAINT "{t.name}_pkey"')  # a duplicate shows as one
+        qid = batch_query_id("daily", _sink(t).target())
+        y = Driver(_sink(t), log_url, qid, takeover=True)
+        drivers = [y]
+        commit = y.sink.commit
+
+        def y_commit(handle):
+            # Y has decided batch 200; before its commit, the backfill X takes the log over (Y is
+            # fenced: its decision stands and it goes on), decides batch 5, commits it and dies.
+            if len(drivers) == 1:
+                drivers.append(_backfill_decided_and_committed(t, log_url, qid, 5, ids(50, 51)))
+            return commit(handle)
+
+        y.sink.commit = y_commit  # type: ignore[method-assign]
+        try:
+            # Y commits batch 200, and its cleanup (abort_lingering) prunes markers below 200 - 100.
+            assert y.batch(200, ids(2000)).action == "committed"
+            assert len(drivers) == 2
+            markers = _marker_batches(t)
+            z = Driver(_sink(t), log_url, qid, takeover=True)
+            drivers.append(z)
+            action = z.batch(5, ids(50, 51)).action
+        finally:
+            for d in drivers:
+                d.close()
+        counts = _counts(t)
+        assert counts[50] == 1 and counts[51] == 1, f"batch 5's rows: {counts}"   # was: 2 and 2 (voided)
+        assert action == "recommitted"
+        assert 5 in markers, "the backfill's marker (its only proof of commit) was pruned"
+        assert t.prepared() == []
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_markers_of_committed_batches_below_the_retention_are_still_pruned(postgres_service, tmp_path):
+    """Streaming as before: each batch's cleanup deletes the markers of COMMITTED batches older than
+    ``marker_retention_batches`` (fails if the prune were simply disabled)."""
+    log_url = str(tmp_path / "log")
+    with PgTable(postgres_service["dsn"], "bfprune") as t:
+        d = Driver(_sink(t, marker_retention_batches=2), log_url, batch_query_id("stream", _sink(t).target()))
+        try:
+            for b in range(6):
+                assert d.batch(b, ids(b)).action == "committed"
+        finally:
+            d.close()
+        assert _marker_batches(t) == [3, 4, 5]   # batch 5's cleanup pruned those below 5 - 2
+        assert t.ids() == [0, 1, 2, 3, 4, 5]
+
+
+class _SettledAt:
+    """The log's evidence as a sink sees it (``ranges_below``), fixed: the real one is
+    :class:`twophase.evidence.Settled`, given by the protocol in the Driver tests above."""
+
+    def __init__(self, ranges):
+        self.ranges = ranges
+
+    def ranges_below(self, query_name, below):
+        return [(a, min(b, below - 1)) for a, b in self.ranges if a < below]
+
+
+@pytest.mark.postgres
+def test_abort_lingering_prunes_only_the_markers_of_settled_batches_below_the_retention(postgres_service):
+    """Batches 5, 7, 8, 9 committed at the target; the log shows 5 and 7 to 9 finished (6 absent),
+    batch 3 of a backfill committed and not COMMITTED: batch 10's cleanup with retention 2 deletes the
+    markers of 5 and 7 only (3 is kept: no evidence), another query's are never touched, and without
+    evidence nothing goes (what test_postgres_sink's distance-only prune test expected before)."""
+    import uuid
+
+    from twophase.sinks.postgres import PostgresSink
+
+    with PgTable(postgres_service["dsn"], "bfunit") as t:
+        t.execute(f'ALTER TABLE "{t.name}" DROP CONSTRAINT "{t.name}_pkey"')
+        sink = PostgresSink(t.dsn, table=t.name, marker_table=f"{t.name}_m", gid_prefix=t.gid_prefix,
+                            marker_retention_batches=2)
+        sink.open()
+        name = f"prune-{uuid.uuid4().hex[:6]}"
+        other = f"{name}-other"
+        for n, b in ((name, 3), (name, 5), (name, 7), (name, 8), (name, 9), (other, 1)):
+            h = run_attempt(sink, TransactionContext(n, b, 0, 0, sink.plan_batch(n, b, 1)), ids(b))
+            assert sink.commit(h).done
+
+        def markers(n):
+            return sorted(r[0] for r in t.execute(f'SELECT batch_id FROM "{t.name}_m" WHERE query_name = %s',
+                                                   (n,)))
+
+        sink.abort_lingering(name, 10, sink.plan_batch(name, 10, 1), [])
+        assert markers(name) == [3, 5, 7, 8, 9]   # no evidence: nothing pruned
+        sink.abort_lingering(name, 10, sink.plan_batch(name, 10, 1), [], settled=_SettledAt([(0, 1), (5, 5),
+                                                                                              (7, 9)]))
+        assert markers(name) == [3, 8, 9]
+        assert markers(other) == [1]
+        sink.close()
+
+
+def test_a_sink_given_no_evidence_prunes_no_marker():
+    """``prunable_ranges`` without the log's evidence names nothing (the sink's prune then deletes nothing)."""
+    from twophase.sinks._sql2pc import prunable_ranges
+
+    assert prunable_ranges(None, "q.abcdefghg1", 500, 100) == []
+
+
+# ------------------------------------------------ scenario 3, fix B: the log read after the verdict
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_scenario_3_a_vanished_verdict_on_a_batch_the_log_shows_committed_is_not_a_void(postgres_service, tmp_path):
+    """Defence in depth: whatever deleted a committed batch's markers, a "gone, never visible" verdict
+    on a batch the log shows COMMITTED (read after the verdict) is never a void: the batch is skipped,
+    its rows stay once.  Here the markers are deleted by hand between the recovery's read of what is
+    pending and its commit, and COMMITTED lands meanwhile (another run finished the batch)."""
+    log_url = str(tmp_path / "log")
+    with PgTable(postgres_service["dsn"], "bf3b") as t:
+        t.execute(f'ALTER TABLE "{t.name}" DROP CONSTRAINT "{t.name}_pkey"')
+        qid = batch_query_id("daily", _sink(t).target())
+        x = _backfill_decided_and_committed(t, log_url, qid, 5, ids(50, 51))
+        z = Driver(_sink(t), log_url, qid, takeover=True)
+        commit = z.sink.commit
+        done: dict = {}
+
+        def z_commit(handle):
+            # Between Z's read of the pending batch and its commit: another run (X, resumed) writes
+            # COMMITTED, and the markers go (pruned, or deleted by someone else).
+            if not done:
+                done["x"] = x.tlog.write(5, COMMITTED, {"rows": 2})
+                t.execute(f'DELETE FROM "{t.name}_m"')
+            return commit(handle)
+
+        z.sink.commit = z_commit  # type: ignore[method-assign]
+        try:
+            assert z.batch(5, ids(50, 51)).action in ("skipped", "recommitted")
+        finally:
+            x.close()
+            z.close()
+        assert done
+        counts = _counts(t)
+        assert counts[50] == 1 and counts[51] == 1, f"batch 5's rows: {counts}"
+        tlog = TransactionLog(log_url, readonly=True)
+        tlog.generation = 1
+        assert all(b.void is None for b in tlog.view(5).ballots)
+
+
+# ------------------------------------------------------------------ mutant: the log's prune
+def test_the_logs_prune_records_each_range_so_a_backfill_in_a_gap_is_not_refused(tmp_path):
+    """Batches 1, 2, 3, 10 and 12 committed, a backfill of 5 pending (its INTENT written): a prune
+    keeping one batch records [1, 3] and [10, 10], never [1, 10], and batch 5 is then decided and
+    committed, not refused as pruned."""
+    tlog = TransactionLog(str(tmp_path / "log"))
+    tlog.acquire("q", "pipe")
+    tlog.retain_batches = 1
+    for b in (1, 2, 3, 10, 12):
+        tlog.write(b, INTENT, {"intent": {}})
+        assert tlog.mine(tlog.decide(b, 0, {"handles": []}))
+        tlog.write(b, COMMITTED, {})
+    tlog.write(5, INTENT, {"intent": {}})
+    assert tlog.prune(12) > 0
+    tlog.refuse_pruned(5, fresh=True)   # the mutant: PrunedBatchError
+    assert tlog.pruned(fresh=True) == [[1, 3], [10, 10]]
+    with pytest.raises(PrunedBatchError):
+        tlog.refuse_pruned(10, fresh=True)
+    assert tlog.mine(tlog.decide(5, 0, {"handles": []}))
+    tlog.write(5, COMMITTED, {})
+    assert tlog.view(5).committed is not None
+    tlog.close()
