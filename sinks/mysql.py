@@ -721,6 +721,9 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             self._release(conn)
         if found:
             return CommitResult.already_committed(f"marker row of {name} present")
+        # rule: a never-visible verdict rests on the marker's absence; this sink deletes markers only of
+        # batches the log shows COMMITTED (_prune_markers).  A marker deleted by hand is not told apart
+        # (open: issue 59's "evidence someone else can delete").
         return CommitResult.lost(
             f"XA branch {name} does not exist and its marker row is absent: it was rolled back (XA ROLLBACK "
             "by someone else, or the database was restored from an older backup)", never_visible=True)
@@ -766,6 +769,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                             "disconnect (a paused or hung executor): killing that connection so the branch "
                             "can be committed", name, session)
                 try:
+                    # rule: only the connection the handle names (id, user, made before the branch began).
                     cur.execute("KILL CONNECTION %s", (session,))
                 except my.Error as e:
                     if _errno(e) != ER_NO_SUCH_THREAD:
@@ -803,6 +807,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
 
     def recover_and_abort(self, handle: dict) -> None:
         """``XA ROLLBACK`` the handle's branch if it still exists (driver)."""
+        # rule: the caller holds the ballot's abort (a closed ballot, no decision to commit it).
         self._rollback([(handle["gtrid"], handle["bqual"])])
 
     def _rollback(self, xids: list[tuple[str, str]], strict: bool = True) -> int:
@@ -887,6 +892,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             found = sorted(x for x in listed if x[0].startswith(head) and x not in keep_xids)
             by_name = {f"{g}\n{b}": (g, b) for g, b in found}
             own, late = names.split_leftovers(by_name, ballot_prefix=prefix, query_head=head, batch_id=batch_id)
+            # rule: this ballot's own branches not in keep: its decision (or its abort) is in the log.
             n = self._rollback([by_name[k] for k in own])
             if n:
                 log.info("batch %d: rolled back %d prepared XA branches under %s", batch_id, n, prefix)
@@ -895,6 +901,8 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             self._prune_markers(query_name, batch_id, settled)
             conn = self._driver_conn()
             try:
+                # rule: only claims of branches XA RECOVER no longer lists (committed or rolled back, never
+                # prepared again), made before that listing.
                 self._drop_claims(conn, head, listed, listed_at)
             except my.Error as e:
                 if _errno(e) != ER_NO_SUCH_TABLE:
@@ -927,6 +935,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                         "overlapping runs of one job may roll back each other's decided branches; open() the "
                         "sink to create it", batch_id, quote_ident(self.claims_table))
             doomed = late
+        # rule: only branches this sink holds a doomed claim on (doomed is None: no claims table, as before).
         n = self._rollback(doomed, strict=False)
         if n:
             log.warning("batch %d: rolled back %d prepared XA branches of earlier, finished batches of %s, "
@@ -1054,6 +1063,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             candidates = names.earlier_attempts(((x, x[1]) for x in self._recover(conn) if x[0] == gtrid),
                                                 attempt=ctx.attempt, task_attempt_id=ctx.task_attempt_id,
                                                 run=ctx.run)
+            # rule: only branches this task holds a doomed claim on.
             for g, b in self._doom(conn, ctx.label, candidates) or []:
                 try:
                     if self._rollback_one(conn, g, b):
@@ -1080,6 +1090,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         try:
             late = sorted(x for x in self._recover(conn)
                           if (k := names.batch_of(head, x[0])) is not None and k < int(ctx.batch_id))
+            # rule: only branches this task holds a doomed claim on.
             for g, b in self._doom(conn, ctx.label, late) or []:
                 try:
                     if self._rollback_one(conn, g, b):
