@@ -231,3 +231,96 @@ def test_the_logs_prune_records_each_range_so_a_backfill_in_a_gap_is_not_refused
     tlog.write(5, COMMITTED, {})
     assert tlog.view(5).committed is not None
     tlog.close()
+
+
+# ------------------------------------- mutant: a late decision found while closing a ballot wins
+def _late_ballot(a: Driver, batch_id: int, rows) -> list[dict]:
+    """A (deposed, paused) writes its INTENT of ``batch_id`` (ballot 0) and pre-commits its task under it;
+    its decision is still to come.  Returns its task results."""
+    intent = a.sink.plan_batch(a.query_name, batch_id, 1)
+    opened = a.tlog.write(batch_id, INTENT, {"intent": intent, "sink": a.sink.kind, "name": a.query_name,
+                                             "num_partitions": 1}, ballot=0)
+    assert a.tlog.mine(opened)
+    results = OneTask(a.sink, rows).prepare(a.query_name, batch_id, intent, f"e{a.tlog.epoch}late")
+    a.sink.verify_prepared(batch_id, [a.sink.decode_handle(r["handle"]) for r in results], prepare_started_at=0)
+    return results
+
+
+def _decision_lands_before_the_close(a: Driver, b: Driver, batch_id: int, results: list[dict]) -> dict:
+    """Hook B's log store: just before B's close of A's ballot 0 (an abort in its decision slot)
+    lands, A's commit decision lands there first."""
+    from twophase.log import PREPARED, _batch_name
+
+    slot = _batch_name(int(b.tlog.generation or 0), batch_id, PREPARED, 0)
+    create = b.tlog.store.create
+    seen: dict = {}
+
+    def b_create(name, data):
+        if name == slot and not seen:
+            seen["decided"] = a.tlog.decide(batch_id, 0, {"handles": [r["handle"] for r in results], "rows": 2,
+                                                          "partitions": [0]})
+        return create(name, data)
+
+    b.tlog.store.create = b_create  # type: ignore[method-assign]
+    return seen
+
+
+def _assert_the_late_decision_was_committed(t: PgTable, a: Driver, b: Driver, batch_id: int,
+                                            results: list[dict], action: str, seen: dict) -> None:
+    assert seen and a.tlog.mine(seen["decided"]), "A's decision did not land first"
+    assert action == "recommitted"
+    # A resumes its commit step: its transaction was committed by B, never rolled back.
+    Committer(a.sink, backoff=0.01).commit(batch_id, [a.sink.decode_handle(r["handle"]) for r in results],
+                                           recovering=False)
+    view = b.tlog.view(batch_id)
+    assert [(x.ballot, x.committed, x.void is None) for x in view.ballots] == [(0, True, True)]
+    assert view.committed is not None
+    assert Counter(t.ids()) == Counter([1, 2, 3, 4, 5]) and t.prepared() == []
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_a_late_decision_landing_while_the_owner_closes_the_ballot_is_committed_protocol(postgres_service, tmp_path):
+    """The owner B meets deposed A's late INTENT in its slot (the late-INTENT loop) and closes A's ballot;
+    A's decision lands between B's view and B's close: B's close finds it, and it wins: committed once,
+    never skipped, never rolled back and run again (twophase/protocol.py, ``_close_earlier_ballots``)."""
+    log_url = str(tmp_path / "log")
+    with PgTable(postgres_service["dsn"], "latedec") as t:
+        a = Driver(t.sink(), log_url, "q")
+        try:
+            assert a.batch(0, ids(1, 2)).action == "committed"
+            b = Driver(t.sink(), log_url, "q", takeover=True)
+            try:
+                assert b.batch(1, ids(3)).action == "committed"   # batch 2 is then B's fast path
+                results = _late_ballot(a, 2, ids(4, 5))
+                seen = _decision_lands_before_the_close(a, b, 2, results)
+                action = b.batch(2, ids(4, 5)).action
+                _assert_the_late_decision_was_committed(t, a, b, 2, results, action, seen)
+            finally:
+                b.close()
+        finally:
+            a.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_a_late_decision_landing_while_recovery_closes_the_ballot_is_committed_recovery(postgres_service, tmp_path):
+    """B takes the log over while A's ballot of batch 2 is open; B's recovery closes it, and A's decision
+    lands between recovery's read of what is pending and its close: committed once, never aborted
+    (twophase/recovery.py, ``_close_open_ballots``)."""
+    log_url = str(tmp_path / "log")
+    with PgTable(postgres_service["dsn"], "latedecr") as t:
+        a = Driver(t.sink(), log_url, "q")
+        try:
+            assert a.batch(0, ids(1, 2)).action == "committed"
+            assert a.batch(1, ids(3)).action == "committed"
+            results = _late_ballot(a, 2, ids(4, 5))
+            b = Driver(t.sink(), log_url, "q", takeover=True)
+            try:
+                seen = _decision_lands_before_the_close(a, b, 2, results)
+                action = b.batch(2, ids(4, 5)).action
+                _assert_the_late_decision_was_committed(t, a, b, 2, results, action, seen)
+            finally:
+                b.close()
+        finally:
+            a.close()
