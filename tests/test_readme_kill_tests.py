@@ -1,16 +1,31 @@
 """The table of kill tests (docs/testing.md, "Tests"; README.md's until issue 47 made the README a
-landing page): every test it cites exists, and a row that says CI runs a test cites no test that
-only ``TWOPHASE_FULL_CHAOS=1`` runs, and the other way round."""
+landing page): every test it cites exists, and what a row says of who runs each cited test, and
+each of its parameters, is what pytest does with and without ``TWOPHASE_FULL_CHAOS=1``.
+
+A "run by" cell is one or more claims separated by ``; `` (per group of tests where the tests
+cell has groups separated by `` / `` and the cell as many): a claim starting with ``CI``, or one
+naming `` `TWOPHASE_FULL_CHAOS=1` `` (only that runs it), followed by the parameters it is about in
+backticks (`` CI (`hdfs`); `TWOPHASE_FULL_CHAOS=1` only (`kafka`, `files`) ``); a claim with no
+parameters covers every parameter no other claim names.  What pytest does is read, not guessed:
+the cited files are collected twice (tests/skipmap.py), with the variable set and without it,
+each test's ``skipif`` marks evaluated as pytest evaluates them; a parameter not collected without
+it (``test_ownership_processes.py``'s Kafka cases) is not run by CI either.
+"""
 
 from __future__ import annotations
 
-import ast
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
-CI, FULL_ONLY = "CI", "`TWOPHASE_FULL_CHAOS=1` only"
 PAGE = REPO / "docs" / "testing.md"
+FULL = "`TWOPHASE_FULL_CHAOS=1`"
 
 
 def _rows() -> list[tuple[str, str]]:
@@ -39,21 +54,47 @@ def _refs(cell: str, current: str | None) -> tuple[list[tuple[str, str]], str | 
     return out, current
 
 
-def _function(path: str, prefix: str) -> ast.FunctionDef:
-    tree = ast.parse((REPO / path).read_text())
-    found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith(prefix)]
-    assert len(found) == 1, f"docs/testing.md cites {path}::{prefix}, which names {[n.name for n in found]}"
-    return found[0]
+def _claims(cell: str) -> list[tuple[bool, set[str]]]:
+    """(run by CI?, the parameters it is about) of each claim of a run-by cell."""
+    out = []
+    for claim in cell.split("; "):
+        if claim.startswith("CI"):
+            ci = True
+        elif FULL in claim:
+            ci = False
+        else:
+            raise AssertionError(f"docs/testing.md: a run-by claim that says neither CI nor {FULL}: {claim!r}")
+        out.append((ci, {p for p in re.findall(r"`([^`]+)`", claim) if p != FULL.strip("`")}))
+    return out
 
 
-def _full_only(fn: ast.FunctionDef) -> bool:
-    """Skipped unless TWOPHASE_FULL_CHAOS is set: a ``skipif`` decorator of the function itself on it
-    (a parametrize whose one case is skipped is not)."""
-    return any(ast.unparse(d).startswith("pytest.mark.skipif(") and "TWOPHASE_FULL_CHAOS" in ast.unparse(d)
-               for d in fn.decorator_list)
+def _collect(env_full: bool, files: list[str], tmp: Path) -> dict[str, bool]:
+    """node id -> skipped by its marks, of the tests pytest collects from ``files``."""
+    out = tmp / f"skipmap-{int(env_full)}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TWOPHASE_FULL_CHAOS"}
+    if env_full:
+        env["TWOPHASE_FULL_CHAOS"] = "1"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.skipmap", "-p", "no:cacheprovider",
+                        "--collect-only", "-q", *files], cwd=REPO, env=dict(env, TWOPHASE_SKIPMAP=str(out)),
+                       capture_output=True, text=True, timeout=600)
+    assert out.exists(), p.stdout[-2000:] + p.stderr[-2000:]
+    return json.loads(out.read_text())
 
 
-def test_the_readme_kill_test_table_says_which_tests_ci_runs():
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory) -> tuple[dict[str, bool], dict[str, bool]]:
+    files = sorted({path for tests, _ in _rows() for path in re.findall(r"tests/[\w/]+\.py", tests)})
+    tmp = tmp_path_factory.mktemp("skipmap")
+    return _collect(False, files, tmp), _collect(True, files, tmp)
+
+
+def _param(nodeid: str) -> str | None:
+    m = re.search(r"\[(.*)\]$", nodeid)
+    return m.group(1) if m else None
+
+
+def test_the_kill_test_table_says_which_tests_and_parameters_ci_runs(collected):
+    in_ci, in_full = collected
     rows = _rows()
     assert len(rows) >= 10
     checked = 0
@@ -65,14 +106,23 @@ def test_the_readme_kill_test_table_says_which_tests_ci_runs():
         cited = 0
         for group, verdict in zip(groups, verdicts):
             refs, current = _refs(group, current)
+            claims = _claims(verdict)
             cited += len(refs)
             for path, name in refs:
-                fn = _function(path, name)
-                if verdict == CI:
-                    assert not _full_only(fn), f"docs/testing.md says CI runs {path}::{fn.name}; only TWOPHASE_FULL_CHAOS=1 does"
+                nodes = sorted(n for n in in_full if re.match(rf"{re.escape(path)}::{re.escape(name)}\w*(\[|$)", n))
+                functions = {n.split("[")[0] for n in nodes}
+                assert len(functions) == 1, f"docs/testing.md cites {path}::{name}, which names {sorted(functions)}"
+                named = set().union(*(ps for _, ps in claims))
+                for node in nodes:
+                    param = _param(node)
+                    said = [ci for ci, ps in claims if param in ps] or [ci for ci, ps in claims if not ps]
+                    assert said, f"docs/testing.md: {run_by!r} says nothing of {node}"
+                    runs = node in in_ci and not in_ci[node]
+                    who = "CI" if said[0] else "only TWOPHASE_FULL_CHAOS=1"
+                    assert said[0] == runs, f"docs/testing.md says {who} runs {node}; pytest " + (
+                        "runs it in CI" if runs else "skips it (or does not collect it) without TWOPHASE_FULL_CHAOS")
                     checked += 1
-                elif verdict == FULL_ONLY:
-                    assert _full_only(fn), f"docs/testing.md says only TWOPHASE_FULL_CHAOS=1 runs {path}::{fn.name}; CI does"
-                    checked += 1
+                params = {_param(n) for n in nodes}
+                assert named <= params, f"docs/testing.md names parameters {sorted(named - params)} of {functions}: none such"
         assert cited, tests
-    assert checked >= 10
+    assert checked >= 30
