@@ -116,7 +116,7 @@ _MYSQL_REFUSED = {
     "connectionprovider": "JDBC connection providers are JVM classes; the sink connects with PyMySQL: drop it",
     "sessioninitstatement": "the sink runs no user SQL in its XA transactions; set session defaults on the "
                             "account or server instead",
-    "isolationlevel": "the sink's XA transactions run at the server's default isolation level: drop it",
+    "isolationlevel": "the sink's XA transactions run at READ COMMITTED, set on each of its connections: drop it",
 }
 
 
