@@ -49,6 +49,8 @@ LEADER_CACHE_S = 60.0
 
 # Kafka protocol error codes (org.apache.kafka.common.protocol.Errors) that matter here.
 NONE = 0
+OFFSET_OUT_OF_RANGE = 1
+UNKNOWN_TOPIC_OR_PARTITION = 3
 REQUEST_TIMED_OUT = 7
 NETWORK_EXCEPTION = 13
 COORDINATOR_LOAD_IN_PROGRESS = 14
@@ -593,6 +595,76 @@ class TxnClient:
                 return None
             offset = last.next_offset
         return None
+
+    def topic_ids(self, topics: list[str]) -> dict[str, str]:
+        """The topic id (Kafka's topic UUID, KIP-516) of each topic that exists now, as a string: one
+        Metadata request.  A topic the broker does not know, or a broker too old to name ids (the
+        all-zero id), is missing from the answer.  Raises what kafka-python raises."""
+        if not topics:
+            return {}
+        md = self._run(self._admin._get_cluster_metadata, list(dict.fromkeys(topics)))
+        out: dict[str, str] = {}
+        for t in md.get("topics", ()):
+            tid, name = t.get("topic_id"), t.get("name")
+            if int(t.get("error_code") or 0) != NONE or not name or tid is None:
+                continue
+            text = str(tid)
+            if text.strip("0-") and text != "AAAAAAAAAAAAAAAAAAAAAA":
+                out[str(name)] = text
+        return out
+
+    def batch_at(self, partition: str, offset: int, max_bytes: int = 1 << 16) -> tuple[str, Any]:
+        """What the partition (``"topic:partition"``) holds at ``offset`` now, read uncommitted (Fetch,
+        isolation level 0): the record batch of which transaction, or that there is none.
+
+        ``("batch", (producer_id, producer_epoch, is_control))``: the batch holding ``offset``;
+        ``("missing", first)``: no batch holds it (the first one from there starts at ``first``:
+        removed by compaction, or not a record offset); ``("beyond", high_watermark)``: the partition
+        ends before it (a shorter partition: the topic was recreated, or its log truncated);
+        ``("no-topic", None)``: the broker does not know the topic partition; ``("out-of-range",
+        None)``: before the partition's start (retention) or past its end (the caller, which read the
+        partition's start, tells which).  Raises on other errors (the caller cannot tell).
+        """
+        from kafka import TopicPartition
+        from kafka.protocol.consumer import FetchRequest
+        from kafka.record import MemoryRecords
+
+        topic, _, part = partition.rpartition(":")
+        tp = TopicPartition(topic, int(part))
+        try:
+            leaders = self._run(self._admin._async_get_leader_for_partitions, [tp])
+        except self._errors.UnknownTopicOrPartitionError:
+            return "no-topic", None
+        leader = dict((t, node) for node, group in leaders.items() for t in group).get(tp)
+        if leader is None:
+            raise RuntimeError(f"no leader for {partition}")
+        fp = FetchRequest.FetchTopic.FetchPartition(
+            partition=tp.partition, current_leader_epoch=-1, fetch_offset=int(offset), last_fetched_epoch=-1,
+            log_start_offset=-1, partition_max_bytes=max_bytes)
+        req = FetchRequest(replica_id=-1, max_wait_ms=0, min_bytes=0, max_bytes=max_bytes, isolation_level=0,
+                           session_id=0, session_epoch=-1,
+                           topics=[FetchRequest.FetchTopic(topic=topic, partitions=[fp])],
+                           forgotten_topics_data=[], rack_id="", max_version=12)
+        data = self._send(req, leader).responses[0].partitions[0]
+        code = int(data.error_code)
+        if code == UNKNOWN_TOPIC_OR_PARTITION:
+            return "no-topic", None
+        if code == OFFSET_OUT_OF_RANGE:  # the answer's offsets are not filled in then
+            return "out-of-range", None
+        if code != NONE:
+            raise RuntimeError(f"Fetch of {partition} at {offset}: {error_name(code)}")
+        if int(offset) >= int(data.high_watermark):
+            return "beyond", int(data.high_watermark)
+        if not data.records:
+            raise RuntimeError(f"Fetch of {partition} at {offset}: no records below the high watermark")
+        records = MemoryRecords(bytes(data.records))
+        while (batch := records.next_batch()) is not None:
+            if batch.last_offset < int(offset):
+                continue
+            if batch.base_offset > int(offset):
+                return "missing", int(batch.base_offset)
+            return "batch", (int(batch.producer_id), int(batch.producer_epoch), bool(batch.is_control_batch))
+        raise RuntimeError(f"Fetch of {partition} at {offset}: no batch holds it in the answer")
 
     def describe_producers(self, partitions: list[str]) -> dict[str, list[ProducerEntry]]:
         """DescribeProducers for ``"topic:partition"`` names, asked of each partition's leader.

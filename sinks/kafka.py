@@ -313,6 +313,10 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         self.slots_per_partition = int(slots_per_partition)
         self._client: Any = None
         self._client_lock = threading.Lock()
+        #: The latest plan this object made, or whose closed ballot it cleaned up: {"fence":
+        #: [producer id, epoch] of the plan fence, "held": the open transactions that plan could
+        #: not attribute}.  See plan_batch.
+        self._chain: dict[str, Any] | None = None
 
     def __repr__(self) -> str:  # never the producer config: it may hold secrets
         return (f"KafkaSink(bootstrap_servers={self.bootstrap_servers!r}, topic={self.topic!r}, "
@@ -322,6 +326,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         state = dict(self.__dict__)
         state["_client"] = None
         state["_client_lock"] = None
+        state["_chain"] = None  # a copy elsewhere planned nothing: it holds no plan of this object's
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -495,10 +500,33 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             widest = max(n, int(before.timeout_ms))
         widest = min(widest, self.transaction_timeout_ms)  # a timeout the broker accepts
         pool["widest"] = max(n, widest)
-        pool["fence_producer"] = list(self._bump_plan_fence(client, batch_id, max(1, widest)))
+        fence_now = list(self._bump_plan_fence(client, batch_id, max(1, widest)))
+        pool["fence_producer"] = fence_now
+        # Whose are the transactions open now?  Rule (docs/design.md, issue 59): an open transaction
+        # is a leftover (abortable by this ballot's tasks and cleanup) only with evidence that its
+        # ballot is closed.  The evidence this sink holds: the plan just before this one (the
+        # fence moved from its epoch by exactly this bump: no other plan in between) is one whose
+        # ballot is closed: this object's own previous plan (its coordinator opens a ballot only
+        # after closing its earlier ones), or one whose closed ballot it cleaned up
+        # (abort_lingering, recovery's included).  Then whatever is open was claimed under closed
+        # ballots, or was already held by that plan.  Otherwise another run planned in between (a
+        # backfill of an older batch id, a run that took the log over) or this object knows no
+        # plan (a restart): what is open may be a live, even decided, ballot's, so it is *held*:
+        # never aborted by this ballot, left to its owner or to the broker's transaction timeout.
+        chain = self._chain
+        proven = (chain is not None and chain["fence"][0] == fence_now[0]
+                  and chain["fence"][1] + 1 == fence_now[1])
+        held_before: dict[str, list[int]] = chain["held"] if proven and chain is not None else {}
         states = self._describe(client, self._scanned_ids(pool))
-        pool["open"] = {t: [d.producer_id, d.producer_epoch] for t, d in states.items()
-                        if d.error_code == kp.NONE and d.state == "Ongoing"}
+        found = {t: [d.producer_id, d.producer_epoch] for t, d in states.items()
+                 if d.error_code == kp.NONE and d.state == "Ongoing"}
+        pool["open"] = {t: pe for t, pe in found.items() if proven and held_before.get(t) != pe}
+        pool["held"] = {t: pe for t, pe in found.items() if t not in pool["open"]}
+        self._chain = {"fence": fence_now, "held": dict(pool["held"])}
+        if pool["held"]:
+            log.info("batch %d: %d open transactions on this query's ids (%s) are left alone by this "
+                     "ballot: another plan came before it, and they may be that run's", batch_id,
+                     len(pool["held"]), ", ".join(sorted(pool["held"])[:5]))
         return intent
 
     @staticmethod
@@ -570,6 +598,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         states = self._describe(client, tids)
         latest: bool | None = None  # the plan fence, asked after the ids (see the docstring) and
         snapshot = pool.get("open") or {}  # only if an open transaction depends on it
+        held = pool.get("held") or {}
         aborted, left = 0, []
         for tid in tids:
             st = states.get(tid)
@@ -577,19 +606,40 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 continue
             if (tid, st.producer_id, st.producer_epoch) in kept:
                 continue
+            if held.get(tid) == [st.producer_id, st.producer_epoch]:
+                # Open before this ballot was planned, with no evidence whose: another run's
+                # live ballot, maybe decided (rule: no abort without evidence).  Left alone.
+                left.append(tid)
+                continue
             listed = snapshot.get(tid) == [st.producer_id, st.producer_epoch]
             if not listed and latest is None:
                 latest = self._plan_fence_holds(client, pool)
             if listed or latest:
+                # rule: listed = open under a plan of this object's whose ballot it saw closed;
+                # latest = opened after this ballot's plan with no plan since: this ballot's own.
                 if self._abort_open(client, tid, st.producer_id, st.producer_epoch, f"batch {batch_id}"):
                     aborted += 1
             else:
                 left.append(tid)
         if left:
-            log.info("batch %d: left %d open transactions on this execution's ids alone (%s): a newer "
-                     "execution or batch was planned since, and they may be its own; its cleanup aborts "
-                     "them if they are leftovers", batch_id, len(left), ", ".join(left[:5]))
+            log.info("batch %d: left %d open transactions on this execution's ids alone (%s): another "
+                     "execution or batch was planned before or since, and they may be its own; its cleanup "
+                     "aborts them if they are leftovers, or the broker's transaction timeout does",
+                     batch_id, len(left), ", ".join(left[:5]))
+        self._closed_plan(pool)
         return aborted
+
+    def _closed_plan(self, pool: dict[str, Any]) -> None:
+        """Note that the ballot planned as ``pool`` is closed: the protocol calls abort_lingering only
+        once the ballot's slot is filled (committed or closed), recovery's included.  The next plan
+        of this object, if its bump lands exactly one epoch after that plan's, may then take what is
+        open (and was not held by that plan) for leftovers of closed ballots (:meth:`plan_batch`)."""
+        fence, chain = pool.get("fence_producer"), self._chain
+        if not fence or "held" not in pool:  # INTENTs of earlier versions did not tell what they held
+            return
+        fence = [int(fence[0]), int(fence[1])]
+        if chain is None or chain["fence"][0] != fence[0] or chain["fence"][1] < fence[1]:
+            self._chain = {"fence": fence, "held": dict(pool["held"])}
 
     def plan_superseded(self, intent: dict[str, Any]) -> bool:
         """True if the plan fence has moved past ``intent``'s epoch: a newer plan (a deposed
@@ -881,7 +931,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                     kp.INVALID_PRODUCER_ID_MAPPING) and handle.get("txn_start_offsets"):
             # The id moved on (re-initialised, expired): EndTxn cannot tell a commit that landed
             # earlier from an abort.  The transaction's own records can.
-            verdict, where = self._records_fate(handle["txn_start_offsets"], pid)
+            verdict, where = self._records_fate(handle["txn_start_offsets"], pid, epoch,
+                                                handle.get("topic_ids"))
             if verdict == "committed":
                 return CommitResult.already_committed(
                     f"EndTxn answered {name} for {tid} (producer id {pid}, epoch {epoch}): the id was "
@@ -956,8 +1007,74 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                             f"(cleanup.policy={policy}), which may have removed it after a commit")
         return "aborted", aborted
 
-    def _records_fate(self, offsets: dict[str, int], producer_id: int | None = None) -> tuple[str, str]:
+    def _topic_is_ours(self, name: str, offset: int, topic_ids: dict[str, str] | None) -> tuple[str, str] | None:
+        """None if the topic of ``name`` is the incarnation the handle names (or it names none), else
+        ("gone", why) or ("unknown", why): see :meth:`_record_is_ours`."""
+        topic = name.rpartition(":")[0]
+        want = (topic_ids or {}).get(topic)
+        if not want:
+            return None
+        try:
+            now = self._txn_client().topic_ids([topic]).get(topic)
+        except Exception as e:  # noqa: BLE001 - asked again later
+            return "unknown", f"the topic id of {topic} could not be read ({type(e).__name__}: {e})"
+        if now == want:
+            return None
+        state = "no longer exists" if now is None else f"was deleted and recreated (topic id now {now})"
+        return "gone", (f"topic {topic} {state} since the transaction wrote to it (topic id {want}): whatever "
+                        f"{name} holds at offset {offset} now is not its record, so whether it committed "
+                        "cannot be read")
+
+    def _record_is_ours(self, name: str, offset: int, producer_id: int | None,
+                        producer_epoch: int | None) -> tuple[str, str] | None:
+        """None if ``name`` (``"topic:partition"``) still holds, at ``offset``, a record of this
+        transaction (this producer id and epoch; the topic incarnation is :meth:`_topic_is_ours`'s);
+        otherwise the verdict: ("gone", why) when it holds another's or none, ("unknown", why) when
+        that cannot be read.
+
+        A handle names its record: the topic id (``topic_ids``, since issue 59) and the producer id
+        and epoch.  A topic deleted and recreated under its name, or a log truncated and written
+        again (an unclean leader election), holds another transaction's record at that offset, or
+        none: what a reader finds there says nothing of this transaction, so it is neither "never
+        visible" (void, run again: a duplicate if it had committed) nor "committed" (silent loss if
+        it was aborted).  Handles without ``topic_ids`` (written before) are checked by the
+        producer id and epoch alone, which a recreated topic's records do not share (producer ids
+        are allocated cluster-wide)."""
+        topic = name.rpartition(":")[0]
+        client = self._txn_client()
+        if producer_id is None:
+            return None
+        try:
+            kind, what = client.batch_at(name, offset)
+        except Exception as e:  # noqa: BLE001 - asked again later
+            return "unknown", f"reading {name} at offset {offset} failed ({type(e).__name__}: {e})"
+        if kind == "batch":
+            pid, ep, control = what
+            if not control and pid == int(producer_id) and (producer_epoch is None or ep == int(producer_epoch)):
+                return None
+            whose = "a transaction marker" if control else f"a record of producer id {pid} epoch {ep}"
+            return "gone", (f"{name} holds {whose} at offset {offset}, not this transaction's (producer id "
+                            f"{producer_id} epoch {producer_epoch}): topic {topic} was recreated or its offsets "
+                            "reused, so whether the transaction committed cannot be read")
+        if kind == "out-of-range":  # the caller saw the partition start at or before it: past the end
+            return "gone", (f"{name} now ends before offset {offset}: topic {topic} was recreated or its log "
+                            "truncated, so whether the transaction committed cannot be read")
+        if kind == "no-topic":
+            return "gone", f"topic {topic} no longer exists, so whether the transaction committed cannot be read"
+        if kind == "beyond":
+            return "gone", (f"{name} now ends at offset {what}, before {offset}: topic {topic} was recreated or "
+                            "its log truncated, so whether the transaction committed cannot be read")
+        return "gone", (f"{name} holds no record at offset {offset} (the next is at {what}): removed, so whether "
+                        "the transaction committed cannot be read")
+
+    def _records_fate(self, offsets: dict[str, int], producer_id: int | None = None,
+                      producer_epoch: int | None = None,
+                      topic_ids: dict[str, str] | None = None) -> tuple[str, str]:
         """What became of a transaction whose first records are at ``offsets`` (driver).
+
+        First, each partition must still hold this transaction's record at that offset
+        (:meth:`_record_is_ours`: same topic incarnation, producer id and epoch); if it holds
+        another's, or none, the verdict is ("gone", why): never "aborted", never "committed".
 
         ("committed", where): a read_committed consumer gets the record at that offset.
         ("aborted", where): the last stable offset is past it and the consumer skips it (the
@@ -980,14 +1097,21 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             for name, offset in sorted(offsets.items()):
                 topic, _, part = name.rpartition(":")
                 offset, where = int(offset), f"its first record on {name} (offset {int(offset)})"
-                tp = ck.TopicPartition(topic, int(part))
-                try:
-                    low, stable = consumer.get_watermark_offsets(tp, timeout=self.request_timeout_s, cached=False)
-                except ck.KafkaException as e:
-                    verdict, where = "unknown", f"{where}: {e.args[0].str() if e.args else e}"
-                    continue
-                if offset < low:
-                    verdict, where = "gone", f"{where} was deleted (the partition now starts at {low})"
+                foreign = self._topic_is_ours(name, offset, topic_ids)
+                if foreign is None:
+                    tp = ck.TopicPartition(topic, int(part))
+                    try:
+                        low, stable = consumer.get_watermark_offsets(tp, timeout=self.request_timeout_s,
+                                                                     cached=False)
+                    except ck.KafkaException as e:
+                        verdict, where = "unknown", f"{where}: {e.args[0].str() if e.args else e}"
+                        continue
+                    if offset < low:
+                        verdict, where = "gone", f"{where} was deleted (the partition now starts at {low})"
+                        continue
+                    foreign = self._record_is_ours(name, offset, producer_id, producer_epoch)
+                if foreign is not None:  # another partition of the transaction may still tell
+                    verdict, where = foreign
                     continue
                 if stable <= offset:
                     pending = f"the last stable offset of {name} ({stable}) passes {offset}"
@@ -1541,6 +1665,11 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                   "timeout_ms": self.transaction_timeout_ms}
         if offsets:
             handle["txn_start_offsets"] = offsets
+            # Name the incarnation of each topic the records are in: a topic deleted and recreated
+            # under its name holds another transaction's record at the same offset (_records_fate).
+            ids = self._topic_ids(txn, sorted({tp.rpartition(":")[0] for tp in offsets}))
+            if ids:
+                handle["topic_ids"] = ids
         self._release(txn)
         return handle
 
@@ -1572,6 +1701,14 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             return {}
         return {tp: e.txn_start_offset for tp, entries in sorted(found.items()) for e in entries
                 if e.producer_id == pid_epoch[0] and e.txn_start_offset >= 0}
+
+    def _topic_ids(self, txn: KafkaTransaction, topics: list[str]) -> dict[str, str]:
+        """{topic: its topic id (UUID)} for the handle (executor; best effort, after the flush)."""
+        try:
+            return self._task_client().topic_ids(topics)
+        except Exception as e:  # noqa: BLE001 - an optional extra of the handle
+            log.debug("%s: could not read the topic ids of %s: %s", txn.ctx.label, topics, e)
+            return {}
 
     def abort(self, txn: KafkaTransaction) -> None:
         """Abort the open transaction (executor; best effort).  Never called after pre_commit."""

@@ -1,0 +1,217 @@
+"""KafkaSink under issue 59's fault model: two runs of one batch job that overlap, and evidence
+(a topic's records at an offset) that someone else can delete.
+
+- Scenario 2: a run of batch 11 that recovered before a backfill of batch 5 took the log over plans
+  after the backfill's tasks pre-committed.  Its plan listed the backfill's open transactions as
+  leftovers of closed ballots, and its task aborted one between the backfill's two commits: half
+  of batch 5 visible, DataLossError on every later run.
+- Scenario 5: a commit whose transactional id moved on reads its transaction's fate from the record
+  at its first offset.  After the topic was deleted and recreated under its name, that offset
+  holds another transaction's record: a committed batch was judged never visible (run again: a
+  duplicate), an aborted one already committed (silent loss).  Handles now name their record
+  (topic id, producer id and epoch); another's record is "gone": DataLossError naming the topic.
+
+On the real broker, without Spark (tests/inprocess.py drives the protocol in process).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from tests.inprocess import Driver, run_attempt
+from tests.test_kafka_ownership import _committer, _prepare, _values
+from tests.test_kafka_sink import _topic, read_committed
+from twophase import TransactionContext
+from twophase.errors import BatchVanishedError, DataLossError
+from twophase.log import batch_query_id
+from twophase.protocol import BatchProgress
+from twophase.sink import CommitOutcome
+from twophase.sinks.kafka import KafkaSink
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
+
+
+def _sink(bs: str, topic: str, prefix: str) -> KafkaSink:
+    return KafkaSink(bs, topic, prefix, transaction_timeout_ms=120_000)
+
+
+def _other_producer(bs: str, topic: str, *, aborted: int = 0, committed: int = 0) -> None:
+    """Another producer's transactions on ``topic``: ``aborted`` records in one aborted transaction,
+    then ``committed`` records in one committed transaction."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bs, "transactional.id": f"other-{uuid.uuid4().hex[:8]}"})
+    p.init_transactions(30)
+    for n, commit in ((aborted, False), (committed, True)):
+        if not n:
+            continue
+        p.begin_transaction()
+        for i in range(n):
+            p.produce(topic, f"other-{commit}-{i}".encode(), partition=0)
+        p.flush(30)
+        (p.commit_transaction if commit else p.abort_transaction)(30)
+
+
+def _recreate(bs: str, topic: str) -> None:
+    """Delete ``topic`` and create it again under its name (one partition): a new topic id, offsets
+    from 0 again."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bs})
+    admin.delete_topics([topic])[topic].result(30)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            _topic(bs, partitions=1, name=topic)
+            return
+        except Exception:  # noqa: BLE001 - the deletion is still under way
+            time.sleep(0.5)
+    raise AssertionError(f"{topic} could not be created again")
+
+
+def _move_on(sink: KafkaSink, tid: str) -> None:
+    """Initialise ``tid`` again (as the next batch's claim does): an open transaction is aborted."""
+    deadline = time.time() + 30
+    while True:  # CONCURRENT_TRANSACTIONS while a commit's or an abort's markers are written
+        code, _, _ = sink._txn_client().init_producer_id(tid, 60_000)
+        if code == 0 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert code == 0
+
+
+@pytest.mark.parametrize("fate", ["committed", "aborted"])
+def test_scenario_5_a_decided_batch_on_a_recreated_topic_is_reported_lost_naming_the_topic(kafka_service, fate):
+    """Batch 0 is decided; its transaction committed (the driver died before COMMITTED) or was aborted
+    (another actor's InitProducerId); the id moves on; the topic is deleted and recreated, and
+    another producer writes there, at the offsets the handle names.  The commit after the restart
+    finds its id moved on and reads the record at its first offset.  Before: the committed batch was
+    judged never visible (BatchVanishedError: void, run again, every row twice), the aborted one
+    already committed (its rows silently lost).  Now: DataLossError naming the recreated topic."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"s5a-{uuid.uuid4().hex[:8]}"
+    sink = _sink(bs, topic, prefix)
+    try:
+        intent = sink.plan_batch("q", 0, 1)
+        started = time.time()
+        h = _prepare(sink, intent, 0, 0, 0, _values("b0"))
+        assert h["txn_start_offsets"] == {f"{topic}:0": 0}
+        sink.verify_prepared(0, [h], prepare_started_at=started)
+        # -- decided --
+        if fate == "committed":
+            assert sink.commit(h).outcome is CommitOutcome.COMMITTED      # COMMITTED not logged: a crash
+        _move_on(sink, h["transactional_id"])                             # aborts it if still open
+        _recreate(bs, topic)
+        if fate == "committed":   # at the handle's offset: an aborted record, then a committed one
+            _other_producer(bs, topic, aborted=5, committed=3)
+        else:                     # at the handle's offset: a committed record
+            _other_producer(bs, topic, committed=30)
+        with pytest.raises(DataLossError) as lost:
+            _committer(sink).commit(0, [h], recovering=False)   # was: BatchVanishedError / ALREADY_COMMITTED
+        assert not isinstance(lost.value, BatchVanishedError), lost.value
+        assert topic in str(lost.value) and "recreated" in str(lost.value), lost.value
+        assert h["topic_ids"].get(topic)                                  # the handle named the topic
+    finally:
+        sink.close()
+
+
+def test_scenario_5_b_an_aborted_transaction_followed_by_another_producers_commit_is_not_already_committed(
+        kafka_service):
+    """The read_committed verdict: a transaction aborted (its id initialised again) whose first record
+    is followed by another producer's committed record.  A read_committed reader from the first
+    offset gets that later record: the transaction is aborted, never visible, whatever comes after.
+    Kills the mutant ``m.offset() == offset`` -> ``>=`` in ``_records_fate`` (which reads the later
+    record as this transaction's: ALREADY_COMMITTED, the batch's rows silently lost)."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"s5b-{uuid.uuid4().hex[:8]}"
+    sink = _sink(bs, topic, prefix)
+    try:
+        _other_producer(bs, topic, committed=2)                            # the first offset is not 0
+        intent = sink.plan_batch("q", 0, 1)
+        h = _prepare(sink, intent, 0, 0, 0, _values("b0"))
+        (tp, first), = h["txn_start_offsets"].items()
+        assert first == 3                                                  # 2 records and their marker
+        _move_on(sink, h["transactional_id"])                              # aborts it
+        _other_producer(bs, topic, committed=1)
+        res = sink.commit(h)
+        assert res.outcome is CommitOutcome.LOST and res.never_visible, res
+        assert f"{tp} (offset {first}) was aborted" in res.reason, res.reason
+        assert Counter(read_committed(bs, topic)) == Counter([b"other-True-0", b"other-True-1", b"other-True-0"])
+    finally:
+        sink.close()
+
+
+def _rows(tag: str) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({"value": _values(tag)})
+
+
+def test_scenario_2_a_run_planning_after_a_backfills_tasks_leaves_its_decided_transactions_alone(
+        kafka_service, tmp_path):
+    """Two runs of one batch job.  Y (batch 11) has recovered and pauses before its plan; X, a
+    backfill of batch 5 over two partitions, takes the log over, pre-commits on ``-0.0`` and
+    ``-1.0`` and passes verify_prepared.  Y resumes and plans batch 11: its snapshot of open ids
+    finds X's two transactions.  X decides and commits its first transaction; Y's partition-1 task
+    runs; X commits its second.  Before: Y's plan listed X's transactions as leftovers of closed
+    ballots, Y's task aborted ``-1.0`` and claimed ``-1.1``, and X's second commit was
+    INVALID_TXN_STATE: DataLossError, partition 1's rows lost.  Now Y's plan cannot prove the ballot
+    before it was its own and closed (another plan landed in between), so it holds them as
+    someone else's: its task takes another slot, its cleanup leaves them, X commits whole."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=2), f"s2-{uuid.uuid4().hex[:8]}"
+    log_url = str(tmp_path / "log")
+
+    def sink() -> KafkaSink:
+        return _sink(bs, topic, prefix)
+
+    qid = batch_query_id("daily", sink().target())
+    y = Driver(sink(), log_url, qid, takeover=True)
+    xs: dict[str, Any] = {}
+
+    def y_partitions(planned: int | None) -> int:
+        # Y is between its recovery and its plan: the backfill X runs up to its verified handles.
+        x = Driver(sink(), log_url, qid, takeover=True)
+        opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
+        assert opened is not None
+        started, results = time.time(), []
+        for part in (0, 1):
+            ctx = TransactionContext(opened.query_name, 5, part, 0, opened.intent, opened.run)
+            h = run_attempt(x.sink, ctx, _rows(f"b5-p{part}"))
+            results.append({"partition": part, "attempt": 0, "rows": 20, "handle": x.sink.encode_handle(h)})
+        x.protocol.check_prepared(opened, results, started_at=started)
+        xs.update(x=x, opened=opened, results=results)
+        return 2
+
+    y_opened = y.protocol.open_ballot(11, y_partitions, BatchProgress("pipe", 11, None, "committed"))
+    assert y_opened is not None
+    x, opened, results = xs["x"], xs["opened"], xs["results"]
+    assert sorted(x.sink.decode_handle(r["handle"])["transactional_id"] for r in results) == \
+        [f"{prefix}-0.0", f"{prefix}-1.0"]
+    commit, y_handles = x.sink.commit, []
+
+    def commit_then_y_task(handle: dict) -> Any:
+        res = commit(handle)
+        if not y_handles:  # after X's first commit, before the others: Y's partition-1 task
+            ctx = TransactionContext(y_opened.query_name, 11, 1, 0, y_opened.intent, y_opened.run)
+            y_handles.append(run_attempt(y.sink, ctx, _rows("b11-p1")))
+        return res
+
+    x.sink.commit = commit_then_y_task  # type: ignore[method-assign]
+    try:
+        x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))  # was DataLossError
+        assert y_handles and y_handles[0]["transactional_id"] != f"{prefix}-1.0"
+        assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0") + _values("b5-p1"))
+        assert x.tlog.view(5).committed is not None
+        # Y's ballot is given up (it was deposed): its cleanup aborts its own transaction alone.
+        y.protocol.give_up(y_opened, RuntimeError("deposed"))
+        assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0") + _values("b5-p1"))
+    finally:
+        del x.sink.commit
+        for d in (x, y):
+            d.sink.close()
+            d.close()
