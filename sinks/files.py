@@ -30,7 +30,7 @@ import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -62,6 +62,9 @@ from twophase.storage.parts import (
     PartFiles,
 )
 from twophase.storage.parts import safe_name as _safe
+
+if TYPE_CHECKING:
+    from twophase.evidence import Settled
 
 log = logging.getLogger("twophase.sinks.files")
 
@@ -536,9 +539,23 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         return self._backend.fs
 
     def target(self) -> str:
+        """What this sink writes: the folder, and the settings that make its files another data set
+        there (prefix, format, partition columns); not how it reaches them (credentials, hosts,
+        compression, fsync).  A batch job is its name and this target (:func:`twophase.log.batch_query_id`):
+        with the folder alone, a second job of one name and log writing another prefix, format or
+        partitioning into it was the first job to the log, and its batch 0 was "skipped" (issue 59,
+        scenario 4).  The default settings add nothing, so a job bound by an older version with the
+        folder-only target keeps its log."""
         url = re.sub(r"://[^/@]*@", "://", self.url)  # no user:password@ of a URL
         url = url[len("file://"):] if url.startswith("file://") else url
-        return "files " + (url.rstrip("/") or "/")
+        what = []
+        if self.prefix != "part":
+            what.append(f"prefix={self.prefix}")
+        if self.format != "parquet":
+            what.append(f"format={self.format}")
+        if self.partition_by:
+            what.append("partitionBy=" + "/".join(self.partition_by))  # the folders, in order
+        return "files " + (url.rstrip("/") or "/") + (f" ({' '.join(what)})" if what else "")
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:
@@ -975,18 +992,23 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
             self._backend.abort_entry(e)
 
     def abort_lingering(
-        self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict]
+        self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[dict], *,
+        settled: Settled | None = None,
     ) -> int:
         """Abort what attempts of ``batch_id`` left under this INTENT, except ``keep``, and what
-        late task attempts left for this query's *earlier* batches (local/HDFS: their staging
-        folders; S3: their open uploads, found by the same one listing).  Earlier batches are
-        finished when a later one is run or cleaned up (the coordinator commits every decided
-        batch before it starts the next, and recovery commits before it aborts), so an upload
-        of theirs that is still open belongs to nobody's decision still to commit."""
+        late task attempts left for this query's *other* batches that the log says are finished
+        (``settled``: a COMMITTED record, or a pruned range; local/HDFS: their staging folders;
+        S3: their open uploads, found by the same one listing): no ballot of such a batch is
+        decided again, so what is still staged under its name is nobody's decision to commit.
+
+        Never by batch-id order (docs/design.md, "What may justify a destructive action"): batch
+        jobs pick their ids, and a backfill of batch 5 may be staging while a run of batch 11
+        cleans up (issue 59).  ``settled=None`` (no log at hand: a user's call, the CLI's
+        ``abort-lingering``): only this batch's ballot is cleaned up."""
         kept = [e for h in keep for e in self._entries(h)]
         return self._backend.abort_lingering(
             query_name, batch_id, intent, kept, self._batch_names(batch_id, query_name, intent),
-            earlier=self._query_names(query_name),
+            earlier=self._query_names(query_name), settled=settled,
         )
 
     def describe_handle(self, handle: dict) -> str:

@@ -15,11 +15,14 @@ import os
 import posixpath
 import re
 import uuid
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twophase.context import TransactionContext
 from twophase.errors import HandleError
 from twophase.sink import CommitResult
+
+if TYPE_CHECKING:
+    from twophase.evidence import Settled
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 #: The folder under a local or HDFS root that holds staged files (readers skip ``_`` names).
@@ -135,14 +138,17 @@ class PartFiles:
         names: re.Pattern[str],
         *,
         earlier: re.Pattern[str] | None = None,
+        settled: Settled | None = None,
     ) -> int:
         """Abort/delete what attempts of ``batch_id`` of ``query_name`` left, except ``keep``,
-        and what late task attempts left for this query's earlier (finished) batches:
-        local/HDFS, the batch's staging folder (the INTENT's) and this query's older ones;
-        S3, in one listing, the open uploads under the sink's prefix whose name ``names``
-        matches in full (this batch and INTENT) or ``earlier`` matches in full with a batch
-        number (group 1) below ``batch_id`` (this query's scope only: another pipeline's or
-        generation's uploads are never touched)."""
+        and what late task attempts left for this query's other batches that the log says are
+        finished (``settled``): local/HDFS, the batch's staging folder (the INTENT's) and this
+        query's staging folders of settled batches; S3, in one listing, the open uploads under
+        the sink's prefix whose name ``names`` matches in full (this batch and INTENT) or
+        ``earlier`` matches in full with a settled batch number (group 1) (this query's scope
+        only: another pipeline's or generation's uploads are never touched).  Never by batch-id
+        order: a backfill of an older id may be staging now (issue 59).  ``settled=None``: no
+        evidence, no other batch is touched."""
         raise NotImplementedError
 
     def verify_files(self, entries: list[dict[str, Any]]) -> list[str]:
@@ -226,11 +232,13 @@ class StagedPartFiles(PartFiles):
         """The last ``n`` bytes of a file Spark's writer left (``size`` bytes long)."""
         return self.storage.read_tail(path, size, n)
 
-    def abort_lingering(self, query_name, batch_id, intent, keep, names, *, earlier=None):
-        # ``earlier`` is for S3: here an earlier batch's leftovers are in its own staging folder.
+    def abort_lingering(self, query_name, batch_id, intent, keep, names, *, earlier=None, settled=None):
+        # ``earlier`` is for S3: here another batch's leftovers are in its own staging folder.
         folder = self.staging_folder(intent, query_name, batch_id)
+        # rule: this ballot's INTENT names the folder and the ballot is being cleaned up (closed, or
+        # committed and ``keep`` holds what it committed): its other files are no decision's.
         n = self.storage.delete_under(folder, {e["staging"] for e in keep})
-        return n + self._sweep_older(folder, batch_id)
+        return n + self._sweep_settled(query_name, batch_id, settled)
 
     def verify_files(self, entries):
         sep = "/" if self.fs == "hdfs" else os.sep
@@ -257,20 +265,25 @@ class StagedPartFiles(PartFiles):
                     )
         return problems
 
-    def _sweep_older(self, folder: str, batch_id: int) -> int:
-        """Delete the staging folders of this query's *older* batches.
+    def _sweep_settled(self, query_name: str, batch_id: int, settled: Settled | None) -> int:
+        """Delete this query's staging folders of *other* batches that the log says are finished.
 
-        Their batches are finished (the coordinator starts or finishes batch N only when
-        no older batch is pending), so anything there is garbage: a staged file that
-        appeared after its batch's cleanup, e.g. when a DataNode closed the file of a
-        writer that died mid-write only after the folder was deleted.
+        What is in them is garbage: a staged file that appeared after its batch's cleanup (a late
+        task attempt; on HDFS a DataNode closing a dead writer's file after the folder was deleted).
+        Only batches ``settled`` names (COMMITTED, or pruned after it): never by batch-id order, a
+        batch job's backfill of an older id may be staging there now (issue 59, scenario 1); with
+        no evidence (``settled`` None) nothing.
         """
-        sep = "/" if self.fs == "hdfs" else os.sep
-        parent = folder.rstrip(sep).rpartition(sep)[0]
+        if settled is None:
+            return 0
+        # This query's folder (the one ``settled`` answers for), whatever folder the INTENT named.
+        parent = self.join(self.root, STAGING_DIR, safe_name(query_name))
         n = 0
         for name in self.storage.list(parent) or []:
             m = _BATCH_DIR.fullmatch(name)
-            if m and int(m.group(1)) < batch_id:
+            # rule: the log holds a COMMITTED record (or a pruned range) of that batch: no ballot of
+            # it is opened or decided again, so nothing under its name is any decision's.
+            if m and int(m.group(1)) != batch_id and settled(query_name, int(m.group(1))):
                 n += self.storage.delete_under(self.join(parent, name), set())
         return n
 

@@ -1025,10 +1025,12 @@ class S3PartFiles(PartFiles):
     def _list_uploads(self, prefix: str | None) -> list[dict[str, Any]]:
         return self.storage._list_uploads(prefix)
 
-    def abort_lingering(self, query_name, batch_id, intent, keep, names, *, earlier=None):
+    def abort_lingering(self, query_name, batch_id, intent, keep, names, *, earlier=None, settled=None):
         """One ListMultipartUploads (paged) under the prefix (MinIO: the bucket's, filtered),
-        whatever the number of earlier batches: this batch's uploads under this INTENT, and
-        this query's uploads of earlier batches (late task attempts), except ``keep``."""
+        whatever the number of other batches: this batch's uploads under this INTENT, and this
+        query's uploads of other batches the log says are finished (``settled``: late task
+        attempts'), except ``keep``.  Never by batch-id order (a backfill of an older id may hold
+        its open uploads now); ``settled=None``: no other batch's upload is touched."""
         self.check_intent(intent, batch_id)
         prefix = self.storage.prefix
         keep_ids = {e["upload_id"] for e in keep}
@@ -1037,21 +1039,24 @@ class S3PartFiles(PartFiles):
             rel = u["Key"][len(prefix) :]
             segs = rel.split("/")
             # Only this query's (pipeline's, generation's) part files: <k=v/>*<a name ``names``
-            # matches> (this batch, this INTENT), or one ``earlier`` matches for a batch below
-            # this one, any ballot (a late attempt's: every earlier batch is finished).  Never
-            # later batches, other pipelines' uploads (decided ones among them) or foreign keys.
+            # matches> (this batch, this INTENT; rule: the ballot being cleaned up is closed, or
+            # committed with ``keep``), or one ``earlier`` matches for another batch the log says
+            # is finished, any ballot (rule: a COMMITTED record or a pruned range: no ballot of it
+            # is decided again, so an upload still open is a late attempt's).  Never a batch the log
+            # says nothing of (a backfill's, by any id), other pipelines' uploads or foreign keys.
             if not all("=" in seg for seg in segs[:-1]) or u["UploadId"] in keep_ids:
                 continue
             if not names.fullmatch(segs[-1]):
                 m = earlier.fullmatch(segs[-1]) if earlier is not None else None
-                if m is None or int(m.group(1)) >= int(batch_id):
+                if m is None or settled is None or int(m.group(1)) == int(batch_id) \
+                        or not settled(query_name, int(m.group(1))):
                     continue
                 late.append(u["Key"])
             self.storage.abort(u["Key"], u["UploadId"])
             n += 1
         if late:
             log.warning(
-                "batch %d: aborted %d uploads of earlier, finished batches of %s, opened late "
+                "batch %d: aborted %d uploads of other, finished batches of %s, opened late "
                 "(after their batch's cleanup): %s", batch_id, len(late), query_name,
                 ", ".join(late[:5]) + (", ..." if len(late) > 5 else ""),
             )
