@@ -59,6 +59,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -74,16 +75,20 @@ import twophase.log as _log_mod
 import twophase.protocol as _protocol_mod
 import twophase.recovery as _recovery_mod
 from twophase.context import TransactionContext
-from twophase.errors import TransactionTakenError, TwoPhaseError
+from twophase.errors import DataLossError, PrunedBatchError, TransactionTakenError, TwoPhaseError
+from twophase.evidence import Settled
 from twophase.log import TransactionLog, parse_batch_name
 from twophase.protocol import BatchProgress, TwoPhaseProtocol
 from twophase.recovery import Committer
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+from twophase.sink import abort_lingering as _sink_abort_lingering
 from twophase.storage import registry as _registry
 from twophase.storage._base import LogStore
 
 __all__ = [
+    "BATCH_JOB_IDS",
     "SCENARIOS",
+    "SINKS",
     "Actor",
     "ActorContext",
     "Finding",
@@ -96,10 +101,12 @@ __all__ = [
     "SinkUnderTest",
     "TaskFailed",
     "Violation",
+    "batch_job",
     "datasource_run",
     "deposed",
     "deterministic",
     "explore",
+    "file_sink",
     "late_attempt",
     "main",
     "memory_sink",
@@ -195,7 +202,7 @@ class _Entry:
 
     def text(self) -> str:
         d = self.detail() if callable(self.detail) else self.detail
-        return f"{self.label}: {self.op}{(' ' + d) if d else ''}"
+        return f"{self.label}: {self.op}{(' ' + _TARGET_PREFIX.sub('', d)) if d else ''}"
 
 
 # ============================================================================ the sink
@@ -394,6 +401,14 @@ class SinkUnderTest:
     leftovers: Callable[[Any], list[str]] | None = None
     close_target: Callable[[Any], None] | None = None
     make_batch: Callable[[list[int]], pa.RecordBatch] = _record_batch
+    #: Whether every sink method is a scheduling point.  False for a sink whose own shared state is
+    #: reached only through calls that are points themselves (:func:`file_sink`: its storage
+    #: calls): a point before them would only repeat the same interleavings.
+    sink_points: bool = True
+    #: ``lost(target, envelopes)``: of the handles (as the log holds them) a commit decision names,
+    #: a line for each whose data is gone, neither staged nor visible (``decided-aborted`` for a sink
+    #: other than the memory sink, which reports aborts by transaction).
+    lost: Callable[[Any, list[Any]], list[str]] | None = None
 
 
 def memory_sink(*, commit_twice_duplicates: bool = False, sweep_earlier: bool = True,
@@ -408,6 +423,118 @@ def memory_sink(*, commit_twice_duplicates: bool = False, sweep_earlier: bool = 
         sink=lambda target: cls(target, sweep_earlier=sweep_earlier),
         visible=lambda target: [i for i, _ in target.visible],
         leftovers=lambda target: target.leftovers())
+
+
+# ---------------------------------------------------------------------------- the shipped FileSink
+#: Methods of FileSink's storage object (``LocalStorage``) that are no scheduling point: pure path
+#: arithmetic, and ``open()``'s checks, which touch only probe files of the caller's own.
+_STORAGE_NO_POINT = {"join", "normpath", "hadoop_url", "ensure_writable", "probe_publish"}
+
+
+class _ScheduledStorage:
+    """FileSink's storage object with a scheduling point (and a trace line) before every call that
+    reads or changes the target's files: ``create``, ``close_durably``, ``publish``, ``exists``,
+    ``size``, ``delete``, ``list``, ``sizes``, ``delete_under``, ...  A check and the act it
+    guards (a listing, then the deletes of a sweep) are two steps, so another actor may run
+    between them, as in production."""
+
+    def __init__(self, inner: Any, root: str):
+        self._inner, self._root = inner, root.rstrip(os.sep) + os.sep
+        self.root, self.fsync = inner.root, inner.fsync
+
+    def _rel(self, value: Any) -> str:
+        if isinstance(value, str):
+            return value[len(self._root):] if value.startswith(self._root) else value
+        if isinstance(value, (set, frozenset, list, tuple)):
+            return "[" + ", ".join(sorted(self._rel(v) for v in value)) + "]"
+        return repr(value)[:60]
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name.startswith("_") or name in _STORAGE_NO_POINT or not callable(attr):
+            return attr
+
+        def call(*args: Any) -> Any:
+            _point()
+            world = _WORLD[0]
+            where = " ".join(self._rel(a) for a in args if isinstance(a, (str, set, list)))
+            try:
+                out = attr(*args)
+            except _Abandon:
+                raise
+            except BaseException as e:
+                if world is not None:
+                    world.log(f"fs.{name}", f"{where} -> raised {type(e).__name__}", where)
+                raise
+            if world is not None:
+                shown = "file" if name == "create" else self._rel(out) if isinstance(out, (str, list)) else repr(out)
+                world.log(f"fs.{name}", f"{where} -> {shown[:120]}", where)
+            return out
+
+        return call
+
+
+def _jsonl_ids(root: str) -> list[int]:
+    ids: list[int] = []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(root, name)) as f:
+                ids += [json.loads(line)["id"] for line in f if line.strip()]
+    return ids
+
+
+def _staged_leftovers(root: str) -> list[str]:
+    base = os.path.join(root, "_twophase")
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(base) for f in fs)
+
+
+def _files_lost(root: str, envelopes: list[Any]) -> list[str]:
+    """Decided FileSink handles (local) whose part file is neither staged nor in the target."""
+    out = []
+    for env in envelopes:
+        data = env.get("data") if isinstance(env, dict) else None
+        if not isinstance(data, dict):
+            continue
+        for e in data.get("files") or [data]:
+            staging, final = e.get("staging"), e.get("final")
+            if isinstance(staging, str) and isinstance(final, str) \
+                    and not os.path.exists(staging) and not os.path.exists(final):
+                out.append(f"{os.path.relpath(staging, root)} (to {os.path.relpath(final, root)})")
+    return out
+
+
+def file_sink(*, base: str | None = None) -> SinkUnderTest:
+    """The shipped :class:`twophase.sinks.files.FileSink` (``format="jsonl"``, no fsync) on a local
+    folder of its own per schedule (under ``base``; default: ``/dev/shm`` where it exists, else the
+    system's temp folder), each call of its storage object a scheduling point
+    (:class:`_ScheduledStorage`, in place of ``sink._backend.storage``; the sink's methods are
+    traced, not points).  ``decided-aborted`` is checked by file: a part file a commit decision
+    names that is neither staged nor published."""
+    import shutil
+    import tempfile
+
+    from twophase.sinks.files import FileSink
+
+    where = base or ("/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
+
+    def new_target() -> str:
+        return tempfile.mkdtemp(prefix="twophase-explorer-", dir=where)
+
+    def sink(root: str) -> TwoPhaseCommitSink[Any, Any]:
+        s = FileSink(root, format="jsonl", fsync=False)
+        backend = s._backend
+        backend.storage = _ScheduledStorage(backend.storage, backend.root)
+        return s
+
+    return SinkUnderTest("FileSink (local, shipped)", new_target=new_target, sink=sink, visible=_jsonl_ids,
+                         leftovers=_staged_leftovers, close_target=lambda root: shutil.rmtree(root, ignore_errors=True),
+                         make_batch=lambda ids: pa.record_batch({"id": pa.array(ids, pa.int64()),
+                                                                 "v": [f"v{i}" for i in ids]}),
+                         sink_points=False, lost=_files_lost)
+
+
+#: ``--sink`` of the command line: name -> builder of the sink under test.
+SINKS: dict[str, Callable[[], SinkUnderTest]] = {"memory": lambda: memory_sink(), "files": lambda: file_sink()}
 
 
 _SCHEDULED: dict[str, type] = {}
@@ -445,11 +572,17 @@ def _forward(name: str) -> Callable[..., Any]:
     return method
 
 
+#: A folder :func:`file_sink` made for one schedule, as it appears in paths (left out of the trace).
+_TARGET_PREFIX = re.compile(r"/\S*?/twophase-explorer-[^/\s]+/")
+
+
 def _intent_text(intent: dict[str, Any] | None) -> str:
     if not intent:
         return "{}"
     if set(intent) == {"token"}:
         return f"plan {intent['token']}"
+    if set(intent) == {"staging"} and isinstance(intent["staging"], str):
+        return f"staging {_TARGET_PREFIX.sub('', intent['staging'])}"
     return json.dumps(intent, sort_keys=True)[:80]
 
 
@@ -459,10 +592,12 @@ class _ScheduledSink(TwoPhaseCommitSink[Any, Any]):
     def __init__(self, inner: TwoPhaseCommitSink[Any, Any], world: _World):
         self.inner, self.world = inner, world
         self.supports_speculation = inner.supports_speculation
+        self.points = world.sut.sink_points
 
     def _call(self, op: str, args: Callable[[], str], fn: Callable[[], Any],
               show: Callable[[Any], str] = repr) -> Any:
-        _point()
+        if self.points:
+            _point()
         try:
             out = fn()
         except _Abandon:
@@ -507,10 +642,14 @@ class _ScheduledSink(TwoPhaseCommitSink[Any, Any]):
                    lambda: self.inner.verify_prepared(batch_id, handles, prepare_started_at=prepare_started_at),
                    lambda _: "ok")
 
-    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[Any]) -> int:
+    def abort_lingering(self, query_name: str, batch_id: int, intent: dict[str, Any], keep: list[Any], *,
+                        settled: Settled | None = None) -> int:
+        # The log's evidence goes on to the sink when its own method takes it (as the protocol does).
         return int(self._call(
-            "abort_lingering", lambda: f"b{batch_id}, {_intent_text(intent)}, keep [{', '.join(self._h(h) for h in keep)}]",
-            lambda: self.inner.abort_lingering(query_name, batch_id, intent, keep), lambda n: f"{n} aborted"))
+            "abort_lingering", lambda: f"b{batch_id}, {_intent_text(intent)}, keep [{', '.join(self._h(h) for h in keep)}]"
+            + (", settled" if settled is not None else ""),
+            lambda: _sink_abort_lingering(self.inner, query_name, batch_id, intent, keep, settled),
+            lambda n: f"{n} aborted"))
 
     def sweep_late(self, query_name: str, batch_id: int) -> int:
         return int(self._call("sweep_late", lambda: f"b{batch_id}", lambda: self.inner.sweep_late(query_name, batch_id),
@@ -584,7 +723,11 @@ def _rows_text(batch: pa.RecordBatch) -> str:
 
 
 def _txn_text(txn: Any) -> str:
-    return str(getattr(txn, "key", None) or repr(txn)[:60])
+    key = getattr(txn, "key", None)
+    if key is None and isinstance(getattr(txn, "ctx", None), TransactionContext):
+        c = txn.ctx
+        key = f"b{c.batch_id}.p{c.partition_id}a{c.attempt}.{c.run or '-'}#{c.task_attempt_id}"
+    return str(key or repr(txn)[:60])
 
 
 # ============================================================================ the log store
@@ -725,6 +868,9 @@ class Actor:
     prologue: bool = False  # run() calls ctx.ready() itself
     #: What the actor may stop with; anything else is ``unexpected-error``.
     expected: tuple[type[BaseException], ...] = (TwoPhaseError,)
+    #: What it must never stop with, although expected: ``data-loss`` (a batch job's run that
+    #: finds its decided batch's data gone, :class:`~twophase.errors.DataLossError`).
+    forbidden: tuple[type[BaseException], ...] = ()
 
 
 class ActorContext:
@@ -994,19 +1140,48 @@ def operator_recover(*, name: str = "recover") -> Actor:
     return Actor(name, run)
 
 
+def batch_job(batch_id: int, *, name: str | None = None) -> Actor:
+    """One run of a batch job (a ``df.write`` of batch ``batch_id``, the id the job picks itself):
+    it opens its sink, takes the log over (``takeover=True``: a new epoch, as every batch write and
+    data source plan does) and runs ``run_batch(batch_id)`` (recovery first).  Two of them with
+    other ids, out of order, are two runs of one job (same name, target and log) that overlap: a
+    backfill of an older id beside a run of a newer one.  It may be deposed (a
+    :class:`~twophase.errors.TwoPhaseError`), but never stop with
+    :class:`~twophase.errors.DataLossError` (``data-loss``: its decided batch's data is gone)."""
+
+    def run(ctx: ActorContext) -> None:
+        sink, protocol = _take_log(ctx)
+        prog = BatchProgress(NAME, batch_id, QUERY_ID, "committed")
+        protocol.run_batch(batch_id, ctx.work(sink, batch_id), prog)
+        ctx.note(f"batch {batch_id} {prog.action}")
+        ctx.spark_committed(batch_id)
+
+    return Actor(name or f"b{batch_id}", run, forbidden=(DataLossError,))
+
+
 def _final_owner(world: _World) -> Actor:
     """After every actor: a restarted query's coordinator, alone: recovery, then every batch Spark
-    has not committed, then one batch more (its cleanup sweeps what late attempts left)."""
+    has not committed, then one batch more (its cleanup sweeps what late attempts left).  Batch
+    jobs (``Scenario.batch_ids``): a re-run of every job whose run did not return, in id order (one
+    refused as committed and pruned is finished: its rows are checked), then one id more."""
 
     def run(ctx: ActorContext) -> None:
         sink, protocol = _take_log(ctx)
         protocol.recover()
         protocol.dirty = False
-        for b in range(world.batches + 1):
+        for b in world.expected:
             if b in world.spark_committed:
                 continue
             prog = BatchProgress(NAME, b, QUERY_ID, "committed")
-            protocol.run_batch(b, ctx.work(sink, b), prog)
+            if world.batch_ids is not None:
+                try:  # a re-run of a batch job whose run did not return
+                    protocol.run_batch(b, ctx.work(sink, b), prog)
+                except PrunedBatchError as e:  # committed (by the other run's recovery) and pruned: finished
+                    ctx.note(f"batch {b} refused as committed and pruned: {str(e)[:80]}")
+                    world.spark_committed.add(b)
+                    continue
+            else:
+                protocol.run_batch(b, ctx.work(sink, b), prog)
             ctx.note(f"batch {b} {prog.action}")
             world.spark_committed.add(b)
 
@@ -1015,12 +1190,26 @@ def _final_owner(world: _World) -> Actor:
 
 @dataclass
 class Scenario:
-    """A named list of actors over ``batches`` batches (their rows: :func:`rows_of`)."""
+    """A named list of actors over ``batches`` batches (their rows: :func:`rows_of`).
+
+    ``batch_ids``: the batch ids of batch jobs, which their runs pick themselves (out of order: a
+    backfill of an older id beside a run of a newer one); the final owner then re-runs each of
+    them (a re-run of each job) and one id more above them, instead of the batches Spark lacks.
+    ``sut``: the sink the scenario runs on unless :func:`explore` is given one (default: the
+    memory sink)."""
 
     name: str
     description: str
     actors: list[Actor]
     batches: int
+    batch_ids: list[int] | None = None
+    sut: Callable[[], SinkUnderTest] | None = None
+
+    def expected_batches(self) -> list[int]:
+        """The batches whose rows must be visible, each once, after the final owner."""
+        if self.batch_ids is not None:
+            return sorted({*self.batch_ids, max(self.batch_ids, default=-1) + 1})
+        return list(range(self.batches + 1))
 
 
 # ============================================================================ determinism
@@ -1133,6 +1322,9 @@ def deterministic() -> Iterator[None]:
         patch(_recovery_mod, "ThreadPoolExecutor", _SyncExecutor)
         patch(_log_mod, "uuid", _Uuids())
         patch(_protocol_mod, "uuid", _Uuids())
+        for module in ("twophase.sinks.files", "twophase.storage.parts"):  # FileSink's tokens and staged names
+            if module in sys.modules:
+                patch(sys.modules[module], "uuid", _Uuids())
         patch(_log_mod, "time", _Clock())
         patch(TransactionLog, "start_heartbeat", lambda self: None)
         factories = _registry._FACTORIES
@@ -1266,6 +1458,8 @@ class _World:
     def __init__(self, explorer: _Explorer):
         self.explorer = explorer
         self.batches = explorer.scenario.batches
+        self.batch_ids = explorer.scenario.batch_ids
+        self.expected = explorer.scenario.expected_batches()
         self.retain_batches = explorer.retain_batches
         self.protocol_factory = explorer.protocol_factory
         self.files: dict[str, bytes] = {}
@@ -1290,6 +1484,8 @@ class _World:
         self.decisions: dict[tuple[int, int], dict[str, list[Any]]] = {}
         self.pruned: dict[int, set[int]] = {}  # generation -> batches the log said were pruned
         self.late_writes = 0                    # records that landed in pruned batches
+        self.envelopes: dict[str, Any] = {}     # handle key -> the handle as a decision holds it
+        self.lost_seen: set[str] = set()        # decided files found gone (reported once each)
         self.quiet = False                      # the checks read the log (no uuid, no clock)
         self._target_events = 0
 
@@ -1304,6 +1500,7 @@ class _World:
         """Record a broken invariant.  The schedule still runs to its end (without branching any
         more), so that the trace shows what the break leads to; later ones are kept as ``also``."""
         self.stopped = self.stopped or fatal
+        message = _TARGET_PREFIX.sub("", message)
         if self.broken is None:
             self.broken = (kind, message)
         elif len(self.also) < 5 and (kind, message) != self.broken and f"{kind}: {message}" not in self.also:
@@ -1367,6 +1564,8 @@ class _World:
         entries = self.decisions.setdefault((generation, bid), {})
         if state == "prepared" and body.get("outcome") == "commit":
             keys = [_handle_key(h) for h in body.get("handles") or []]
+            for h in body.get("handles") or []:
+                self.envelopes.setdefault(_handle_key(h), h)
             entries[f"{name}#{body.get('writer')}"] = [ballot, body.get("epoch"), keys, False]
             live = sorted((e[0], e[1]) for e in entries.values() if not e[3])
             if len(live) > 1:
@@ -1401,6 +1600,14 @@ class _World:
                 elif ev == "abort" and key in decided:
                     self.fail("decided-aborted", f"transaction {key} ({before}) was aborted, but a commit "
                               "decision names it")
+        if self.sut.lost is not None and self.envelopes:
+            decided = self.decided_handles()
+            gone = [x for x in self.sut.lost(self.target_obj, [self.envelopes[k] for k in sorted(decided)])
+                    if x not in self.lost_seen]
+            if gone:
+                self.lost_seen.update(gone)
+                self.fail("decided-aborted", f"a commit decision names {', '.join(gone)}, which is neither staged "
+                          "nor visible: deleted after the batch was decided")
         seen = Counter(self.sut.visible(self.target_obj))
         twice = sorted(i for i, n in seen.items() if n > 1)
         if twice:
@@ -1417,7 +1624,7 @@ class _World:
 
     def final_check(self) -> None:
         seen = Counter(self.sut.visible(self.target_obj))
-        want = Counter(i for b in range(self.batches + 1) for i in rows_of(b))
+        want = Counter(i for b in self.expected for i in rows_of(b))
         if seen != want:
             missing = sorted((want - seen).elements())
             extra = sorted((seen - want).elements())
@@ -1607,6 +1814,8 @@ class _Explorer:
             return
         elif isinstance(e, r.actor.expected):
             world.trace.append(_Entry(r.label, "stops:", f"{type(e).__name__}: {str(e)[:300]}"))
+            if isinstance(e, r.actor.forbidden):
+                world.fail("data-loss", f"{r.label} stopped with {type(e).__name__}: {str(e)[:300]}")
         else:
             world.trace.append(_Entry(r.label, "CRASHES:", f"{type(e).__name__}: {e}"))
             world.fail("unexpected-error", f"{r.label} raised {type(e).__name__} (not a TwoPhaseError): {e}")
@@ -1655,7 +1864,8 @@ def explore(scenario: Scenario | str, *, preemptions: int = 2, max_schedules: in
     """Run every schedule of ``scenario`` with at most ``preemptions`` preemptions (depth first).
 
     ``scenario``: a :class:`Scenario` or the name of one of :data:`SCENARIOS` (``batches``: how many
-    batches a named one covers).  ``sut``: the sink (default :func:`memory_sink`).
+    batches a named one covers).  ``sut``: the sink (default: the scenario's own, else
+    :func:`memory_sink`; :func:`file_sink` runs the shipped FileSink).
     ``protocol_factory(sink, tlog, *, name, query_name, committer)``: the protocol every actor runs
     (default :class:`~twophase.protocol.TwoPhaseProtocol`; a subclass to test).  On the first
     finding raises :class:`Violation` (its message is the trace), unless ``collect``: then every
@@ -1666,7 +1876,7 @@ def explore(scenario: Scenario | str, *, preemptions: int = 2, max_schedules: in
     quarter of one between two.
     """
     scenario = _scenario(scenario, batches)
-    explorer = _Explorer(scenario, preemptions=preemptions, sut=sut or memory_sink(),
+    explorer = _Explorer(scenario, preemptions=preemptions, sut=sut or _default_sut(scenario),
                          protocol_factory=protocol_factory or TwoPhaseProtocol, retain_batches=retain_batches,
                          step_timeout=step_timeout, max_steps=max_steps)
     report = Report(scenario.name, preemptions, scenario.batches, [a.name for a in scenario.actors])
@@ -1735,13 +1945,17 @@ def replay(scenario: Scenario | str, choices: Sequence[int], *, batches: int | N
     actors; a :class:`Finding`'s ``choices``) while it can run, else the default one.  Returns the
     numbered trace and the finding's message (or None)."""
     scenario = _scenario(scenario, batches)
-    explorer = _Explorer(scenario, preemptions=len(choices), sut=sut or memory_sink(),
+    explorer = _Explorer(scenario, preemptions=len(choices), sut=sut or _default_sut(scenario),
                          protocol_factory=protocol_factory or TwoPhaseProtocol, retain_batches=retain_batches,
                          step_timeout=step_timeout, max_steps=max_steps)
     with deterministic():
         _, world, _ = explorer.run([], 1, forced=choices)
         trace = [f"{i:4d}. {e.text()}" for i, e in enumerate(world.trace, 1)]
     return trace, None if world.broken is None else f"{world.broken[0]}: {world.broken[1]}"
+
+
+def _default_sut(scenario: Scenario) -> SinkUnderTest:
+    return scenario.sut() if scenario.sut is not None else memory_sink()
 
 
 def _scenario(scenario: Scenario | str, batches: int | None) -> Scenario:
@@ -1792,6 +2006,19 @@ def _owner_and_datasource(batches: int) -> Scenario:
                     [datasource_run(name="ds"), owner()], batches)
 
 
+#: The ids the runs of ``batch-jobs`` write, in the order the runs are listed (first: the newer run).
+BATCH_JOB_IDS = (11, 5, 8, 3)
+
+
+def _batch_jobs(batches: int) -> Scenario:
+    ids = list(BATCH_JOB_IDS[:max(1, min(batches, len(BATCH_JOB_IDS)))])
+    return Scenario("batch-jobs", "two runs of one batch job (same name, target and log; each takes the log "
+                    f"over): a run of batch {ids[0]} and a backfill of batch "
+                    f"{', '.join(map(str, ids[1:])) or '-'} (older ids), overlapping, either paused anywhere; "
+                    "then a re-run of each; on the shipped FileSink (issue 59, scenario 1)",
+                    [batch_job(b) for b in ids], len(ids), batch_ids=ids, sut=file_sink)
+
+
 #: name -> (description, builder(batches), default batches)
 SCENARIOS: dict[str, tuple[str, Callable[[int], Scenario], int]] = {
     "datasource": ("two data source runs of one checkpoint (scenario 3)", _datasource, 2),
@@ -1800,6 +2027,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[int], Scenario], int]] = {
     "late-attempt": ("the owner and a late task attempt of batch 0", _late, 2),
     "recover": ("the owner and an operator's recover", _recover, 2),
     "owner-datasource": ("the owner and a data source run", _owner_and_datasource, 2),
+    "batch-jobs": ("two runs of one batch job, ids 11 and 5, on the shipped FileSink (--batches: how many runs)",
+                   _batch_jobs, 2),
 }
 
 
@@ -1825,18 +2054,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replay", metavar="SCHEDULE",
                         help="run one schedule, as a finding prints it (e.g. '0*17 1*17 0*11 1*15'), and print "
                              "its trace")
+    parser.add_argument("--sink", choices=sorted(SINKS), default=None,
+                        help="the sink: 'memory' (the model) or 'files' (the shipped FileSink on a local folder, "
+                             "each storage call a scheduling point); default: the scenario's own (batch-jobs: "
+                             "files; the others: memory)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)
+    sut = SINKS[args.sink]() if args.sink else None
     if args.replay is not None:
         trace, broken = replay(args.scenario, parse_schedule(args.replay), batches=args.batches,
-                               retain_batches=args.retain_batches)
+                               retain_batches=args.retain_batches, sut=sut)
         print("\n".join(trace))
         print(f"invariant broken ({broken})" if broken else "no invariant broken")
         return 1 if broken else 0
     progress = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     common: dict[str, Any] = {"preemptions": args.preemptions, "batches": args.batches,
                               "max_schedules": args.max_schedules, "retain_batches": args.retain_batches,
-                              "progress": progress}
+                              "progress": progress, "sut": sut}
     if not args.all:
         try:
             explore(args.scenario, out=print, **common)
