@@ -12,6 +12,7 @@ import pytest
 
 from twophase import CommitOutcome, TransactionContext
 from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.evidence import Committed
 from twophase.sinks.files import FileSink
 
 
@@ -113,7 +114,8 @@ def test_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(tmp_p
     intent = sink.plan_batch("q", 3, 1)  # batch 3's execution: its task and its cleanup
     winner = prepare(sink, 3, 0, [1, 2], intent=intent)
     assert sink.commit(winner).done
-    assert sink.abort_lingering("q", 3, intent, [winner]) == 1
+    assert sink.abort_lingering("q", 3, intent, [winner]) == 0  # no evidence: no other batch touched
+    assert sink.abort_lingering("q", 3, intent, [winner], settled=Committed("q", 2)) == 1
     assert not os.path.exists(os.path.dirname(late["staging"]))
     other = prepare(sink, 2, 0, [8], attempt=0, intent=sink.plan_batch("q", 2, 1))
     other_query = FileSink(str(tmp_path))           # another query's batch 2 is not this query's
@@ -121,7 +123,7 @@ def test_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(tmp_p
     t2 = other_query.begin_transaction(ctx)
     other_query.write(t2, batch([9]))
     h2 = other_query.pre_commit(t2)
-    assert sink.abort_lingering("q", 4, sink.plan_batch("q", 4, 1), []) == 1
+    assert sink.abort_lingering("q", 4, sink.plan_batch("q", 4, 1), [], settled=Committed("q", 2, 3)) == 1
     assert not os.path.exists(other["staging"]) and os.path.exists(h2["staging"])
 
 

@@ -28,6 +28,7 @@ import pytest
 
 from twophase import CommitOutcome, TransactionContext
 from twophase.errors import ConfigurationError, TwoPhaseError
+from twophase.evidence import Committed
 from twophase.log import COMMITTED, INTENT, PREPARED, TransactionLog
 from twophase.sinks.files import FileSink
 
@@ -229,7 +230,7 @@ def test_hdfs_late_staged_file_of_a_finished_batch_is_swept_by_the_next_cleanup(
     intent = sink.plan_batch("q", 3, 1)  # batch 3's execution: its task and its cleanup
     winner = prepare(sink, 3, 0, [1, 2], intent=intent)
     assert sink.commit(winner).done
-    assert sink.abort_lingering("q", 3, intent, [winner]) == 1
+    assert sink.abort_lingering("q", 3, intent, [winner], settled=Committed("q", 2)) == 1
     assert hdfs.status(late["files"][0]["staging"], strict=False) is None
     assert hstaged(hdfs, path) == []
     assert hvisible(hdfs, path) == ["part-00000003-00000-q.parquet"]
@@ -647,13 +648,13 @@ def test_a_late_attempts_upload_for_a_committed_batch_is_aborted_within_one_batc
     lists = []
     listing = sink._backend.storage._list_uploads
     sink._backend.storage._list_uploads = lambda p: lists.append(p) or listing(p)
-    assert sink.abort_lingering(GEN1, 4, intent4, [won4]) == 2  # was: 0 (batch 4's names only)
+    assert sink.abort_lingering(GEN1, 4, intent4, [won4], settled=Committed(GEN1, 2, 3)) == 2  # was: 0 (batch 4's names only)
     assert len(lists) == 1  # one ListMultipartUploads for the batch, whatever the earlier batches
     up = {u for _, u in sopen(s3, bucket, prefix)}
     assert not {late["files"][0]["upload_id"], late2["files"][0]["upload_id"]} & up
     assert {h["files"][0]["upload_id"] for h in [*theirs, later, won4]} <= up
     assert sink.commit(won4).outcome is CommitOutcome.COMMITTED  # keep was kept
-    assert sink.abort_lingering(GEN1, 4, intent4, [won4]) == 0
+    assert sink.abort_lingering(GEN1, 4, intent4, [won4], settled=Committed(GEN1, 2, 3)) == 0
     key3 = won3["files"][0]["key"]
     assert s3.get_object(Bucket=bucket, Key=key3)["ETag"] == won3["files"][0]["etag"]  # the committed object
     assert [h["files"][0]["key"][len(prefix) + 1:] for h in (won3, won4)] == svisible(s3, bucket, prefix)

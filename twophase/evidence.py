@@ -74,3 +74,18 @@ class NothingSettled(Settled):
 
     def ranges(self, query_name: str) -> list[tuple[int, int]]:
         return []
+
+
+class Committed(Settled):
+    """Evidence a caller holds already, by name: these batch ids of ``query_name`` are COMMITTED in its
+    log (a test, or an operator's own cleanup that read the log itself)."""
+
+    def __init__(self, query_name: str, *batch_ids: int) -> None:  # noqa: D107
+        self._ranges = {}
+        self._query, self._ids = query_name, sorted(int(b) for b in batch_ids)
+
+    def generation_of(self, query_name: str) -> int | None:
+        return None
+
+    def ranges(self, query_name: str) -> list[tuple[int, int]]:
+        return [(b, b) for b in self._ids] if query_name == self._query else []
