@@ -21,7 +21,11 @@ After every step it checks, from the store and the sink's target as they are:
   committing it is ``visible-undecided``;
 - ``visible-undecided``: no row (no transaction, for the memory sink) is visible unless a commit
   decision named it; ``duplicate-row``: no row is visible twice;
-- ``decided-aborted``: no transaction a commit decision names is aborted (memory sink);
+- ``decided-aborted``: no transaction a commit decision names is aborted (memory sink), no part
+  file a commit decision names is gone, neither staged nor published (the shipped FileSink:
+  :func:`file_sink`, whose storage calls are scheduling points too);
+- ``data-loss``: a batch job's run (:func:`batch_job`) never stops with
+  :class:`~twophase.errors.DataLossError`;
 - ``pruned-forgotten``: the log never forgets a batch it said was pruned (its low-water mark
   never moves back; asked through the log's own reader, whatever the layout of its marks);
 - ``older-closed-newer``: no ballot is closed by a coordinator of an older epoch than the one that
