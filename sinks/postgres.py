@@ -351,6 +351,10 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         # The marker table's schema: marker_schema, else the role's current schema, fixed by open()
         # (not left to the search_path, where another role's table in a later schema would win).
         self._marker_home: str | None = marker_schema
+        # The target table's schema: schema, else the one the session's search_path resolved the table
+        # to (open(), or target() first): what target() names, so that two jobs writing same-named
+        # tables of two schemas are two jobs.
+        self._table_home: str | None = schema
         self._pool = _names.ConnectionPool()
 
     # -------------------------------------------------------------- plumbing
@@ -445,9 +449,45 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         self._pool.close()
 
     def target(self) -> str:
-        # What is written, not the way there: a job reached through another host name, port (a
-        # pooler, a proxy) or user is the same job.
-        return f"postgres database {self.params.get('dbname', '(default)')} table {self.target_name}"
+        """What is written, not the way there: a job reached through another host name, port (a pooler,
+        a proxy) or user is the same job.  The schema is always named: the one given, else the one the
+        ``search_path`` resolves the table to (asked of the server once, here or in :meth:`open`), so
+        that two batch jobs of one name and log writing same-named tables of two schemas get two batch
+        query ids (the second is refused) rather than one (the second silently skipped as committed).
+        A log generation bound by an older version (schema left out) is taken over by the first job
+        that claims it (:func:`twophase.log.remember_former_target`)."""
+        schema = self.schema or self._table_home or self._resolve_table_home()
+        db = self.params.get('dbname', '(default)')
+        target = f"postgres database {db} table {schema}.{self.table}"
+        if not self.schema:
+            from twophase.log import remember_former_target
+
+            remember_former_target(target, f"postgres database {db} table {self.table}")
+        return target
+
+    def _resolve_table_home(self) -> str:
+        """The schema the session's ``search_path`` resolves the table to (driver, once)."""
+        pg = _pg()
+        try:
+            with self._driver_cursor() as cur:
+                home = self._table_schema_of(cur)
+        except _ConnectError as e:
+            raise ConfigurationError(str(e)) from None
+        except pg.Error as e:
+            raise ConfigurationError(f"PostgresSink could not resolve the schema of {self.table!r} at "
+                                     f"{self.where}: {_describe_pg_error(e)}") from None
+        if home is None:
+            raise ConfigurationError(f"table {self.table!r} is not found in the search_path of the sink's role at "
+                                     f"{self.where}; create it first, or name its schema=...")
+        return home
+
+    def _table_schema_of(self, cur: Any) -> str | None:
+        cur.execute("SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.oid = to_regclass(%s)", (self._quoted(cur, self._target),))
+        row = cur.fetchone()
+        if row is not None and not self.schema:
+            self._table_home = row[0]
+        return None if row is None else str(row[0])
 
     # ------------------------------------------------------------------ config
     def to_config(self) -> dict[str, Any]:
@@ -506,6 +546,7 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                     raise ConfigurationError(
                         f"table {self._quoted(cur, self._target)} does not exist in database {database!r} "
                         f"(as user {user!r}, current schema {current_schema!r}); create it first")
+                self._table_schema_of(cur)  # what target() names (resolved by the search_path now)
                 cur.execute("SELECT relkind FROM pg_class WHERE oid = %s", (oid,))
                 if cur.fetchone()[0] not in ("r", "p"):
                     raise ConfigurationError(f"{self._quoted(cur, self._target)} is not a table "

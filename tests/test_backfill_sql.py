@@ -324,3 +324,106 @@ def test_a_late_decision_landing_while_recovery_closes_the_ballot_is_committed_r
                 b.close()
         finally:
             a.close()
+
+
+# ------------------------------------------------------------------ scenario 4 (PostgreSQL)
+class _TwoSchemas:
+    """Two schemas of the test database, each with a table of one name ``(id bigint PRIMARY KEY, v text)``,
+    and a DSN per schema whose ``search_path`` is that schema alone (two roles' defaults, say)."""
+
+    def __init__(self, dsn: str):
+        import uuid
+
+        import psycopg2
+
+        tag = uuid.uuid4().hex[:8]
+        self.schemas = [f"s4a_{tag}", f"s4b_{tag}"]
+        self.table, self.gid_prefix, self.dsn = f"events_{tag}", f"t{tag[:7]}", dsn
+        self.admin = psycopg2.connect(dsn)
+        self.admin.autocommit = True
+        for s in self.schemas:
+            self.execute(f'CREATE SCHEMA "{s}"')
+            self.execute(f'CREATE TABLE "{s}"."{self.table}" (id bigint PRIMARY KEY, v text)')
+
+    def execute(self, statement: str, args: Any = None) -> list[tuple]:
+        with self.admin.cursor() as cur:
+            cur.execute(statement, args)
+            return cur.fetchall() if cur.description else []
+
+    def sink(self, i: int, *, explicit: bool = False):
+        from twophase.sinks.postgres import PostgresSink
+
+        s = self.schemas[i]
+        if explicit:
+            return PostgresSink(self.dsn, table=self.table, schema=s, marker_schema=s, gid_prefix=self.gid_prefix)
+        return PostgresSink(f"{self.dsn} options='-c search_path={s}'", table=self.table, gid_prefix=self.gid_prefix)
+
+    def ids(self, i: int) -> list[int]:
+        return [r[0] for r in self.execute(f'SELECT id FROM "{self.schemas[i]}"."{self.table}" ORDER BY id')]
+
+    def close(self) -> None:
+        for gid, in self.execute("SELECT gid FROM pg_prepared_xacts WHERE left(gid, length(%s)) = %s",
+                                 (self.gid_prefix, self.gid_prefix)):
+            self.execute("ROLLBACK PREPARED %s", (gid,))
+        for s in self.schemas:
+            self.execute(f'DROP SCHEMA "{s}" CASCADE')
+        self.admin.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_scenario_4_two_jobs_writing_same_named_tables_of_two_schemas_by_search_path_are_two_jobs(
+        postgres_service, tmp_path):
+    """Two batch jobs of one name and one log, each writing ``events`` resolved by its search_path to
+    another schema: before, one batch query id, and the second job's batch 0 was skipped as committed
+    (its rows never written).  Now two targets: the second job is refused on the first one's log."""
+    from twophase.errors import QueryMismatchError
+
+    log_url = str(tmp_path / "log")
+    two = _TwoSchemas(postgres_service["dsn"])
+    try:
+        a_sink, b_sink = two.sink(0), two.sink(1)
+        assert a_sink.target() != b_sink.target()
+        # The same table named with its schema is the same job.
+        assert a_sink.target() == two.sink(0, explicit=True).target()
+        a = Driver(a_sink, log_url, batch_query_id("daily", a_sink.target()), takeover=True)
+        try:
+            assert a.batch(0, ids(1, 2)).action == "committed"
+        finally:
+            a.close()
+        with pytest.raises(QueryMismatchError, match="Two jobs must not share one log"):
+            Driver(b_sink, log_url, batch_query_id("daily", b_sink.target()), takeover=True)
+        assert two.ids(0) == [1, 2] and two.ids(1) == []
+    finally:
+        two.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_scenario_4_a_log_bound_with_the_old_target_is_taken_over_by_the_first_job_and_refuses_the_second(
+        postgres_service, tmp_path):
+    """Upgrade: a log generation bound by an older version (the schema left out of the target) is taken
+    over by the first job of that name that comes (its batches are its own: a committed batch is skipped),
+    rebound to its precise target; the job of the other schema is refused, never silently skipped."""
+    from twophase.errors import QueryMismatchError
+
+    log_url = str(tmp_path / "log")
+    two = _TwoSchemas(postgres_service["dsn"])
+    try:
+        a_sink, b_sink = two.sink(0), two.sink(1)
+        old = f"postgres database {a_sink.params.get('dbname')} table {two.table}"
+        a = Driver(a_sink, log_url, batch_query_id("daily", old), takeover=True)   # as an older version bound it
+        try:
+            assert a.batch(0, ids(1, 2)).action == "committed"
+        finally:
+            a.close()
+        tlog = TransactionLog(log_url)
+        tlog.acquire(batch_query_id("daily", a_sink.target()), "daily", takeover=True, target=a_sink.target())
+        assert tlog.generation == 1 and tlog.view(0).committed is not None   # its own batch 0: skipped
+        tlog.close()
+        with pytest.raises(QueryMismatchError):
+            TransactionLog(log_url).acquire(batch_query_id("daily", b_sink.target()), "daily", takeover=True,
+                                            target=b_sink.target())
+        assert two.ids(0) == [1, 2] and two.ids(1) == []
+    finally:
+        two.close()

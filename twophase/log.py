@@ -295,6 +295,22 @@ def batch_query_id(name: str, target: str) -> str:
     return f"batch:{name}@{hashlib.sha256(target.encode()).hexdigest()[:16]}"
 
 
+#: Targets whose string changed between versions: new target -> the form older versions gave
+#: (:func:`remember_former_target`).  Process-wide: a sink computes its target in the driver, which
+#: binds the log there too.
+_FORMER_TARGETS: dict[str, str] = {}
+
+
+def remember_former_target(target: str, former: str) -> None:
+    """A sink whose :meth:`~twophase.sink.TwoPhaseCommitSink.target` now names what it writes more
+    precisely (PostgresSink: the schema a ``search_path`` resolved, left out before) says which
+    string older versions gave for it.  A batch job's log generation bound with the former one is
+    then taken over by the first job that claims it (exclusive create: one job, never two), instead
+    of being refused as another job's; a second job of the same former target is refused."""
+    if former != target:
+        _FORMER_TARGETS[target] = former
+
+
 def _describe_query(rec: dict[str, Any]) -> str:
     q = str(rec.get("query_id"))
     if not q.startswith("batch:"):
@@ -391,7 +407,10 @@ class TransactionLog:
         """
         gens = self.generations()
         latest = gens[-1] if gens else None
-        replaced = next((g for g in gens[:-1] if g["query_id"] == query_id), None)
+        former = _FORMER_TARGETS.get(target) if target and query_id.startswith("batch:") else None
+        former_id = None if former is None else batch_query_id(query_id[len("batch:"):].rsplit("@", 1)[0], former)
+        # A generation bound with this job's former target counts as its own here (refusal is the safe side).
+        replaced = next((g for g in gens[:-1] if g["query_id"] in (query_id, former_id)), None)
         if replaced is not None and latest is not None and latest["query_id"] != query_id:
             # Its generation was replaced by another query's: that query may have committed (or
             # recovered) this one's batches, so it never writes again, flag or not.
@@ -417,6 +436,19 @@ class TransactionLog:
             if bound.get("query_id") == query_id:
                 return g
             raise QueryMismatchError(self._mismatch(dict(latest, target=bound.get("target")), query_id, target))
+        if latest is not None and former_id is not None and latest["query_id"] == former_id:
+            # Bound by an older version with this target's former string (PostgresSink's search_path
+            # schema left out, so jobs writing same-named tables of two schemas shared it): the first
+            # job to come rebinds it to its precise target (exclusive create); any other is refused.
+            g = int(latest["generation"])
+            name_ = f"generations/{g:04d}.retarget.json"
+            self.store.create(name_, encode_record({"kind": "retarget", "query_id": query_id, "target": target,
+                                                    "former": former}))
+            bound = self._read(name_) or {}
+            if bound.get("query_id") == query_id:
+                return g
+            raise QueryMismatchError(self._mismatch(dict(latest, query_id=bound.get("query_id"),
+                                                         target=bound.get("target")), query_id, target))
         if latest is not None and not new_generation:
             raise QueryMismatchError(self._mismatch(latest, query_id, target))
         g = (int(latest["generation"]) + 1) if latest is not None else 1

@@ -643,7 +643,7 @@ class TwoPhaseProtocol:
                     return None
                 closed_now.append(ballot)
         # Every earlier ballot is closed as aborted now: its names are garbage. Recovery (when it ran
-        # just now) already aborted those closed before.
+        # just now) already aborted those closed before.  rule: a closed ballot (its slot says abort).
         for ballot in (closed_now if after_recovery else view.ballots):
             n = abort_lingering(self.sink, str(ballot.name or self.query_name), batch_id, ballot.plan, [],
                                 Settled(tlog))
@@ -670,7 +670,7 @@ class TwoPhaseProtocol:
             log.error("%s: batch %d: ballot %d holds a commit decision after its failure: left as is",
                       self.name, batch_id, ballot)
             return
-        try:
+        try:  # rule: a closed ballot (the slot above says abort), and our own ballot's names only
             abort_lingering(self.sink, self.query_name, batch_id, intent, [], Settled(self.tlog))
         except Exception:
             log.warning("%s: batch %d: aborting leftovers after failed executors failed too; the "
