@@ -359,12 +359,32 @@ def _check_pythons(app_id: str, attempt: dict, packed: bool) -> None:
             assert (p["prefix"], p["twophase"]) == (sys.prefix, str(REPO / "twophase" / "__init__.py")), p
 
 
-def _paused(pause_log: Path) -> list[tuple[str, int, int]]:
+@dataclass(frozen=True)
+class Paused:
+    """A line of the pause log: a process stopped at ``point`` of ``batch``; in a Spark task, the
+    task's ``partition`` and ``attempt`` number (twophase.crash)."""
+
+    point: str
+    batch: int
+    pid: int
+    partition: int | None = None
+    attempt: int | None = None
+
+
+def _parse_paused(lines: list[str]) -> list[Paused]:
+    out = []
+    for f in (line.split() for line in lines if line.strip()):
+        task = (int(f[3]), int(f[4])) if len(f) >= 5 else (None, None)
+        out.append(Paused(f[0], int(f[1]), int(f[2]), *task))
+    return out
+
+
+def _paused(pause_log: Path) -> list[Paused]:
     try:
         lines = pause_log.read_text().splitlines()
     except OSError:
         return []
-    return [(p, int(b), int(pid)) for p, b, pid in (line.split() for line in lines if line.strip())]
+    return _parse_paused(lines)
 
 
 class Resumer(threading.Thread):
@@ -378,7 +398,8 @@ class Resumer(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.1):
-            for _, _, pid in _paused(self.pause_log):
+            for p in _paused(self.pause_log):
+                pid = p.pid
                 if pid not in self.spare and pid not in self.resumed and _stopped(pid):
                     os.kill(pid, signal.SIGCONT)
                     self.resumed.add(pid)
@@ -405,15 +426,20 @@ class ExecutorKill:
     container: str = ""
     leader: int = 0
     worker: int = 0
+    #: The killed task: its partition and attempt number (from its pause-log line).
+    partition: int | None = None
+    attempt: int | None = None
 
 
 def _kill_the_paused_executor(app_id: str, pause_log: Path, log: Path, am_container: str | None) -> ExecutorKill:
     """Wait until a task of batch PAUSED_BATCH stopped after its pre-commit, SIGKILL its container's
     process group (and the worker, should it be in a group of its own)."""
-    wait_until(lambda: any(b == PAUSED_BATCH for _, b, _ in _paused(pause_log)), 300,
+    wait_until(lambda: any(p.batch == PAUSED_BATCH for p in _paused(pause_log)), 300,
                f"a task of batch {PAUSED_BATCH} to stop after its pre-commit", log)
-    point, batch, worker = _paused(pause_log)[0]
-    assert (point, batch) == ("after_pre_commit", PAUSED_BATCH)
+    first = _paused(pause_log)[0]
+    worker = first.pid
+    assert (first.point, first.batch) == ("after_pre_commit", PAUSED_BATCH)
+    assert first.partition is not None and first.attempt is not None, f"the pause log names no task: {first}"
     wait_until(lambda: _stopped(worker), 30, f"task process {worker} to stop")
     container, leader = _container_of(app_id, worker)
     assert container != am_container and not container.endswith("_000001"), container  # an executor's
@@ -422,7 +448,7 @@ def _kill_the_paused_executor(app_id: str, pause_log: Path, log: Path, am_contai
         os.kill(worker, signal.SIGKILL)
     wait_until(lambda: not pid_alive(leader) and not pid_alive(worker), 30,
                f"executor container {container} (process group {leader}) to die")
-    return ExecutorKill(container, leader, worker)
+    return ExecutorKill(container, leader, worker, first.partition, first.attempt)
 
 
 def _mid_batch(t: Target, log: Path) -> float:
@@ -463,10 +489,20 @@ def _check_executor_kill(app_id: str, kill: ExecutorKill, pause_log: Path) -> No
     container killed was one of attempt 1's executors.  (Whether YARN also launched a replacement
     container before the AM's own fault is timing: on an idle machine the retry finished on the
     other executor first, and CI saw only attempt 1's two executors.)"""
-    retried = [(p, b, pid) for p, b, pid in _paused(pause_log) if b == PAUSED_BATCH and pid != kill.worker]
-    assert retried, _paused(pause_log)
+    _check_retried(kill, _paused(pause_log))
     executors = [c for c in _containers(app_id) if not c.endswith("_000001") and "_01_" in c]
     assert kill.container in executors, executors
+
+
+def _check_retried(kill: ExecutorKill, paused: list[Paused]) -> None:
+    """The killed task ran again: a pause-log line of the killed task's partition of batch
+    PAUSED_BATCH with a higher attempt number, in another process.  (Batch PAUSED_BATCH's other
+    tasks stop at the pause point too: a line of another partition, or of the killed attempt, is
+    no retry.)"""
+    retried = [p for p in paused if (p.point, p.batch, p.partition) == ("after_pre_commit", PAUSED_BATCH, kill.partition)
+               and p.attempt is not None and kill.attempt is not None and p.attempt > kill.attempt
+               and p.pid != kill.worker]
+    assert retried, f"no retry of the killed task (partition {kill.partition}, attempt {kill.attempt}): {paused}"
 
 
 def _check_target(t: Target, ids: list[str]) -> None:
@@ -688,3 +724,54 @@ def test_start_all_leaves_yarn_to_its_fixture_and_stop_all_stops_it(monkeypatch)
     calls.clear()
     assert cli.main(["stop", "all"]) == 0
     assert [n for _, n in calls] == list(reversed(NAMES)) and ("stop", "yarn") in calls
+
+
+def test_the_executor_kill_check_wants_a_retry_of_the_killed_partition_not_another_tasks_pause():
+    """issue 60 #2: both tasks of batch PAUSED_BATCH stop at the pause point, so a line of the
+    never-killed task (another partition) or of the killed attempt itself is no retry; only a line
+    of the killed partition with a higher attempt number is."""
+    kill = ExecutorKill("container_1_01_000002", 100, 101, partition=0, attempt=0)
+    killed, other = f"after_pre_commit {PAUSED_BATCH} 101 0 0", f"after_pre_commit {PAUSED_BATCH} 202 1 0"
+    for lines in ([killed, other], [killed, other, f"after_pre_commit {PAUSED_BATCH + 1} 202 0 1"],
+                  [killed, f"after_pre_commit {PAUSED_BATCH} 101 0 1"], [killed, "after_pre_commit 1 202"]):
+        with pytest.raises(AssertionError, match="no retry of the killed task"):
+            _check_retried(kill, _parse_paused(lines))
+    _check_retried(kill, _parse_paused([killed, other, f"after_pre_commit {PAUSED_BATCH} 202 0 1"]))
+
+
+def test_a_pause_point_in_a_spark_task_logs_its_partition_and_attempt_and_stops_each_attempt(
+        tmp_path, monkeypatch):
+    """twophase.crash in a Spark task: the pause-log line names the task's partition and attempt
+    (what _check_retried reads), and a retry of the task stops again in the same (reused) worker."""
+    import types
+
+    from twophase import crash
+
+    now = {"task": (0, 0)}
+
+    class TaskContext:
+        @staticmethod
+        def get() -> Any:
+            return types.SimpleNamespace(partitionId=lambda: now["task"][0], attemptNumber=lambda: now["task"][1])
+
+    log = tmp_path / "paused"
+    monkeypatch.setitem(sys.modules, "pyspark", types.SimpleNamespace(TaskContext=TaskContext))
+    monkeypatch.setenv(crash.PAUSE_ENV, "after_pre_commit:1")
+    monkeypatch.setenv(crash.PAUSE_LOG_ENV, str(log))
+    monkeypatch.delenv(crash.ENV, raising=False)
+    monkeypatch.setattr(crash, "_paused", set())
+    stops: list[int] = []
+    monkeypatch.setattr(crash.os, "kill", lambda pid, sig: stops.append(pid) if sig == signal.SIGSTOP else None)
+    crash.reload()
+    try:
+        for task in ((0, 0), (0, 0), (1, 0), (0, 1)):
+            now["task"] = task
+            crash.crash_point("after_pre_commit", 1)
+        crash.crash_point("after_pre_commit", 2)
+    finally:
+        monkeypatch.undo()
+        crash.reload()
+    pid = os.getpid()
+    assert log.read_text().splitlines() == [f"after_pre_commit 1 {pid} 0 0", f"after_pre_commit 1 {pid} 1 0",
+                                            f"after_pre_commit 1 {pid} 0 1"]
+    assert stops == [pid] * 3

@@ -14,11 +14,14 @@ Pause points: the same names in ``TWOPHASE_PAUSE_AT`` (same syntax, e.g.
 driver stopped by a long GC pause or a VM migration: every thread stops (the lease
 heartbeat too) and nothing is torn down; ``SIGCONT`` from outside resumes it on the next
 line.  Each named point of each batch pauses a process at most once (a process resumed
-there goes on, and a replay of the batch in the same process does not stop again).  Where
-both plans name a point, the crash wins.  ``TWOPHASE_PAUSE_LOG`` names a file each
-process appends ``"<point> <batch> <pid>"`` to just before it stops, so a test learns
-which process to resume (an executor's Python worker at ``before_begin`` or
-``after_pre_commit``; the coordinator ships the pause plan to its tasks like the crash plan).
+there goes on, and a replay of the batch in the same process does not stop again); in a
+Spark task, once per task attempt (a retry of the task stops again, even in a reused
+Python worker).  Where both plans name a point, the crash wins.  ``TWOPHASE_PAUSE_LOG``
+names a file each process appends ``"<point> <batch> <pid>"`` to just before it stops, and
+in a Spark task ``"<point> <batch> <pid> <partition> <attempt>"`` (the task's partition id
+and attempt number), so a test learns which process to resume and which task stopped (an
+executor's Python worker at ``before_begin`` or ``after_pre_commit``; the coordinator
+ships the pause plan to its tasks like the crash plan).
 A test waits for the stop itself (``/proc/<pid>/stat`` state ``T``), never for a time.  A
 worker paused at ``before_begin`` is a *late task attempt* on demand: resumed after its
 driver was killed and another driver took the batch over, it begins its transaction under
@@ -55,7 +58,8 @@ POINTS = (
 
 _plan: dict[str, set[int] | None] | None = None
 _pause_plan: dict[str, set[int] | None] = {}
-_paused: set[tuple[str, int | None]] = set()  # (point, batch) this process already stopped at
+#: (point, batch, the Spark task's (partition, attempt) or None) this process already stopped at
+_paused: set[tuple[str, int | None, tuple[int, int] | None]] = set()
 
 
 def _parse(value: str, env: str = ENV) -> dict[str, set[int] | None]:
@@ -147,7 +151,8 @@ def crash_point(name: str, batch_id: int | None = None) -> None:
 
 def _pause(name: str, batch_id: int | None) -> None:
     """Stop this whole process (every thread) until someone sends it SIGCONT; once per point and batch."""
-    key = (name, batch_id)
+    task = _task()
+    key = (name, batch_id, task)
     if key in _paused:
         return
     _paused.add(key)
@@ -158,11 +163,22 @@ def _pause(name: str, batch_id: int | None) -> None:
     if where:
         try:
             with open(where, "a") as f:
-                f.write(f"{name} {batch_id} {pid}\n")
+                f.write(f"{name} {batch_id} {pid}" + (f" {task[0]} {task[1]}" if task else "") + "\n")
         except OSError:
             pass
     os.kill(pid, signal.SIGSTOP)
     _say(f"twophase: pause point {name} (batch {batch_id}): process {pid} resumed\n")
+
+
+def _task() -> tuple[int, int] | None:
+    """(partition id, attempt number) of the Spark task this process runs now, or None (a driver,
+    or no pyspark loaded: nothing is imported here for it)."""
+    pyspark = sys.modules.get("pyspark")
+    try:
+        tc = pyspark.TaskContext.get() if pyspark is not None else None
+        return None if tc is None else (int(tc.partitionId()), int(tc.attemptNumber()))
+    except Exception:  # a pause point must never fail its caller
+        return None
 
 
 def _say(text: str) -> None:
