@@ -38,7 +38,7 @@ def _line_of(m: Mutant) -> int | None:
 
 def _pytest(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "pytest", "-p", "tests.mutation.plugin", "-p", "no:cacheprovider", "-q", "-x",
-           "--no-header", "--timeout", "240", *args]
+           "--no-header", "-p", "no:hypothesispytest", "--timeout", "240", *args]
     try:
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
