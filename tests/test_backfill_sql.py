@@ -427,3 +427,39 @@ def test_scenario_4_a_log_bound_with_the_old_target_is_taken_over_by_the_first_j
         assert two.ids(0) == [1, 2] and two.ids(1) == []
     finally:
         two.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_scenario_3_twophase_recover_does_not_void_a_batch_the_log_shows_committed_after_its_verdict(
+        postgres_service, tmp_path):
+    """``twophase recover``'s void path, the same defence: the markers gone and COMMITTED written by
+    another run between recover's read of what is pending and its commit: not voided."""
+    from twophase.recovery import recover
+
+    log_url = str(tmp_path / "log")
+    with PgTable(postgres_service["dsn"], "bf3r") as t:
+        qid = batch_query_id("daily", _sink(t).target())
+        x = _backfill_decided_and_committed(t, log_url, qid, 5, ids(50, 51))
+        sink = _sink(t)
+        sink.open()
+        commit = sink.commit
+        done: dict = {}
+
+        def late_commit(handle):
+            if not done:
+                done["x"] = x.tlog.write(5, COMMITTED, {"rows": 2})
+                t.execute(f'DELETE FROM "{t.name}_m"')
+            return commit(handle)
+
+        sink.commit = late_commit  # type: ignore[method-assign]
+        try:
+            report = recover(log_url, sink, takeover=True)
+        finally:
+            x.close()
+        assert done and report.voided == []
+        tlog = TransactionLog(log_url, readonly=True)
+        tlog.generation = 1
+        assert all(b.void is None for b in tlog.view(5).ballots)
+        assert tlog.view(5).committed is not None
+        assert Counter(t.ids()) == Counter([50, 51])

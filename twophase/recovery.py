@@ -534,6 +534,7 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
         committer = Committer(sink, parallelism=parallelism, ignore_lost=ignore_lost, where=log_url,
                               name="twophase recover")
         voided: list[int] = []
+        finished_seen: list[int] = []
         while True:
             try:
                 report = recover_pending(sink, pending, committer,
@@ -557,7 +558,9 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
                     log.warning("twophase recover: batch %d: its transactions are gone and no marker is left, but "
                                 "the log shows it %s (another run committed it, then its markers were pruned): it "
                                 "is not void and is not run again", e.batch_id, finished)
-                    voided.append(e.batch_id)  # once: a second verdict on it is raised
+                    if e.batch_id in finished_seen:
+                        raise
+                    finished_seen.append(e.batch_id)  # once: a second verdict on it is raised
                     pending = pending_batches(tlog)
                     continue
                 tlog.void_ballot(e.batch_id, e.ballot, str(e))
