@@ -32,6 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(REPO, "tests", "drivers", "files_remote_pipeline.py")
 KEYS = ["a", "b/c", "..", "d=e"]
 FILES = len(chaos.SINK_POINTS) + 3
+#: The YARN test CI runs: FileSink(writer="arrow") on HDFS, an executor container killed mid-task.
+YARN_CI = "test_the_application_master_sigkilled_mid_batch_is_restarted_by_yarn_and_every_id_lands_once[hdfs]"
 ROWS = 150
 
 
@@ -83,13 +85,27 @@ def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
     return runs
 
 
+def _check_every_batch_committed(log_url: str, opts: dict | None = None) -> None:
+    """The run's log (one generation) shows each of its FILES batches settled: COMMITTED, or in a
+    pruned range."""
+    from twophase.log import TransactionLog
+
+    tlog = TransactionLog(log_url, storage_options=opts, readonly=True)
+    assert [g["generation"] for g in tlog.generations()] == [1], tlog.generations()
+    assert tlog.settled_ranges(1) == [[0, FILES - 1]], f"not every batch of 0..{FILES - 1} committed: " \
+        f"{tlog.settled_ranges(1)}"
+
+
 @pytest.mark.hdfs
 @pytest.mark.spark
 @pytest.mark.parametrize("writer", [pytest.param("arrow", marks=pytest.mark.skipif(
     not os.environ.get("TWOPHASE_FULL_CHAOS"),
-    reason="CI time: the per-task Arrow path on HDFS under faults is the nemesis's files-hdfs (executors "
-           "killed, paused and cut from the driver: a pre-committed file whose handle never arrives), its "
-           "crash points in executors the local files' kill test's; TWOPHASE_FULL_CHAOS=1 runs it")), "spark"])
+    reason="CI time: in CI the per-task Arrow path on HDFS meets faults in tests/test_yarn.py's " + YARN_CI +
+           " (FileSink(writer='arrow') on HDFS: an executor container SIGKILLed with its task's file "
+           "pre-committed, then the AM SIGKILLed mid-batch), its crash points in executors in the local "
+           "files' kill test (tests/test_files_chaos.py); executors paused and cut from the driver under "
+           "FileSink on HDFS (the nemesis's files-hdfs schedule) only with TWOPHASE_FULL_CHAOS=1, which "
+           "runs this too")), "spark"])
 def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_service, spark, writer):
     from hdfs import InsecureClient
 
@@ -113,9 +129,10 @@ def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_servic
         assert all(r["k"] == KEYS[r["id"] % len(KEYS)] for r in rows)  # partition values read back intact
         staged = [f"{d}/{f}" for d, _, files in client.walk(f"{path}/out/_twophase") for f in files]
         assert staged == []
-        # the log on HDFS says every batch committed
+        # the log on HDFS says every batch committed: batches 0..FILES-1 (one input file each),
+        # each by its COMMITTED record (or a pruned range, which records only COMMITTED ids)
+        _check_every_batch_committed(f"{url}/log", opts)
         batches = client.list(f"{path}/log/g0001")
-        assert sum(n.endswith(".committed.json") for n in batches) >= 1
         # A driver killed between a record's temp file and its rename (CI's SIGKILL once landed
         # there) leaves the hidden temp file: at most one per killed run, each a record's of a
         # batch that then committed (prune deletes them with the batch: tests/test_log.py).
@@ -180,10 +197,12 @@ def test_s3_exactly_once_under_crash_points(tmp_path):
 @pytest.mark.hdfs
 @pytest.mark.spark
 @pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
-                    reason="CI time: FileSink's Arrow writer on HDFS with executors killed, paused and cut "
-                           "from the driver on hosts apart (a pre-committed file whose handle never arrives "
-                           "among them) is the nemesis's (tests/test_nemesis.py), the driver's crash points on "
-                           "HDFS the crash-point test's; TWOPHASE_FULL_CHAOS=1 runs it")
+                    reason="CI time: in CI FileSink's Arrow writer on HDFS loses an executor mid-task (its "
+                           "file pre-committed) on YARN, in tests/test_yarn.py's " + YARN_CI + ", and the "
+                           "driver's crash points on HDFS are test_hdfs_exactly_once_under_crash_points_and_"
+                           "sigkills[spark]'s; executors paused and cut from the driver on hosts apart (the "
+                           "nemesis's files-hdfs schedule, tests/test_nemesis.py) and this test run only "
+                           "with TWOPHASE_FULL_CHAOS=1")
 def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_service, spark_cluster_service, spark):
     """Issue 17: the same pipeline on the standalone cluster (two workers, one executor each).
 
@@ -243,19 +262,22 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
 @pytest.mark.cluster
 @pytest.mark.spark
 @pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
-                    reason="CI time: FileSink on a cluster under executor and driver faults is the nemesis's "
-                           "(tests/test_nemesis.py, hosts apart: on HDFS executors killed, paused and cut from the "
-                           "driver, on S3 paused), a shared path on the cluster tests/test_services_cluster.py's, "
-                           "secrets through spark.executorEnv the PostgreSQL cluster test's; "
-                           "TWOPHASE_FULL_CHAOS=1 runs it")
+                    reason="CI time: in CI FileSink on S3 on the cluster meets the nemesis's files-s3 "
+                           "schedule (tests/test_nemesis.py: the driver SIGKILLed, the log cut from it; no "
+                           "executor fault), FileSink on HDFS an executor container killed mid-task on YARN "
+                           "(tests/test_yarn.py's " + YARN_CI + "); executors paused or cut under FileSink "
+                           "(the nemesis's files-hdfs) only with TWOPHASE_FULL_CHAOS=1; a shared path on the "
+                           "cluster is tests/test_services_cluster.py's, secrets through spark.executorEnv "
+                           "the PostgreSQL cluster test's; TWOPHASE_FULL_CHAOS=1 runs it")
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_files_exactly_once_on_a_cluster_whose_executors_die(tmp_path, where, spark_cluster_service):
     """Issue 17, the other FileSink backends on the standalone cluster: a local path both
     workers mount (``shared_storage=True``) and S3, whose keys reach the executors only as
     ``spark.executorEnv.*``.  Faults, few and placed: ``after_pre_commit`` firing in
     executors, the driver dying ``mid_commit``, one executor JVM SIGKILLed with its Python workers.
-    (SIGKILLs of the driver while batches flow, executors paused or cut from their driver, on
-    hosts apart: the nemesis's, tests/test_nemesis.py, for FileSink on S3 and HDFS.)"""
+    (On hosts apart, tests/test_nemesis.py: SIGKILLs of the driver while batches flow, FileSink on
+    S3, in CI; executors paused or cut from their driver, FileSink on HDFS, with
+    ``TWOPHASE_FULL_CHAOS=1`` only.)"""
     import glob
 
     import pyarrow.parquet as pq
