@@ -28,6 +28,7 @@ import pytest
 
 from twophase import ConfigurationError, TransactionContext
 from twophase.config import sink_from_config
+from twophase.evidence import Committed
 from twophase.sink import CommitOutcome
 from twophase.sinks.postgres import PostgresSink, PostgresWriteError
 
@@ -723,7 +724,12 @@ def test_marker_rows_pruned_beyond_retention(db, postgres_service):
     for n, b in ((name, 5), (name, 7), (name, 8), (name, 9), (other, 1)):
         _, (h,) = prepare(sink, n, b, [[ids_batch([b])]])
         assert sink.commit(h).done
-    sink.abort_lingering(name, 10, sink.plan_batch(name, 10, 1), [])
+    plan = sink.plan_batch(name, 10, 1)
+    sink.abort_lingering(name, 10, plan, [])  # no evidence from the log: no marker goes (issue 59)
+    assert [r[0] for r in q(db, "SELECT batch_id FROM twophase_commits WHERE query_name = %s ORDER BY 1",
+                            (name,))] == [5, 7, 8, 9]
+    # the log shows 5, 7, 8 and 9 committed: those below the retention (10 - 2) go
+    sink.abort_lingering(name, 10, plan, [], settled=Committed(name, 5, 7, 8, 9))
     assert [r[0] for r in q(db, "SELECT batch_id FROM twophase_commits WHERE query_name = %s ORDER BY 1",
                             (name,))] == [8, 9]
     assert [r[0] for r in q(db, "SELECT batch_id FROM twophase_commits WHERE query_name = %s",
