@@ -932,7 +932,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             # The id moved on (re-initialised, expired): EndTxn cannot tell a commit that landed
             # earlier from an abort.  The transaction's own records can.
             verdict, where = self._records_fate(handle["txn_start_offsets"], pid, epoch,
-                                                handle.get("topic_ids"))
+                                                handle.get("txn_topic_ids"))
             if verdict == "committed":
                 return CommitResult.already_committed(
                     f"EndTxn answered {name} for {tid} (producer id {pid}, epoch {epoch}): the id was "
@@ -1032,12 +1032,12 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         otherwise the verdict: ("gone", why) when it holds another's or none, ("unknown", why) when
         that cannot be read.
 
-        A handle names its record: the topic id (``topic_ids``, since issue 59) and the producer id
+        A handle names its record: the topic id (``txn_topic_ids``, since issue 59) and the producer id
         and epoch.  A topic deleted and recreated under its name, or a log truncated and written
         again (an unclean leader election), holds another transaction's record at that offset, or
         none: what a reader finds there says nothing of this transaction, so it is neither "never
         visible" (void, run again: a duplicate if it had committed) nor "committed" (silent loss if
-        it was aborted).  Handles without ``topic_ids`` (written before) are checked by the
+        it was aborted).  Handles without ``txn_topic_ids`` (written before) are checked by the
         producer id and epoch alone, which a recreated topic's records do not share (producer ids
         are allocated cluster-wide)."""
         topic = name.rpartition(":")[0]
@@ -1669,7 +1669,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             # under its name holds another transaction's record at the same offset (_records_fate).
             ids = self._topic_ids(txn, sorted({tp.rpartition(":")[0] for tp in offsets}))
             if ids:
-                handle["topic_ids"] = ids
+                handle["txn_topic_ids"] = ids  # sorts after transactional_id: `twophase status` cuts handles at 200 characters
         self._release(txn)
         return handle
 

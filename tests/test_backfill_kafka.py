@@ -116,7 +116,7 @@ def test_scenario_5_a_decided_batch_on_a_recreated_topic_is_reported_lost_naming
             _committer(sink).commit(0, [h], recovering=False)   # was: BatchVanishedError / ALREADY_COMMITTED
         assert not isinstance(lost.value, BatchVanishedError), lost.value
         assert topic in str(lost.value) and "recreated" in str(lost.value), lost.value
-        assert h["topic_ids"].get(topic)                                  # the handle named the topic
+        assert h["txn_topic_ids"].get(topic)                                  # the handle named the topic
     finally:
         sink.close()
 
