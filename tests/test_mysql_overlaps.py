@@ -159,10 +159,49 @@ def test_a_decided_branch_is_never_doomed_and_a_doomed_one_is_never_decided(mari
         intent = sink.plan_batch("q", 1, 1)
         h0 = run_attempt(sink, TransactionContext("q", 1, 0, 0, intent, "r2", task_attempt_id=20), kv([2], "b0"))
         h1 = run_attempt(sink, TransactionContext("q", 1, 0, 1, intent, "r2", task_attempt_id=21), kv([2], "b1"))
-        with pytest.raises(Exception, match="doomed"):
+        with pytest.raises(Exception, match="doomed by a retried task"):
             sink.verify_prepared(1, [h0], prepare_started_at=0)
         assert sink.commit(h1).outcome is CommitOutcome.COMMITTED
         assert t.q(f"SELECT id, v FROM `{t.name}` ORDER BY id") == [(1, "a0"), (2, "b1")]
+
+
+def test_a_branch_claimed_doomed_while_still_prepared_is_refused_by_the_decision(mariadb_service):
+    """The doomed claim is the fence, not the rollback after it: a retried task claimed its earlier
+    attempt's branch doomed and stopped before its XA ROLLBACK (paused, or its executor lost), and
+    meanwhile the driver, whose result names that earlier attempt, is offered the branch, still
+    prepared.  It must refuse to decide it (the retry's rollback would then take a decided branch:
+    loss), claiming nothing; the branch stays the retry's to roll back.  (Above, the retry had
+    rolled the branch back before the check, so the branch was gone either way.)"""
+    with MyTable(mariadb_service, "doomprep") as t:
+        driver = t.sink(mode="upsert", key_columns=["id"], lock_wait_timeout=1)
+        driver.open()
+        intent = driver.plan_batch("q", 0, 1)
+        h0 = run_attempt(t.sink(mode="upsert", key_columns=["id"], lock_wait_timeout=1),
+                         TransactionContext("q", 0, 0, 0, intent, "r", task_attempt_id=10), kv([7], "a0"))
+        retry = t.sink(mode="upsert", key_columns=["id"], lock_wait_timeout=1)
+        seen: dict = {}
+        rollback_one = retry._rollback_one
+
+        def stopped_before_its_rollback(conn: Any, gtrid: str, bqual: str) -> bool:
+            # The retry holds its doomed claim; the branch is still prepared: the driver decides now.
+            seen["prepared"] = t.prepared()
+            with pytest.raises(Exception, match="doomed by a retried task") as refused:
+                driver.verify_prepared(0, [h0], prepare_started_at=0)
+            seen["refused"] = str(refused.value)
+            seen["claims"] = [(bytes(g).decode(), bytes(b).decode(), st) for g, b, st in
+                              t.q(f"SELECT gtrid, bqual, state FROM `{t.markers}_claims`")]
+            return rollback_one(conn, gtrid, bqual)
+
+        retry._rollback_one = stopped_before_its_rollback  # type: ignore[method-assign]
+        h1 = run_attempt(retry, TransactionContext("q", 0, 0, 1, intent, "r", task_attempt_id=11), kv([7], "a1"))
+        assert seen.get("prepared") == [(h0["gtrid"], h0["bqual"])], seen  # offered while still prepared
+        assert "Nothing was decided" in seen["refused"], seen
+        assert seen["claims"] == [(h0["gtrid"], h0["bqual"], "doomed")], seen  # the decision claimed nothing
+        # The retry rolled its earlier attempt's branch back; its own branch is the one decided.
+        assert t.prepared() == [(h1["gtrid"], h1["bqual"])]
+        driver.verify_prepared(0, [h1], prepare_started_at=0)
+        assert driver.commit(h1).outcome is CommitOutcome.COMMITTED
+        assert t.q(f"SELECT id, v FROM `{t.name}` ORDER BY id") == [(7, "a1")]
 
 
 def test_a_commit_is_not_stalled_by_an_executor_session_that_prepared_and_lingers(mariadb_service, monkeypatch):
