@@ -215,7 +215,7 @@ class TwoPhaseProtocol:
         if pending:
             recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
                             close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"),
-                            forget=forgetter_for(tlog))
+                            forget=forgetter_for(tlog), settled=Settled(tlog))
         self._replaced = None  # read the replaced generations' last batches again
         self._sweep_replaced_generations()
         return committed

@@ -45,8 +45,9 @@ from twophase.errors import (
     LogError,
     LogOwnershipError,
 )
+from twophase.evidence import Settled
 from twophase.log import ABORT, COMMIT, COMMITTED, INTENT, PREPARED, BatchView, TransactionLog
-from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
+from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink, abort_lingering
 
 log = logging.getLogger("twophase.recovery")
 
@@ -330,6 +331,7 @@ def recover_pending(
     after_commits: Callable[[PendingBatch, list[CommitResult]], None] | None = None,
     close_ballot: Callable[[PendingBatch, int], dict[str, Any]] | None = None,
     forget: Callable[[PendingBatch], None] | None = None,
+    settled: Settled | None = None,
 ) -> RecoveryReport:
     """Finish ``batches`` (from :func:`pending_batches`, or a harness' model) in the safe order.
 
@@ -344,6 +346,10 @@ def recover_pending(
     commit decision (written late by a paused coordinator) makes its batch decided, and
     it is committed like the others.  Without it (a harness' model) open ballots are
     aborted directly.
+
+    ``settled`` (:class:`~twophase.evidence.Settled`) is the log's evidence handed to each
+    ``abort_lingering`` for what it may destroy of other batches (their late leftovers, marker
+    rows); without it a cleanup touches only the ballots it is called for.
     Raises whatever the commit of a decided batch raised; then nothing was aborted.
     """
     report = RecoveryReport()
@@ -390,8 +396,8 @@ def recover_pending(
         n = 0
         for other in b.ballots:
             if other.ballot != b.ballot and other.outcome == ABORT:
-                n += sink.abort_lingering(other.name, b.batch_id, other.intent, [])
-        n += sink.abort_lingering(b.name, b.batch_id, b.intent, decoded[(b.generation, b.batch_id)])
+                n += abort_lingering(sink, other.name, b.batch_id, other.intent, [], settled)
+        n += abort_lingering(sink, b.name, b.batch_id, b.intent, decoded[(b.generation, b.batch_id)], settled)
         if n:
             report.aborted[b.batch_id] = report.aborted.get(b.batch_id, 0) + n
         mark_committed(b)
@@ -402,7 +408,7 @@ def recover_pending(
             sink.recover_and_abort(sink.decode_handle(env))
             n += 1
         for ballot in b.ballots:
-            n += sink.abort_lingering(ballot.name, b.batch_id, ballot.intent, [])
+            n += abort_lingering(sink, ballot.name, b.batch_id, ballot.intent, [], settled)
         log.warning("%s: %s was committed and its records pruned: the records found there now "
                     "are a deposed coordinator's late writes%s; aborted %d transactions, never committed",
                     committer.name, b.label, " (a decision among them)" if b.decided else "", n)
@@ -414,10 +420,10 @@ def recover_pending(
                 continue
             n = 0
             if not b.ballots:  # a harness' model: one implicit ballot, aborted directly
-                n = sink.abort_lingering(b.name, b.batch_id, b.intent, [])
+                n = abort_lingering(sink, b.name, b.batch_id, b.intent, [], settled)
             for ballot in b.ballots:
                 if ballot.outcome == ABORT or (close_ballot is None and ballot.outcome is None):
-                    n += sink.abort_lingering(ballot.name, b.batch_id, ballot.intent, [])
+                    n += abort_lingering(sink, ballot.name, b.batch_id, ballot.intent, [], settled)
             if n:
                 log.warning("%s: aborted %d transactions left by undecided %s", committer.name, n, b.label)
                 report.aborted[b.batch_id] = report.aborted.get(b.batch_id, 0) + n
@@ -540,7 +546,7 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
                 report = recover_pending(sink, pending, committer,
                                          mark_committed=mark_committed_in(tlog, {"recovered_by": "twophase recover"}),
                                          close_ballot=closer_for(tlog, "closed by twophase recover"),
-                                         forget=forgetter_for(tlog))
+                                         forget=forgetter_for(tlog), settled=Settled(tlog))
                 report.voided = voided
                 return report
             except BatchVanishedError as e:
