@@ -63,9 +63,11 @@ def test_kafka_recover_and_abort_lingering_from_config(kafka_service, tmp_path):
     # Another query's batch 0 undecided, with an open leftover that holds back read_committed readers.
     other_prefix = f"cli-{uuid.uuid4().hex[:8]}"
     other = KafkaSink(bs, topic, other_prefix)
-    _child_transaction(bs, topic, other_prefix, n=25)
+    # The log holds the crashed ballot's own INTENT (the one its task wrote under): that is what lets
+    # abort-lingering abort the leftover (issue 59: a plan made afterwards could not say whose it is).
+    _, intent = _child_transaction(bs, topic, other_prefix, n=25, with_intent=True)
     log2 = tmp_path / "log2"
-    write_log(log2, [(0, INTENT, {"intent": other.plan_batch("q", 0, 1), "name": "q"})])
+    write_log(log2, [(0, INTENT, {"intent": intent, "name": "q"})])
     r = cli("abort-lingering", str(log2), "--sink-config", json.dumps(other.to_config()))
     assert r.returncode == 0, r.stderr
     assert "batch 0: 1" in r.stdout
