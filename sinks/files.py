@@ -545,7 +545,10 @@ class FileSink(TwoPhaseCommitSink[FileTransaction, dict]):
         with the folder alone, a second job of one name and log writing another prefix, format or
         partitioning into it was the first job to the log, and its batch 0 was "skipped" (issue 59,
         scenario 4).  The default settings add nothing, so a job bound by an older version with the
-        folder-only target keeps its log."""
+        folder-only target keeps its log.  A job with other settings whose log an older version bound
+        is refused, naming both targets: that log cannot tell it from a job with the default settings
+        bound by this version (the same folder-only target), so it is never taken over
+        (PostgresSink's :func:`twophase.log.remember_former_target` has no such twin)."""
         url = re.sub(r"://[^/@]*@", "://", self.url)  # no user:password@ of a URL
         url = url[len("file://"):] if url.startswith("file://") else url
         what = []
