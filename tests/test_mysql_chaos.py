@@ -178,11 +178,12 @@ def test_jdbc_data_source_mysql_url_every_id_once_across_crash_points_and_a_sigk
             _show_log(log_path)
             raise
         show = [r.to_dict() for r in runs]
-        assert [r.outcome for r in runs[:len(points) + 1]] == ["crash point fired"] * len(points) + ["killed"], show
+        assert [r.fault for r in runs] == [f"crash:{p}" for p in points] + [runs[len(points)].fault, "none"], show
         for r, point in zip(runs, points):
             assert [line.split(" ")[:2] for line in r.fired] == [point.split(":")], show
-        assert runs[len(points)].progress < runs[-1].progress, f"the SIGKILL landed after the work: {show}"
-        assert runs[-1].completed, show
+        # Each point fired in a Python worker (the driver's exit is not 137), the SIGKILL ended a
+        # run with batches left, no run failed otherwise, one fault-free run completed.
+        chaos.check_runs(runs, executor_points=[p.split(":")[0] for p in points])
         verdict = chaos.verify(expected, _table_ids(info, table))
         assert verdict.exactly_once, (verdict.to_dict(), show)
         assert verdict.records_out == len(expected) == 600

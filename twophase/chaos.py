@@ -166,10 +166,12 @@ def check_runs(runs: Sequence[Run], *, executor_points: Iterable[str] = ("before
       that died of something else (a JVM that failed to start, a lost connection), is not a
       fired crash, and the recovery a test names would never have run.  A point that fires in
       executors (``executor_points``) does not kill the driver: its exit is then not the
-      crash point's 137.
+      crash point's 137.  (The data source form runs every point in a Python worker, the
+      planner's, a task's or the commit step's: its kill tests name all their points here.)
     - A ``sigkill@...`` run: the SIGKILL ended it (not an exit before the kill), and, with a
       ``progress_probe``, before the work was done: its progress is below the completing run's.
-    - No run failed; the last one completed.
+    - No run failed; the last one completed (so exactly one fault-free run: a restart that
+      failed, then another that completed, fails this).
     """
     runs = list(runs)
     show = [r.to_dict() for r in runs]
