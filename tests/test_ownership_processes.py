@@ -507,9 +507,11 @@ class KafkaTarget:
             admin.delete_topics([self.topic])[self.topic].result(30)
 
 
-#: The sinks of each scenario.
-#: (Kafka, and FileSink on S3 for the held decision, meet the same two faults in the nemesis, with
-#: drivers on hosts of their own, in CI: tests/test_nemesis.py; TWOPHASE_FULL_CHAOS=1 runs them here too.)
+#: The sinks of each scenario: in CI the paused driver on PostgreSQL and local files, the decision
+#: held on the wire on PostgreSQL.  Kafka's (both scenarios) and FileSink on S3's (the held decision)
+#: are collected only with TWOPHASE_FULL_CHAOS=1, and CI's nemesis does not play these faults on them
+#: either: it plays ``pause`` on MariaDB only and ``delay`` on PostgreSQL only (tests/test_nemesis.py,
+#: CI_SINKS); ``python -m tests.nemesis --cluster --minutes N`` draws every kind on every sink.
 _FULL = bool(os.environ.get("TWOPHASE_FULL_CHAOS"))
 TARGETS_PAUSED = {"postgres": PostgresTarget, "files": LocalFilesTarget, **({"kafka": KafkaTarget} if _FULL else {})}
 TARGETS_ON_THE_WIRE = {"postgres": PostgresTarget,
