@@ -897,7 +897,7 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
             if n:
                 log.info("batch %d: rolled back %d prepared XA branches under %s", batch_id, n, prefix)
             # rule: a late leftover is rolled back only once this sink holds its "doomed" claim.
-            n += self._rollback_late(query_name, batch_id, [by_name[k] for k in late])
+            n += self._rollback_late(query_name, batch_id, [by_name[k] for k in late], settled)
             self._prune_markers(query_name, batch_id, settled)
             conn = self._driver_conn()
             try:
@@ -917,10 +917,12 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                                 f"{self._describe(e)}") from None
         return n
 
-    def _rollback_late(self, query_name: str, batch_id: int, late: list[tuple[str, str]]) -> int:
+    def _rollback_late(self, query_name: str, batch_id: int, late: list[tuple[str, str]],
+                       settled: Settled | None = None) -> int:
         """Roll back late leftovers of earlier batches, each only once claimed ``doomed``: a branch
         claimed ``decided`` is in a decision (another run of the job, a batch decided and not yet
-        committed) and is left alone, however it looked."""
+        committed) and is left alone, however it looked.  Without the claims table, only leftovers of
+        batches the log shows finished (``settled``) are rolled back: never by batch-id order."""
         if not late:
             return 0
         conn = self._driver_conn()
@@ -929,27 +931,31 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
         finally:
             self._release(conn)
         if doomed is None:
-            # No claims table: decided branches are not marked either (verify_prepared checks only the
-            # listing then), so the leftovers are rolled back as they are, as before claims existed.
-            log.warning("batch %d: rolling back late leftovers without claiming them (no claims table %s): two "
-                        "overlapping runs of one job may roll back each other's decided branches; open() the "
-                        "sink to create it", batch_id, quote_ident(self.claims_table))
-            doomed = late
-        # rule: only branches this sink holds a doomed claim on (doomed is None: no claims table, as before).
+            # No claims table: decided branches are not marked either, so only the leftovers of batches
+            # the log shows finished may go (their decisions are all committed).
+            head = self.query_prefix(query_name)
+            doomed = [x for x in late if settled is not None
+                      and (b := names.batch_of(head, f"{x[0]}\n{x[1]}")) is not None and settled(query_name, b)]
+            if len(doomed) < len(late):
+                log.warning("batch %d: left %d late prepared XA branches of earlier batches alone: without the claims "
+                            "table %s they can be rolled back only once the log shows their batch committed; open() "
+                            "the sink to create it", batch_id, len(late) - len(doomed), quote_ident(self.claims_table))
+        # rule: only branches this sink holds a doomed claim on, or, without the claims table, of batches
+        # the log shows finished (settled).
         n = self._rollback(doomed, strict=False)
         if n:
             log.warning("batch %d: rolled back %d prepared XA branches of earlier, finished batches of %s, "
                         "prepared late (after their batch's cleanup): %s", batch_id, n, query_name, _xids(doomed))
         return n
 
-    def sweep_late(self, query_name: str, batch_id: int) -> int:
+    def sweep_late(self, query_name: str, batch_id: int, *, settled: Settled | None = None) -> int:
         """Roll back this query's prepared branches of batches before ``batch_id`` that can be claimed
         doomed (driver)."""
         head = self.query_prefix(query_name)
         try:
             late = [(g, b) for g, b in self.prepared(head)
                     if (k := names.batch_of(head, g)) is not None and k < int(batch_id)]
-            return self._rollback_late(query_name, batch_id, late)
+            return self._rollback_late(query_name, batch_id, late, settled)
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for late XA branches: {e}") from None
 

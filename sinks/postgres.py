@@ -980,35 +980,43 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
             gids, late = _names.split_leftovers(
                 (p["gid"] for p in self.prepared(self.query_prefix(query_name))), ballot_prefix=prefix,
                 query_head=self.query_prefix(query_name), batch_id=batch_id, keep=keep_gids)
+            # rule: this ballot's own gids not in keep: its slot holds its abort, or its decision names keep.
             n = self._rollback_prepared(gids)
             if n:
                 log.info("batch %d: rolled back %d prepared transactions under %s", batch_id, n, prefix)
-            n += self._rollback_late(query_name, batch_id, late)
+            n += self._rollback_late(query_name, batch_id, late, settled)
             self._prune_markers(query_name, batch_id, keep, settled)
             schema = next((h["marker_schema"] for h in keep if h.get("marker_schema")), None) or self._marker_home
+            # rule: only claims of gids pg_prepared_xacts no longer lists (never prepared again).
             self._drop_claims(schema, prefix=self.query_prefix(query_name))
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for leftover prepared transactions: {e}") \
                 from None
         return n
 
-    def _rollback_late(self, query_name: str, batch_id: int, late: list[str]) -> int:
+    def _rollback_late(self, query_name: str, batch_id: int, late: list[str], settled: Settled | None = None) -> int:
         """Roll back late leftovers of earlier batches, each only once claimed ``doomed`` (one statement):
         a gid claimed ``decided`` is in a decision (another run of the job, a batch decided and not yet
-        committed) and is left alone, however it looked."""
+        committed) and is left alone, however it looked.  Without a claims table this role may write,
+        only leftovers of batches the log shows finished (``settled``) are rolled back: never by
+        batch-id order (issue 59)."""
         if not late:
             return 0
         with self._driver_cursor() as cur:
             doomed = self._doom(cur, f"batch {batch_id}", late, strict=False)
         if doomed is None:
-            # No claims table this role may write: decided gids are not marked either (verify_prepared
-            # checks only pg_prepared_xacts then), so the leftovers are rolled back as they are, as
-            # before claims existed; two overlapping runs of one batch job need the claims table.
-            log.warning("batch %d: rolling back late leftovers without claiming them (no claims table this role "
-                        "may write): grant it, or two overlapping runs of one job may roll back each other's "
-                        "decided transactions", batch_id)
-            doomed = late
+            # No claims table this role may write: decided gids are not marked either, so only the
+            # leftovers of batches the log shows finished may go (their decisions are all committed).
+            doomed = [g for g in late if settled is not None
+                      and (b := self._gid_batch(query_name, g)) is not None and settled(query_name, b)]
+            if len(doomed) < len(late):
+                log.warning("batch %d: left %d late prepared transactions of earlier batches alone: without a claims "
+                            "table this role may write they can be rolled back only once the log shows their batch "
+                            "committed (grant the claims table to roll them back sooner)", batch_id,
+                            len(late) - len(doomed))
         late = doomed
+        # rule: only gids this sink claimed doomed (a decided gid refuses it), or, without a claims table,
+        # of batches the log shows finished (settled).
         n = self._rollback_prepared(late, strict=False)
         if n:
             log.warning("batch %d: rolled back %d prepared transactions of earlier, finished batches of %s, "
@@ -1016,14 +1024,14 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
                         ", ".join(late[:5]) + (", ..." if len(late) > 5 else ""))
         return n
 
-    def sweep_late(self, query_name: str, batch_id: int) -> int:
+    def sweep_late(self, query_name: str, batch_id: int, *, settled: Settled | None = None) -> int:
         """Roll back this query's prepared transactions of batches before ``batch_id`` (driver): late
         task attempts' leftovers, holding row locks batch ``batch_id``'s tasks may need (see
         :meth:`abort_lingering`).  One look at ``pg_prepared_xacts``."""
         try:
             late = [p["gid"] for p in self.prepared(self.query_prefix(query_name))
                     if (b := self._gid_batch(query_name, p["gid"])) is not None and b < int(batch_id)]
-            return self._rollback_late(query_name, batch_id, late)
+            return self._rollback_late(query_name, batch_id, late, settled)
         except _ConnectError as e:
             raise TwoPhaseError(f"batch {batch_id}: cannot look for late prepared transactions: {e}") from None
 

@@ -72,13 +72,22 @@ def test_a_backfill_decided_while_another_run_prunes_is_committed_not_taken_for_
 
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("claims", [True, False], ids=["claims", "no-claims-table"])
 def test_the_next_runs_sweep_of_late_leftovers_leaves_a_backfills_decided_transactions_alone(
-        postgres_service, tmp_path):
+        postgres_service, tmp_path, claims):
+    """With the claims table, a decided gid refuses to be doomed.  Without one this role may write
+    (no claim at all), the sweep rolled back every leftover of a lower batch id; now only those of
+    batches the log shows finished (issue 59's rule), and batch 5 is not finished."""
+    from twophase.sinks.postgres import _claims_name
+
     log_url = str(tmp_path / "log")
     with PgTable(postgres_service["dsn"], "sweepdec") as t:
         qid = batch_query_id("daily", t.sink().target())
         y = Driver(t.sink(), log_url, qid, takeover=True)
         x_state: dict = {}
+        table_of_claims = _claims_name(f"{t.name}_m")
+        if not claims:
+            t.execute(f'REVOKE INSERT, UPDATE ON "{table_of_claims}" FROM CURRENT_USER')
 
         def y_partitions(planned):
             # Y (batch 7) has recovered and pauses before its INTENT; X (a backfill of batch 5) runs:
@@ -108,3 +117,5 @@ def test_the_next_runs_sweep_of_late_leftovers_leaves_a_backfills_decided_transa
         assert t.ids() == [50, 51, 52, 53] and t.prepared() == []
         x.close()
         y.close()
+        if not claims:
+            t.execute(f'GRANT INSERT, UPDATE ON "{table_of_claims}" TO CURRENT_USER')

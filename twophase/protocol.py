@@ -52,7 +52,7 @@ from twophase.recovery import (
     pending_batches,
     recover_pending,
 )
-from twophase.sink import TwoPhaseCommitSink, abort_lingering
+from twophase.sink import TwoPhaseCommitSink, abort_lingering, sweep_late
 
 log = logging.getLogger("twophase.protocol")
 
@@ -381,7 +381,7 @@ class TwoPhaseProtocol:
         """After our ballot failed: abort late actors' leftovers of earlier batches (see
         :meth:`~twophase.sink.TwoPhaseCommitSink.sweep_late`); how many there were."""
         try:
-            return self.sink.sweep_late(opened.query_name, opened.batch_id)
+            return sweep_late(self.sink, opened.query_name, opened.batch_id, Settled(self.tlog))
         except Exception as e:  # noqa: BLE001 - not known: the failure stands
             log.debug("%s: batch %d: late leftovers not swept (%s)", self.name, opened.batch_id, e)
             return 0
@@ -502,7 +502,7 @@ class TwoPhaseProtocol:
         prog.intent_ms = _ms(t0)
         crash.crash_point("after_intent", batch_id)
         # A late attempt of an earlier batch may hold what this ballot's tasks need: gone first.
-        prog.aborted_lingering += self.sink.sweep_late(qname, batch_id)
+        prog.aborted_lingering += sweep_late(self.sink, qname, batch_id, Settled(tlog))
         run = f"e{tlog.epoch}{uuid.uuid4().hex[:6]}"
         return OpenedBallot(batch_id, number, intent, run, qname)
 

@@ -255,7 +255,9 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         this batch's tasks need (PostgreSQL: the row locks of an upsert's keys, until
         ``lock_timeout`` fails the task).  Found after a failure, the batch runs again in a new
         ballot instead of failing the query.  The same leftovers :meth:`abort_lingering` also
-        removes; only leftovers that cannot be part of a decision still to commit may be touched.
+        removes; only leftovers that cannot be part of a decision still to commit may be touched:
+        by a claim the sink holds, or, where the method takes the keyword ``settled``, by the log's
+        evidence that their batch is finished (as for :meth:`abort_lingering`).
         """
         return 0
 
@@ -353,24 +355,33 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         return cls(**params)
 
 
-_TAKES_SETTLED: dict[type, bool] = {}
+_TAKES_SETTLED: dict[tuple[type, str], bool] = {}
 
 
-def abort_lingering(sink: TwoPhaseCommitSink[Any, Any], query_name: str, batch_id: int, intent: dict[str, Any],
-                    keep: list[Any], settled: Settled | None) -> int:
-    """``sink.abort_lingering``, with the log's evidence (``settled``) where the sink's method takes it
-    (a user's sink written against the four-argument form keeps working)."""
-    cls = type(sink)
-    takes = _TAKES_SETTLED.get(cls)
+def _with_settled(sink: TwoPhaseCommitSink[Any, Any], name: str, settled: Settled | None) -> dict[str, Any]:
+    """``{"settled": settled}`` where the sink's method ``name`` takes that keyword, else ``{}`` (a
+    user's sink written against the older signature keeps working)."""
+    key = (type(sink), name)
+    takes = _TAKES_SETTLED.get(key)
     if takes is None:
         import inspect
 
         try:
-            takes = "settled" in inspect.signature(sink.abort_lingering).parameters
+            takes = "settled" in inspect.signature(getattr(sink, name)).parameters
         except (TypeError, ValueError):
             takes = False
-        _TAKES_SETTLED[cls] = takes
-    if takes and settled is not None:
-        method: Any = sink.abort_lingering
-        return int(method(query_name, batch_id, intent, keep, settled=settled))
-    return int(sink.abort_lingering(query_name, batch_id, intent, keep))
+        _TAKES_SETTLED[key] = takes
+    return {"settled": settled} if takes and settled is not None else {}
+
+
+def abort_lingering(sink: TwoPhaseCommitSink[Any, Any], query_name: str, batch_id: int, intent: dict[str, Any],
+                    keep: list[Any], settled: Settled | None) -> int:
+    """``sink.abort_lingering``, with the log's evidence (``settled``) where the sink's method takes it."""
+    method: Any = sink.abort_lingering
+    return int(method(query_name, batch_id, intent, keep, **_with_settled(sink, "abort_lingering", settled)))
+
+
+def sweep_late(sink: TwoPhaseCommitSink[Any, Any], query_name: str, batch_id: int, settled: Settled | None) -> int:
+    """``sink.sweep_late``, with the log's evidence (``settled``) where the sink's method takes it."""
+    method: Any = sink.sweep_late
+    return int(method(query_name, batch_id, **_with_settled(sink, "sweep_late", settled)))
