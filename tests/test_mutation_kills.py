@@ -410,3 +410,111 @@ def test_postgres_a_cleanup_of_an_older_batch_never_touches_a_later_batchs_trans
         assert t.prepared() == [h7["gid"]]
         assert sink.commit(h7).done and t.ids() == [7]
         sink.close()
+
+
+def test_the_harness_reports_a_row_committed_twice_within_a_few_examples(tmp_path):
+    """Mutant ``conformance-blind-to-duplicates`` (test_conformance's own test kills it too, after 200
+    examples, minutes): a sink whose commit is not idempotent is reported within 10 examples, by the
+    duplicate-row check ("row N appears K times")."""
+    import re
+
+    from tests.test_conformance import NonIdempotentCommitSink, _fail
+
+    msg = _fail(NonIdempotentCommitSink, str(tmp_path / "db"), max_examples=10)
+    assert re.search(r"row \d+ appears \d+ times", msg), msg
+
+
+def test_the_harness_reports_rows_of_a_decided_batch_that_never_appear(tmp_path):
+    """Mutant ``conformance-blind-to-missing-rows``: a sink whose commit reports success but whose
+    rows then vanish (nothing twice, nothing early, nothing left open) is caught by the check that every
+    decided batch's rows are visible."""
+    from examples.sqlite_sink import SQLiteSink, _closing, quote
+    from tests.test_conformance import _fail
+
+    class LosesRowsAfterCommit(SQLiteSink):
+        def commit(self, handle):
+            res = super().commit(handle)
+            with _closing(self._connect()) as con:
+                con.execute(f"DELETE FROM {quote(self.table)}")
+            return res
+
+    msg = _fail(LosesRowsAfterCommit, str(tmp_path / "db"), max_examples=10)
+    assert "missing although its batch was decided" in msg, msg
+
+
+def test_the_harness_reports_an_abort_that_leaves_its_transaction_open_within_a_few_examples(tmp_path):
+    """Mutant ``conformance-blind-to-abort-leftovers`` (test_conformance's own test kills it too, after 200
+    examples): a sink whose abort() does nothing is reported within 10 examples, by the check that an
+    aborted attempt leaves nothing open."""
+    from tests.test_conformance import NoopAbortSink, _fail
+
+    msg = _fail(NoopAbortSink, str(tmp_path / "db"), max_examples=10)
+    assert "was aborted, but it left 1 transaction(s) open" in msg, msg
+
+
+def _ownership_check(monkeypatch, url: str, seen: list[int], handles: dict[str, list[int]],
+                     left_open: tuple[str, ...] = ()) -> str:
+    """Run the ownership harness's exact check (``OwnershipMachine._check``) over the log at ``url``,
+    with a reader that sees ``seen``; ``handles``: the rows each handle ``{"h": key}`` carries.  Returns
+    the ConformanceError's message ("" if it passed).  ``left_open``: transactions the target shows open."""
+    import json
+
+    from twophase.testing import ownership
+    from twophase.testing.conformance import ConformanceError
+
+    monkeypatch.setattr(ownership, "note", lambda *a, **k: None)  # hypothesis' note, outside a run here
+    m = object.__new__(ownership.OwnershipMachine)
+    m.urls, m.late, m.rows, m.owner, m.protocol_factory = [url], {}, {}, None, "TwoPhaseProtocol"
+    m.handle_rows = {json.dumps({"h": k}, sort_keys=True): ids for k, ids in handles.items()}
+    m.id_base, m.id_of, m.read_committed, m.settle_timeout = 1000, int, lambda: list(seen), 0
+    m.pending, m.pending_baseline = (lambda: set(left_open)), set()
+    try:
+        m._check("after the example", exact=True, final=True)
+    except ConformanceError as e:
+        return str(e)
+    return ""
+
+
+def _opened_and_decided(tlog: TransactionLog, batch_id: int, ballot: int, key: str, decider=None) -> None:
+    tlog.write(batch_id, INTENT, {"intent": {}}, ballot=ballot)
+    decider = decider or tlog
+    assert decider.mine(decider.decide(batch_id, ballot, {"handles": [{"h": key}]}))
+
+
+def test_the_ownership_checker_reports_rows_missing_or_twice(tmp_path, monkeypatch):
+    """Mutants ``ownership-blind-to-missing-rows`` and ``ownership-blind-to-duplicates``: over a log whose
+    batch 1 is decided with rows 1001 and 1002, a reader seeing each once passes; seeing 1001 only, or
+    1001 twice, fails naming the row."""
+    url = str(tmp_path / "log")
+    tlog = TransactionLog(url)
+    tlog.acquire("q", "pipe")
+    _opened_and_decided(tlog, 1, 0, "a")
+    rows = {"a": [1001, 1002]}
+    assert _ownership_check(monkeypatch, url, [1001, 1002], rows) == ""
+    assert "row 1002 is missing although the log decided its batch" in _ownership_check(monkeypatch, url, [1001], rows)
+    assert "row 1001 appears 2 times" in _ownership_check(monkeypatch, url, [1001, 1001, 1002], rows)
+    # Mutant ``ownership-blind-to-leftovers``: a transaction still open at the end is named.
+    assert "1 transaction(s) still open at a quiescent point: ['q:1:x']" in _ownership_check(
+        monkeypatch, url, [1001, 1002], rows, left_open=("q:1:x",))
+    tlog.close()
+
+
+def test_the_ownership_checker_reports_two_decisions_and_a_decision_by_another_coordinator(tmp_path, monkeypatch):
+    """Mutants ``ownership-blind-to-two-decisions`` and ``ownership-blind-to-a-decision-by-another-epoch``:
+    batch 1 decided in ballots 0 and 1 (a decision written twice), and batch 2's ballot decided by a
+    coordinator that did not open it (a deposed one whose INTENT was not the ballot's): each is named,
+    even with every row visible once."""
+    url = str(tmp_path / "log")
+    a = TransactionLog(url)
+    a.acquire("q", "pipe")
+    _opened_and_decided(a, 1, 0, "a")
+    _opened_and_decided(a, 1, 1, "b")
+    b = TransactionLog(url)
+    b.acquire("q", "pipe", takeover=True)
+    a.write(2, INTENT, {"intent": {}}, ballot=0)
+    assert b.mine(b.decide(2, 0, {"handles": [{"h": "c"}]}))
+    msg = _ownership_check(monkeypatch, url, [1001, 1002, 1003], {"a": [1001], "b": [1002], "c": [1003]})
+    assert "batch 1 (log" in msg and "has 2 commit decisions (ballots [0, 1])" in msg, msg
+    assert "batch 2 ballot 0" in msg and "holds a commit decision by epoch" in msg, msg
+    a.close()
+    b.close()
