@@ -1,0 +1,74 @@
+"""Review r9 (issue 59/61's fault model) of the SQL sinks' changed code, on the real servers, in process.
+
+- A decided batch's committer that committed part of it and paused, while another run finished the
+  batch (COMMITTED) and pruned its markers (the log's evidence allows it), reads the rest "gone,
+  never visible" and raises DATA LOSS for a batch the log shows COMMITTED, all of it once
+  (finished_after_all is consulted for BatchVanishedError only, not for a partly vanished batch).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.inprocess import Driver, PgTable, ids, run_attempt
+from twophase import TransactionContext
+from twophase.errors import DataLossError
+from twophase.log import batch_query_id
+from twophase.protocol import BatchProgress
+
+
+def _pg_sink(t: PgTable, **kw):
+    from twophase.sinks.postgres import PostgresSink
+
+    return PostgresSink(t.dsn, table=t.name, marker_table=f"{t.name}_m", gid_prefix=t.gid_prefix, **kw)
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="review r9: a committer whose other handles were committed by another run "
+                   "(COMMITTED, markers pruned by the log's evidence) reports DATA LOSS on a batch the log shows "
+                   "COMMITTED (wrong verdict; the run stops)")
+def test_r9_a_partly_committing_run_overtaken_by_recovery_and_a_prune_does_not_report_data_loss(
+        postgres_service, tmp_path):
+    log_url = str(tmp_path / "log")
+    with PgTable(postgres_service["dsn"], "r9dl") as t:
+        qid = batch_query_id("daily", _pg_sink(t).target())
+        x = Driver(_pg_sink(t), log_url, qid, takeover=True)
+        drivers = [x]
+        opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
+        assert opened is not None
+        results = []
+        for part in (0, 1):
+            ctx = TransactionContext(opened.query_name, 5, part, 0, opened.intent, opened.run)
+            h = run_attempt(x.sink, ctx, ids(50 + part))
+            results.append({"partition": part, "attempt": 0, "rows": 1, "handle": x.sink.encode_handle(h)})
+        x.protocol.check_prepared(opened, results, started_at=0)
+        commit = x.sink.commit
+
+        def x_commit(handle):
+            res = commit(handle)
+            if len(drivers) == 1:
+                # X committed its first handle alone and pauses. Y takes the log over: its recovery
+                # commits the rest of batch 5 and writes COMMITTED; its batch 200's cleanup prunes the
+                # markers of settled batches below 200 - retention: batch 5's.
+                y = Driver(_pg_sink(t), log_url, qid, takeover=True)
+                drivers.append(y)
+                assert y.batch(200, ids(2000)).action == "committed"
+                assert y.tlog.view(5).committed is not None
+                assert 5 not in {r[0] for r in t.execute(f'SELECT batch_id FROM "{t.name}_m"')}
+            return res
+
+        x.sink.commit = x_commit  # type: ignore[method-assign]
+        error = None
+        try:
+            x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
+        except DataLossError as e:
+            error = e
+        finally:
+            for d in drivers:
+                d.close()
+        counts = Counter(r[0] for r in t.execute(f'SELECT id FROM "{t.name}"'))
+        assert counts == Counter({50: 1, 51: 1, 2000: 1}), counts      # nothing lost, nothing twice
+        assert error is None, f"reported on a batch the log shows COMMITTED: {error}"
