@@ -14,6 +14,8 @@ KafkaSink over the model.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 import uuid
 from typing import Any
@@ -21,7 +23,10 @@ from typing import Any
 import pytest
 
 from twophase.sinks import _kafka_protocol as kp
+from twophase.testing import explorer as ex
 from twophase.testing import kafka_model as km
+
+pytestmark = [pytest.mark.timeout(900)]
 
 
 # ============================================================================ the equivalence
@@ -262,3 +267,189 @@ def test_the_kafka_model_answers_as_the_real_broker(kafka_service):
                     for r, m in zip(real, model)))
     assert len(real) == len(model) >= 50, (len(real), len(model))
     assert real == model
+
+
+# ============================================================================ batch-jobs on KafkaSink
+#: The schedule of bound 2 in which the explorer found scenario 2 by itself on 2c1a611's plan (schedule
+#: 1399 of the depth-first search when this was written): b11 bumps the plan fence and pauses; b5 takes
+#: the log over, plans, pre-commits both partitions, decides and commits its first transaction; b11's plan
+#: snapshots b5's second transaction as a closed ballot's leftover, its tasks find themselves late, its
+#: cleanup aborts that transaction under its exact epoch; b5's second commit is INVALID_TXN_STATE.
+SCENARIO_2 = "0*18 1*42 0*10 1*5"
+#: Schedules of bound 2 the search runs before it finds that (FULL_CHAOS): 1399 when written.
+SCENARIO_2_WITHIN = 2000
+#: A schedule of bound 2 that loses a decided transaction on the shipped KafkaSink too (schedule 639):
+#: b11's partition-1 task claims ``-1.0`` (a new id: epoch 0) and pauses before its producer's
+#: ``init_transactions``; b5 claims the same id (Empty, so claimable), opens, pre-commits and decides its
+#: transaction and commits the first; b11's producer initialises the id: the InitProducerId aborts b5's
+#: decided transaction (fenced); b5's second commit is PRODUCER_FENCED, DataLossError.
+CLAIM_THEN_INIT = "0*33 1*48 0*19 1*5"
+
+
+def _plan_batch_of_2c1a611(self: Any, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+    """``KafkaSink.plan_batch`` as it was at 2c1a611 (``git show 2c1a611:sinks/kafka.py``, docstring
+    left out): every transaction of the pool found Ongoing is listed in the INTENT's ``open`` snapshot,
+    as a leftover of a closed ballot ("the coordinator opens a ballot only after every earlier one is
+    closed"), which this ballot's tasks and cleanup may abort; no ``held``."""
+    from twophase.sinks.kafka import POOL_VERSION
+
+    n, r = int(num_partitions), self.slots_per_partition
+    ids = self.pool_ids(n)
+    pool: dict[str, Any] = {"version": POOL_VERSION, "partitions": n, "slots": r, "widest": n,
+                            "fence": self.plan_fence_id(), "fence_producer": None, "open": {}}
+    intent = {"transactional_ids": ids, "transaction_timeout_ms": self.transaction_timeout_ms, "pool": pool}
+    if not ids:
+        return intent
+    client = self._txn_client()
+    fence = self.plan_fence_id()
+    before = self._describe(client, [fence]).get(fence)
+    widest = n
+    if before is not None and before.error_code == kp.NONE:
+        widest = max(n, int(before.timeout_ms))
+    widest = min(widest, self.transaction_timeout_ms)  # a timeout the broker accepts
+    pool["widest"] = max(n, widest)
+    pool["fence_producer"] = list(self._bump_plan_fence(client, batch_id, max(1, widest)))
+    states = self._describe(client, self._scanned_ids(pool))
+    pool["open"] = {t: [d.producer_id, d.producer_epoch] for t, d in states.items()
+                    if d.error_code == kp.NONE and d.state == "Ongoing"}
+    return intent
+
+
+@pytest.fixture
+def plan_of_2c1a611(monkeypatch: pytest.MonkeyPatch) -> None:
+    from twophase.sinks.kafka import KafkaSink
+
+    monkeypatch.setattr(KafkaSink, "plan_batch", _plan_batch_of_2c1a611)
+
+
+def _replay(schedule: str) -> tuple[list[str], str | None]:
+    return ex.replay("batch-jobs", ex.parse_schedule(schedule), sut=ex.kafka_sink())
+
+
+def _in_order(trace: list[str], patterns: list[str]) -> None:
+    at = [next((i for i, line in enumerate(trace) if re.search(p, line)), -1) for p in patterns]
+    assert -1 not in at and at == sorted(at), (at, "\n".join(trace))
+
+
+#: Scenario 2's story in a trace, in order (the transactional ids' producer ids are the model's).
+_SCENARIO_2_STORY = [
+    r"b5\[e2\]: sink\.verify_prepared b5 \[transactional id pipe-ids-0\.0 .*, transactional id pipe-ids-1\.0 .*\] -> ok",
+    r"b5\[e2\]: store\.create g0001/batch-000000000005\.prepared\.json \(prepared \(commit, epoch 2, 2 handle",
+    r"b5\[e2\]: kafka\.end_txn pipe-ids-0\.0 commit .* -> NONE",
+    r"b11\[e1\]: sink\.plan_batch b11, 2 partitions -> fence \d+/0, open \{1\.0: \d+/1\}",
+    r"b11\[e1\]: kafka\.end_txn pipe-ids-1\.0 abort \(pid \d+ epoch 1\) -> NONE",
+    r"b5\[e2\]: kafka\.end_txn pipe-ids-1\.0 commit .* -> INVALID_TXN_STATE",
+    r"b5\[e2\]: stops: DataLossError",
+    r"final\[e3\]: stops: DataLossError",
+]
+
+
+def test_batch_jobs_kafka_scenario_2_the_schedule_found_on_2c1a611s_plan_aborts_half_of_a_decided_backfill(
+        plan_of_2c1a611, capsys):
+    """The schedule the search found on 2c1a611's plan (:data:`SCENARIO_2`; the search itself runs under
+    TWOPHASE_FULL_CHAOS, below), replayed: half of batch 5 visible, every re-run stops."""
+    trace, broken = _replay(SCENARIO_2)
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, 2c1a611 plan] schedule {SCENARIO_2}: {broken}")
+    assert broken is not None and broken.startswith(
+        "decided-aborted: a commit decision names the transaction of pipe-ids-1.0 "), broken
+    assert "which an EndTxn(abort) aborted" in broken
+    _in_order(trace, _SCENARIO_2_STORY)
+    assert trace[-1].endswith("end: visible rows [10]"), trace[-1]  # row 11 (partition 1 of batch 5) lost
+
+
+def test_batch_jobs_kafka_scenario_2_the_same_schedule_keeps_the_backfill_whole_on_the_shipped_plan(capsys):
+    trace, broken = _replay(SCENARIO_2)
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, shipped] schedule {SCENARIO_2}: {broken or 'clean'}")
+    assert broken is None, "\n".join(trace)
+    # The same interleaving: b11 plans between b5's commits, holds b5's open transaction, leaves it.
+    _in_order(trace, [r"b5\[e2\]: kafka\.end_txn pipe-ids-0\.0 commit .* -> NONE",
+                      r"b11\[e1\]: sink\.plan_batch b11, 2 partitions -> fence \d+/0, open \{\}, held \{1\.0: \d+/1\}",
+                      r"b11\[e1\]: sink\.abort_lingering b11, .* -> 0 aborted",
+                      r"b5\[e2\]: kafka\.end_txn pipe-ids-1\.0 commit .* -> NONE",
+                      r"b5\[e2\]: ends"])
+
+
+def test_batch_jobs_kafka_on_the_shipped_sink_keeps_every_invariant_at_bound_1(capsys):
+    report = ex.explore("batch-jobs", preemptions=1, sut=ex.kafka_sink(), collect=True)
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, shipped]\n{report.summary()}")
+    assert [f.render() for f in report.findings] == []
+    assert report.complete and report.schedules >= 60, report.summary()
+    for actor in ("b11", "b5"):  # the runs overlapped both ways
+        assert report.outcomes[actor]["LogOwnershipError"] > 0 and report.outcomes[actor]["ended"] > 0, \
+            report.summary()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "a loss the explorer found on the shipped KafkaSink (reported with issue 59): a task paused between its "
+    "claim (conditional InitProducerId) and its producer's init_transactions (unconditional) fences another "
+    "run's decided transaction on the same id; docs/kafka.md's 'caught before the decision' does not hold when "
+    "the pause outlasts the other run's decision. When fixed, this passes: remove the mark"))
+def test_batch_jobs_kafka_a_task_paused_between_its_claim_and_its_producers_init_fences_no_decided_transaction(
+        capsys):
+    trace, broken = _replay(CLAIM_THEN_INIT)
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, shipped] schedule {CLAIM_THEN_INIT}: {broken or 'clean'}")
+    _in_order(trace, [r"b11\[e1\]: kafka\.init_producer_id pipe-ids-1\.0 from \(pid 9223372036854775807 epoch 0\) -> NONE",
+                      r"b5\[e2\]: kafka\.init_producer_id pipe-ids-1\.0 from \(pid \d+ epoch 0\) -> NONE",
+                      r"b5\[e2\]: store\.create g0001/batch-000000000005\.prepared\.json \(prepared \(commit",
+                      r"b11\[e1\]: kafka\.producer\.init_transactions pipe-ids-1\.0 -> CONCURRENT_TRANSACTIONS"])
+    assert broken is None, broken
+
+
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="the depth-first search of bound 2 on 2c1a611's plan up to scenario 2 (about 1,400 "
+                           "schedules, 45 s idle); CI replays the schedule it finds; TWOPHASE_FULL_CHAOS=1 runs it")
+def test_batch_jobs_kafka_scenario_2_is_found_by_the_search_on_2c1a611s_plan(plan_of_2c1a611, capsys):
+    report = ex.explore("batch-jobs", preemptions=2, sut=ex.kafka_sink(), collect=True,
+                        max_schedules=SCENARIO_2_WITHIN)
+    found = next((f for f in report.findings if f.kind == "decided-aborted"), None)
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, 2c1a611 plan]\n{found.render() if found else ''}\n{report.summary()}")
+    assert found is not None, report.summary()
+    _in_order(found.trace, _SCENARIO_2_STORY)
+    assert any(a.startswith("data-loss: b5[e2] stopped with DataLossError") for a in found.also), found.also
+    assert any("rows [11, 22, 23, 24, 25] are missing" in a for a in found.also), found.also
+    assert found.schedule_text == SCENARIO_2, found.schedule_text
+
+
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="every schedule of bound 2 on the shipped KafkaSink (several minutes); CI explores "
+                           "bound 1 and replays the schedules above; TWOPHASE_FULL_CHAOS=1 runs it")
+def test_batch_jobs_kafka_on_the_shipped_sink_at_bound_2_finds_only_the_claim_then_init_race(capsys):
+    report = ex.explore("batch-jobs", preemptions=2, sut=ex.kafka_sink(), collect=True)
+    with capsys.disabled():
+        print("\n[explorer, KafkaSink, shipped]\n" + "\n\n".join(f.render() for f in report.findings)
+              + f"\n{report.summary()}")
+    assert report.complete
+    # The one finding is the race of test_..._fences_no_decided_transaction above (xfail): when it is
+    # fixed, this must become "no finding at all".
+    assert report.kinds() <= {"decided-fenced"}, report.summary()
+
+
+def test_the_kafka_sink_in_the_explorer_is_the_shipped_one_and_its_broker_requests_are_scheduling_points():
+    from twophase.sinks.kafka import KafkaSink
+
+    sut = ex.kafka_sink()
+    broker = sut.new_target()
+    try:
+        assert type(sut.sink(broker)) is KafkaSink
+    finally:
+        assert sut.close_target is not None
+        sut.close_target(broker)
+    trace, broken = _replay("")
+    assert broken is None
+    ops = {line.split(": ", 1)[1].split(" ", 1)[0] for line in trace if ": " in line}
+    for op in ("kafka.init_producer_id", "kafka.describe_transactions", "kafka.producer.init_transactions",
+               "kafka.producer.produce", "kafka.describe_producers", "kafka.topic_ids", "kafka.end_txn",
+               "sink.plan_batch", "sink.verify_prepared", "store.create"):
+        assert op in ops, sorted(ops)
+    assert trace[-1].endswith("ends")
+
+
+def test_the_command_line_runs_batch_jobs_on_the_kafka_sink(capsys):
+    assert ex.main(["--scenario", "batch-jobs", "--sink", "kafka", "--preemptions", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "scenario 'batch-jobs': preemption bound 0, actors b11, b5" in out and "findings: none" in out

@@ -24,6 +24,9 @@ After every step it checks, from the store and the sink's target as they are:
 - ``decided-aborted``: no transaction a commit decision names is aborted (memory sink), no part
   file a commit decision names is gone, neither staged nor published (the shipped FileSink:
   :func:`file_sink`, whose storage calls are scheduling points too);
+- ``decided-fenced``: no transaction a commit decision names is aborted by an InitProducerId on its
+  transactional id (the shipped KafkaSink on an in-memory broker: :func:`kafka_sink`,
+  :mod:`twophase.testing.kafka_model`, every broker request a scheduling point);
 - ``data-loss``: a batch job's run (:func:`batch_job`) never stops with
   :class:`~twophase.errors.DataLossError`;
 - ``pruned-forgotten``: the log never forgets a batch it said was pruned (its low-water mark
@@ -111,6 +114,7 @@ __all__ = [
     "deterministic",
     "explore",
     "file_sink",
+    "kafka_sink",
     "late_attempt",
     "main",
     "memory_sink",
@@ -411,8 +415,18 @@ class SinkUnderTest:
     sink_points: bool = True
     #: ``lost(target, envelopes)``: of the handles (as the log holds them) a commit decision names,
     #: a line for each whose data is gone, neither staged nor visible (``decided-aborted`` for a sink
-    #: other than the memory sink, which reports aborts by transaction).
-    lost: Callable[[Any, list[Any]], list[str]] | None = None
+    #: other than the memory sink, which reports aborts by transaction); or a pair (finding kind,
+    #: message) in the sink's own words (:func:`kafka_sink`).
+    lost: Callable[[Any, list[Any]], list[Any]] | None = None
+    #: Spark partitions (tasks) of every batch: with 2, partition ``p`` of batch ``b`` writes row
+    #: ``2b + p`` (:func:`rows_of`), so a batch half committed shows.
+    partitions: int = 1
+    #: A context manager entered around the whole exploration (inside :func:`deterministic`): the
+    #: seams a sink needs (:func:`kafka_sink`: KafkaSink's clients on the broker model).
+    patches: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    #: ``expire(target)``: time passes after the final owner, before the end-of-schedule checks (a
+    #: broker's transaction timeout aborts what is still open: :func:`kafka_sink`).
+    expire: Callable[[Any], None] | None = None
 
 
 def memory_sink(*, commit_twice_duplicates: bool = False, sweep_earlier: bool = True,
@@ -537,8 +551,90 @@ def file_sink(*, base: str | None = None) -> SinkUnderTest:
                          sink_points=False, lost=_files_lost)
 
 
+# ---------------------------------------------------------------------------- the shipped KafkaSink
+#: The bootstrap servers of :func:`kafka_sink`'s model broker (one per schedule, registered under it).
+KAFKA_MODEL_BOOTSTRAP = "kafka-model:9092"
+KAFKA_TOPIC = "events"
+
+
+def _kafka_visible(broker: Any) -> list[int]:
+    """The row ids a ``read_committed`` reader of the topic sees (values ``"<id>"``), duplicates kept."""
+    out: list[int] = []
+    for p in range(len(broker.topics[KAFKA_TOPIC].partitions)):
+        out += [int(v) for _, v in broker.committed_records(f"{KAFKA_TOPIC}:{p}") if v is not None]
+    return out
+
+
+def _kafka_lost(broker: Any, envelopes: list[Any]) -> list[tuple[str, str]]:
+    """Decided KafkaSink handles whose transaction (producer id and epoch) the broker aborted:
+    ``decided-aborted`` by an EndTxn(abort) (someone's cleanup or a task took it for a leftover),
+    ``decided-fenced`` by an InitProducerId on its id (someone initialised the id: a claim, a
+    producer's ``init_transactions``)."""
+    out = []
+    for env in envelopes:
+        h = env.get("data") if isinstance(env, dict) else None
+        if not isinstance(h, dict) or "transactional_id" not in h:
+            continue
+        pid, epoch, tid = int(h["producer_id"]), int(h["producer_epoch"]), h["transactional_id"]
+        for t in broker.txns:
+            if t.producer_id == pid and t.epoch == epoch and t.outcome == "abort":
+                if t.ended_by == "timeout":
+                    out.append(("decided-aborted", f"a commit decision names the transaction of {tid} (producer id "
+                                f"{pid}, epoch {epoch}), still open after the final owner: the broker's transaction "
+                                "timeout aborted it"))
+                elif t.ended_by == "init_producer_id":
+                    out.append(("decided-fenced", f"a commit decision names the transaction of {tid} (producer id "
+                                f"{pid}, epoch {epoch}), which an InitProducerId on its id aborted (fenced)"))
+                else:
+                    out.append(("decided-aborted", f"a commit decision names the transaction of {tid} (producer id "
+                                f"{pid}, epoch {epoch}), which an EndTxn(abort) aborted"))
+    return out
+
+
+def kafka_sink(*, partitions: int = 2, slots_per_partition: int | None = None) -> SinkUnderTest:
+    """The shipped :class:`twophase.sinks.kafka.KafkaSink` (its pool, plan fence, claims, held and open
+    snapshots, verdicts) on an in-memory broker per schedule (:mod:`twophase.testing.kafka_model`:
+    a topic of two partitions; every broker request, the driver's and the executors' kafka-python
+    requests and the producers' and consumers' alike, is a scheduling point and a ``kafka.*`` trace
+    line).  Batches have ``partitions`` tasks (default 2: a batch half committed shows).
+    ``decided-aborted`` is checked by transaction: a decided handle whose transaction the broker
+    aborted by an EndTxn; ``decided-fenced``: by an InitProducerId on its id.  No ``leftovers``
+    check: the sink leaves a transaction it cannot attribute to the broker's transaction timeout,
+    which runs once the final owner is done (``expire``: every open transaction aborted; one of
+    them decided is ``decided-aborted``)."""
+    from twophase.sinks.kafka import KafkaSink
+    from twophase.testing import kafka_model as km
+
+    def new_target() -> Any:
+        broker = km.ModelBroker({KAFKA_TOPIC: 2})
+
+        def after(op: str, key: str, text: Callable[[], str]) -> None:
+            world = _WORLD[0]
+            if world is not None and not world.quiet:
+                world.log(f"kafka.{op}", text, key)
+
+        broker.before, broker.after = _point, after
+        km.register(KAFKA_MODEL_BOOTSTRAP, broker)
+        return broker
+
+    def sink(broker: Any) -> TwoPhaseCommitSink[Any, Any]:
+        if slots_per_partition is None:
+            return KafkaSink(KAFKA_MODEL_BOOTSTRAP, KAFKA_TOPIC, NAME + "-ids")
+        return KafkaSink(KAFKA_MODEL_BOOTSTRAP, KAFKA_TOPIC, NAME + "-ids", slots_per_partition=slots_per_partition)
+
+    return SinkUnderTest(
+        "KafkaSink (shipped, broker model)", new_target=new_target, sink=sink, visible=_kafka_visible,
+        close_target=lambda broker: km.unregister(KAFKA_MODEL_BOOTSTRAP, broker),
+        make_batch=lambda ids: pa.record_batch({"value": [str(i) for i in ids],
+                                                "partition": pa.array([i % 2 for i in ids], pa.int32()),
+                                                "id": pa.array(ids, pa.int64())}),
+        sink_points=False, lost=_kafka_lost, partitions=partitions, patches=km.patched,
+        expire=lambda broker: broker.expire())
+
+
 #: ``--sink`` of the command line: name -> builder of the sink under test.
-SINKS: dict[str, Callable[[], SinkUnderTest]] = {"memory": lambda: memory_sink(), "files": lambda: file_sink()}
+SINKS: dict[str, Callable[[], SinkUnderTest]] = {"memory": lambda: memory_sink(), "files": lambda: file_sink(),
+                                               "kafka": lambda: kafka_sink()}
 
 
 _SCHEDULED: dict[str, type] = {}
@@ -585,6 +681,13 @@ def _intent_text(intent: dict[str, Any] | None) -> str:
         return "{}"
     if set(intent) == {"token"}:
         return f"plan {intent['token']}"
+    pool = intent.get("pool")
+    if isinstance(pool, dict) and "fence_producer" in pool:  # KafkaSink: the plan fence, its snapshots
+        def ids(d: Any) -> str:
+            return "{" + ", ".join(f"{str(t).rsplit('-', 1)[-1]}: {pe[0]}/{pe[1]}" for t, pe in sorted((d or {}).items())) + "}"
+        fence = pool.get("fence_producer") or ["?", "?"]
+        return (f"fence {fence[0]}/{fence[1]}, open {ids(pool.get('open'))}"
+                + (f", held {ids(pool.get('held'))}" if "held" in pool else ""))
     if set(intent) == {"staging"} and isinstance(intent["staging"], str):
         return f"staging {_TARGET_PREFIX.sub('', intent['staging'])}"
     return json.dumps(intent, sort_keys=True)[:80]
@@ -935,7 +1038,7 @@ class ActorContext:
         self.world.task_ids += 1
         ctx = TransactionContext(query_name, batch_id, partition, attempt, intent, run,
                                  task_attempt_id=self.world.task_ids)
-        rows = rows_of(batch_id, partition)
+        rows = rows_of(batch_id, partition, self.world.sut.partitions)
         try:
             txn = sink.begin_transaction(ctx)
             try:
@@ -952,8 +1055,11 @@ class ActorContext:
         return {"partition": partition, "attempt": attempt, "rows": len(rows), "handle": sink.encode_handle(handle)}
 
 
-def rows_of(batch_id: int, partition: int = 0) -> list[int]:
-    """The row ids of one partition of a batch (the same on every replay): ``2b`` and ``2b + 1``."""
+def rows_of(batch_id: int, partition: int = 0, partitions: int = 1) -> list[int]:
+    """The row ids of one partition of a batch (the same on every replay): ``2b`` and ``2b + 1``
+    in partition 0 of a one-partition batch; of two partitions, ``2b + p`` in partition ``p``."""
+    if partitions == 2:
+        return [2 * batch_id + partition] if partition in (0, 1) else []
     return [2 * batch_id, 2 * batch_id + 1] if partition == 0 else []
 
 
@@ -969,10 +1075,11 @@ class _Work:
         self.ctx, self.sink, self.batch_id = ctx, sink, batch_id
 
     def partitions(self, planned: int | None) -> int:
-        return 1
+        return self.ctx.world.sut.partitions
 
     def prepare(self, query_name: str, batch_id: int, intent: dict[str, Any], run: str) -> list[dict[str, Any]]:
-        return [self.ctx.task(self.ctx.sink(), batch_id, intent, run, query_name)]
+        return [self.ctx.task(self.ctx.sink(), batch_id, intent, run, query_name, partition=p)
+                for p in range(self.ctx.world.sut.partitions)]
 
     def source_offsets(self, batch_id: int) -> dict[str, Any] | None:
         return None
@@ -1489,7 +1596,7 @@ class _World:
         self.pruned: dict[int, set[int]] = {}  # generation -> batches the log said were pruned
         self.late_writes = 0                    # records that landed in pruned batches
         self.envelopes: dict[str, Any] = {}     # handle key -> the handle as a decision holds it
-        self.lost_seen: set[str] = set()        # decided files found gone (reported once each)
+        self.lost_seen: set[Any] = set()        # decided files (transactions) found gone (reported once each)
         self.quiet = False                      # the checks read the log (no uuid, no clock)
         self._target_events = 0
 
@@ -1606,12 +1713,15 @@ class _World:
                               "decision names it")
         if self.sut.lost is not None and self.envelopes:
             decided = self.decided_handles()
-            gone = [x for x in self.sut.lost(self.target_obj, [self.envelopes[k] for k in sorted(decided)])
-                    if x not in self.lost_seen]
+            found = [x for x in self.sut.lost(self.target_obj, [self.envelopes[k] for k in sorted(decided)])
+                     if x not in self.lost_seen]
+            self.lost_seen.update(found)
+            gone = [x for x in found if isinstance(x, str)]
             if gone:
-                self.lost_seen.update(gone)
                 self.fail("decided-aborted", f"a commit decision names {', '.join(gone)}, which is neither staged "
                           "nor visible: deleted after the batch was decided")
+            for kind, message in (x for x in found if isinstance(x, tuple)):  # a sink's own kind and words
+                self.fail(kind, message)
         seen = Counter(self.sut.visible(self.target_obj))
         twice = sorted(i for i, n in seen.items() if n > 1)
         if twice:
@@ -1841,6 +1951,9 @@ class _Explorer:
             _local.run = None
             final.state = "done"
         world.check()
+        if world.sut.expire is not None:
+            world.sut.expire(world.target_obj)
+            world.check()
         self._ended(world, final)
         if final.error is not None:
             world.fail("final-owner-failed", f"the final owner (recovery, then the batches Spark replays) "
@@ -1887,7 +2000,7 @@ def explore(scenario: Scenario | str, *, preemptions: int = 2, max_schedules: in
     t0 = last = time.monotonic()
     found: dict[str, Finding] = {}
     stack: list[_Node] = []
-    with deterministic(), _one_cpu(pin_cpu):
+    with deterministic(), _sut_patches(explorer.sut), _one_cpu(pin_cpu):
         while True:
             number = report.schedules + 1
             stack, world, used = explorer.run(stack, number)
@@ -1952,10 +2065,14 @@ def replay(scenario: Scenario | str, choices: Sequence[int], *, batches: int | N
     explorer = _Explorer(scenario, preemptions=len(choices), sut=sut or _default_sut(scenario),
                          protocol_factory=protocol_factory or TwoPhaseProtocol, retain_batches=retain_batches,
                          step_timeout=step_timeout, max_steps=max_steps)
-    with deterministic():
+    with deterministic(), _sut_patches(explorer.sut):
         _, world, _ = explorer.run([], 1, forced=choices)
         trace = [f"{i:4d}. {e.text()}" for i, e in enumerate(world.trace, 1)]
     return trace, None if world.broken is None else f"{world.broken[0]}: {world.broken[1]}"
+
+
+def _sut_patches(sut: SinkUnderTest) -> contextlib.AbstractContextManager[Any]:
+    return sut.patches() if sut.patches is not None else contextlib.nullcontext()
 
 
 def _default_sut(scenario: Scenario) -> SinkUnderTest:
@@ -2059,9 +2176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run one schedule, as a finding prints it (e.g. '0*17 1*17 0*11 1*15'), and print "
                              "its trace")
     parser.add_argument("--sink", choices=sorted(SINKS), default=None,
-                        help="the sink: 'memory' (the model) or 'files' (the shipped FileSink on a local folder, "
-                             "each storage call a scheduling point); default: the scenario's own (batch-jobs: "
-                             "files; the others: memory)")
+                        help="the sink: 'memory' (the model), 'files' (the shipped FileSink on a local folder, "
+                             "each storage call a scheduling point) or 'kafka' (the shipped KafkaSink on an "
+                             "in-memory broker, each broker request a scheduling point, two tasks a batch); "
+                             "default: the scenario's own (batch-jobs: files; the others: memory)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)
     sut = SINKS[args.sink]() if args.sink else None

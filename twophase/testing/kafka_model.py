@@ -34,8 +34,8 @@ What the model answers, and the answers of the real broker it was checked agains
   ``read_committed`` view (below the last stable offset, aborted records and markers skipped),
   the uncommitted batch at an offset (``TxnClient.batch_at``) and a transaction's marker, topic ids.
 
-Not modelled: time (no transaction timeout, so the broker never aborts a transaction by itself;
-``leftovers`` are the timeout's), the PrepareCommit/PrepareAbort window (markers are written at
+Not modelled: time (the transaction timeout runs only when :meth:`ModelBroker.expire` says so: the
+explorer calls it once every actor and the final owner are done), the PrepareCommit/PrepareAbort window (markers are written at
 once, so CONCURRENT_TRANSACTIONS follows only a fencing InitProducerId), coordinator moves,
 retriable network errors, lost answers, several brokers, retention, compaction, topic deletion
 (:meth:`ModelBroker.recreate_topic` exists for tests), transactions v2 (KIP-890), sequence numbers
@@ -109,6 +109,7 @@ class Txn:
     start_ms: int
     partitions: dict[str, int] = field(default_factory=dict)  # "topic:p" -> first offset
     outcome: str | None = None  # "commit" | "abort"
+    ended_by: str | None = None  # "end_txn" | "init_producer_id" (a fencing bump) | "timeout"
 
 
 @dataclass
@@ -137,9 +138,9 @@ class ModelBroker:
         self._topic_serial = itertools.count(1)
         self._lock = threading.RLock()
         #: Called before every request (the explorer's scheduling point) and after it (a trace line:
-        #: ``after(op, key, text)``).
+        #: ``after(op, key, text)``, the text a callable: formatted only if shown).
         self.before: Callable[[], None] = lambda: None
-        self.after: Callable[[str, str, str], None] = lambda op, key, text: None
+        self.after: Callable[[str, str, Callable[[], str]], None] = lambda op, key, text: None
         for name_, n in (topics or {}).items():
             self.create_topic(name_, n)
 
@@ -148,6 +149,18 @@ class ModelBroker:
         t = Topic(name, f"{self.name}-topic-{next(self._topic_serial):04d}", [Partition() for _ in range(partitions)])
         self.topics[name] = t
         return t
+
+    def expire(self) -> list[Txn]:
+        """Time passes: the transaction timeout aborts every open transaction (as the coordinator's
+        abort sweep does, under a bumped epoch).  Returns them."""
+        out = []
+        with self._lock:
+            for st in self.ids.values():
+                if st.state == "Ongoing" and st.txn is not None:
+                    out.append(st.txn)
+                    st.epoch += 1
+                    self._end(st, "abort", st.epoch, by="timeout")
+        return out
 
     def recreate_topic(self, name: str) -> Topic:
         """Delete ``name`` and create it again (a new topic id, offsets from 0)."""
@@ -159,7 +172,7 @@ class ModelBroker:
         self.before()
         with self._lock:
             out = fn()
-        self.after(op, key, show(out))
+        self.after(op, key, lambda: show(out))
         return out
 
     # ------------------------------------------------------------ helpers
@@ -170,7 +183,7 @@ class ModelBroker:
             return None
         return t.partitions[int(part)]
 
-    def _end(self, st: TxnId, outcome: str, epoch: int) -> None:
+    def _end(self, st: TxnId, outcome: str, epoch: int, by: str = "end_txn") -> None:
         """Write the markers of ``st``'s open transaction (``outcome``, under ``epoch``) and close it."""
         txn = st.txn
         assert txn is not None and st.state == "Ongoing"
@@ -179,7 +192,7 @@ class ModelBroker:
             if p is not None:
                 p.batches.append(Batch(p.end, st.producer_id, epoch, marker=outcome))
                 p.end += 1
-        txn.outcome = outcome
+        txn.outcome, txn.ended_by = outcome, by
         st.state = "CompleteCommit" if outcome == "commit" else "CompleteAbort"
 
     # ------------------------------------------------------------ transaction coordinator
@@ -195,7 +208,7 @@ class ModelBroker:
         if st.state == "Ongoing":
             # Fenced: the open transaction is aborted under a bumped epoch; the client asks again.
             st.epoch += 1
-            self._end(st, "abort", st.epoch)
+            self._end(st, "abort", st.epoch, by="init_producer_id")
             return kp.CONCURRENT_TRANSACTIONS, -1, -1
         if conditional and epoch != st.epoch:
             if epoch == st.epoch - 1:  # a retry of the claim that bumped it
