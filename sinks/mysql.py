@@ -427,42 +427,21 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
 
     def _check_keys(self, cur: Any) -> None:
         """Upsert: a PRIMARY KEY or UNIQUE index on exactly ``key_columns``, and no other unique index that
-        could match a row of another key.  ``ON DUPLICATE KEY UPDATE`` fires on a duplicate of *any*
-        unique index: with ``(id PK, email UNIQUE)`` and key ``id``, upserting ``(2, 'a@x')`` over
-        ``(1, 'a@x')`` updates row 1 and writes no id 2, without an error (silent loss, issue 61).  An
-        index on a superset of the key columns is harmless (a row it matches has the same key, so it is
-        the row the key matches); an ``AUTO_INCREMENT`` column alone is too, as long as the DataFrame
-        does not write it (checked per task, :meth:`_map_columns`)."""
-        cur.execute("SELECT s.index_name, s.column_name, c.extra FROM information_schema.statistics s "
+        could match a row of another key (:func:`_unique_index_problem`); refused at ``open()``.  Each task
+        checks again before ``XA START`` (:meth:`begin_transaction`): an index a DBA adds while the query
+        runs is refused by the batch, not found later as lost rows."""
+        problem = _unique_index_problem(self._unique_indexes(cur), self.table, self.key_columns)
+        if problem:
+            raise ConfigurationError(problem)
+
+    def _unique_indexes(self, cur: Any) -> list[tuple[Any, ...]]:
+        """The table's unique indexes, a row per indexed column: (index, column, sub_part, extra)."""
+        cur.execute("SELECT s.index_name, s.column_name, s.sub_part, c.extra FROM information_schema.statistics s "
                     "JOIN information_schema.columns c ON c.table_schema = s.table_schema "
                     "AND c.table_name = s.table_name AND c.column_name = s.column_name "
                     "WHERE s.table_schema = %s AND s.table_name = %s AND s.non_unique = 0 "
                     "ORDER BY s.index_name, s.seq_in_index", (self.database, self.table))
-        indexes: dict[str, list[str]] = {}
-        auto: set[str] = set()
-        for index, col, extra in cur.fetchall():
-            index, col = _text(index), _text(col)
-            indexes.setdefault(index, []).append(col)
-            if "auto_increment" in _text(extra or "").lower():
-                auto.add(col)
-        cols = ", ".join(quote_ident(k) for k in self.key_columns)
-        if not any(sorted(c) == sorted(self.key_columns) for c in indexes.values()):
-            raise ConfigurationError(
-                f"upsert on {quote_ident(self.table)} needs a PRIMARY KEY or UNIQUE index on exactly ({cols}) "
-                f"for ON DUPLICATE KEY UPDATE; create one: ALTER TABLE {quote_ident(self.table)} ADD UNIQUE ({cols})")
-        keys = set(self.key_columns)
-        others = {name: c for name, c in indexes.items()
-                  if not keys <= set(c) and not (len(c) == 1 and c[0] in auto)}
-        if others:
-            shown = "; ".join(f"{quote_ident(n)} on ({', '.join(quote_ident(x) for x in c)})"
-                              for n, c in sorted(others.items()))
-            raise ConfigurationError(
-                f"upsert on {quote_ident(self.table)} by ({cols}) is refused: the table has another unique index, "
-                f"{shown}. MySQL's INSERT ... ON DUPLICATE KEY UPDATE fires on a duplicate of any unique index, so "
-                "a row whose key is new but whose value in that index is taken would overwrite the other row "
-                "(of another key) and never be written, without an error. Either upsert by that index's columns, "
-                "or drop it (ALTER TABLE ... DROP INDEX ...), or write with mode='insert' (a duplicate of any "
-                "unique index then fails the batch)")
+        return list(cur.fetchall())
 
     def _marker_ddl(self) -> str:
         return (f"CREATE TABLE IF NOT EXISTS {quote_ident(self.marker_table)} ("
@@ -1044,6 +1023,13 @@ class MySqlSink(TwoPhaseCommitSink[MySqlTransaction, dict]):
                 if not txn.columns:
                     raise MySqlWriteError(f"{ctx.label}: table {quote_ident(self.table)} does not exist in "
                                           f"database {self.database!r}")
+                if self.mode == "upsert":
+                    # open() checked once (once a run in the streaming form); an index a DBA added since
+                    # would make ON DUPLICATE KEY UPDATE overwrite another key's row: refused before
+                    # XA START, so the batch fails before prepare and nothing is written.
+                    problem = _unique_index_problem(self._unique_indexes(cur), self.table, self.key_columns)
+                    if problem:
+                        raise MySqlWriteError(f"{ctx.label}: {problem}")
                 cur.execute("XA START %s, %s", (gtrid, bqual))
                 txn.started = True
         except BaseException as e:
@@ -1590,6 +1576,50 @@ def _load_connection_class() -> Any:
 
     _LOAD_CLASS = _Connection
     return _LOAD_CLASS
+
+
+def _unique_index_problem(rows: list[tuple[Any, ...]], table: str, key_columns: list[str]) -> str | None:
+    """Why upsert by ``key_columns`` is unsafe on a table with these unique indexes (rows of
+    :meth:`MySqlSink._unique_indexes`), or None.  It needs a PRIMARY KEY or UNIQUE index on exactly the
+    key columns, and no other unique index that could match a row of another key.  ``ON DUPLICATE KEY
+    UPDATE`` fires on a duplicate of *any* unique index: with ``(id PK, email UNIQUE)`` and key ``id``,
+    upserting ``(2, 'a@x')`` over ``(1, 'a@x')`` updates row 1 and writes no id 2, without an error
+    (silent loss, issue 61).  An index on a superset of the key columns is harmless (a row it matches has
+    the same key, so it is the row the key matches); an ``AUTO_INCREMENT`` column alone is too, as long
+    as the DataFrame does not write it (checked per task, :meth:`MySqlSink._map_columns`).  A column
+    indexed by a prefix (``sub_part`` set, ``UNIQUE (k(3))``) is not that column: two keys sharing the
+    prefix collide on it, so such an index never counts as the key's index and is another unique index
+    (review r9)."""
+    indexes: dict[str, list[tuple[str, int | None]]] = {}
+    auto: set[str] = set()
+    for index, col, sub_part, extra in rows:
+        index, col = _text(index), _text(col)
+        indexes.setdefault(index, []).append((col, None if sub_part is None else int(sub_part)))
+        if "auto_increment" in _text(extra or "").lower():
+            auto.add(col)
+
+    def whole(entries: list[tuple[str, int | None]]) -> set[str]:
+        return {c for c, sub in entries if sub is None}
+
+    cols = ", ".join(quote_ident(k) for k in key_columns)
+    keys = set(key_columns)
+    if not any(all(sub is None for _, sub in e) and sorted(c for c, _ in e) == sorted(key_columns)
+               for e in indexes.values()):
+        return (f"upsert on {quote_ident(table)} needs a PRIMARY KEY or UNIQUE index on exactly ({cols}) "
+                f"(whole columns, not a prefix) for ON DUPLICATE KEY UPDATE; create one: "
+                f"ALTER TABLE {quote_ident(table)} ADD UNIQUE ({cols})")
+    others = {name: e for name, e in indexes.items()
+              if not keys <= whole(e) and not (len(e) == 1 and e[0][1] is None and e[0][0] in auto)}
+    if not others:
+        return None
+    shown = "; ".join(f"{quote_ident(n)} on ({', '.join(quote_ident(c) + ('' if sub is None else f'({sub})') for c, sub in e)})"
+                      for n, e in sorted(others.items()))
+    return (f"upsert on {quote_ident(table)} by ({cols}) is refused: the table has another unique index, "
+            f"{shown}. MySQL's INSERT ... ON DUPLICATE KEY UPDATE fires on a duplicate of any unique index, so "
+            "a row whose key is new but whose value in that index is taken would overwrite the other row "
+            "(of another key) and never be written, without an error. Either upsert by that index's columns, "
+            "or drop it (ALTER TABLE ... DROP INDEX ...), or write with mode='insert' (a duplicate of any "
+            "unique index then fails the batch)")
 
 
 def _text(v: Any) -> str:
