@@ -74,6 +74,9 @@ class DataLossError(TwoPhaseError):
         self.handle = handle
         self.reason = reason
 
+    #: The log generation of the decided batch, when known (recovery sets it).
+    generation: int | None = None
+
 
 class BatchVanishedError(DataLossError):
     """Every transaction of a decided batch is gone and the target proves none of it ever became

@@ -37,6 +37,7 @@ from twophase import crash
 from twophase.errors import (
     BatchVanishedError,
     CommitError,
+    DataLossError,
     LogOwnershipError,
     PrunedBatchError,
     TransactionTakenError,
@@ -212,10 +213,24 @@ class TwoPhaseProtocol:
             tlog.write(b.batch_id, COMMITTED, {"recovered": True, "at": time.time()}, generation=b.generation)
             committed.add((b.generation, b.batch_id))
 
-        if pending:
-            recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
-                            close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"),
-                            forget=forgetter_for(tlog), settled=Settled(tlog))
+        seen: set[int] = set()
+        while pending:
+            try:
+                recover_pending(self.sink, pending, self._committer(), mark_committed=mark,
+                                close_ballot=closer_for(tlog, f"closed by coordinator epoch {tlog.epoch} (recovery)"),
+                                forget=forgetter_for(tlog), settled=Settled(tlog))
+                break
+            except DataLossError as e:
+                # rule: part of a decided batch read as gone is data loss only if the log, read after
+                # that verdict, does not show the batch finished (another run committed it, then pruned
+                # the evidence the verdict read).  A vanished batch goes to _void, which asks the same.
+                if isinstance(e, BatchVanishedError) or e.batch_id is None or e.batch_id in seen \
+                        or finished_after_all(tlog, e.batch_id, e.generation) is None:
+                    raise
+                log.warning("%s: batch %d: some of its transactions read as gone, but the log shows it finished "
+                            "(another run committed it): not data loss", self.name, e.batch_id)
+                seen.add(e.batch_id)
+                pending = pending_batches(tlog)
         self._replaced = None  # read the replaced generations' last batches again
         self._sweep_replaced_generations()
         return committed
@@ -549,6 +564,18 @@ class TwoPhaseProtocol:
         except BatchVanishedError as e:
             e.generation, e.ballot = tlog.generation, number
             raise
+        except DataLossError:
+            # Part of the batch committed by us, the rest "gone" by evidence that can be deleted (a
+            # marker row pruned once another run committed the batch and the log shows it COMMITTED):
+            # rule: the verdict stands only if the log, read after it, does not show the batch finished.
+            finished = finished_after_all(tlog, batch_id, tlog.generation)
+            if finished is None:
+                raise
+            log.warning("%s: batch %d: some of its transactions read as gone, but the log shows it %s (another "
+                        "run committed it, then pruned its evidence): not data loss", self.name, batch_id,
+                        finished)
+            self.dirty = True
+            return
         # Leftovers of failed task attempts of this batch (they pre-committed but lost the race).
         aborted = abort_lingering(self.sink, opened.query_name, batch_id, opened.intent, decoded, Settled(tlog))
         if aborted:

@@ -380,6 +380,9 @@ def recover_pending(
         except BatchVanishedError as e:
             e.generation, e.ballot = b.generation, b.ballot  # which decision it is (for void_ballot)
             raise
+        except DataLossError as e:
+            e.generation = b.generation  # which generation's batch (twophase recover reads the log again)
+            raise
         for h, res in zip(handles, results):
             if res.outcome is CommitOutcome.COMMITTED:
                 report.handles_committed += 1
@@ -573,6 +576,20 @@ def recover(log_url: str, sink: TwoPhaseCommitSink[Any, Any], *, storage_options
                 log.warning("twophase recover: batch %d: its decision (ballot %d) is void: %s. The query runs it "
                             "again when Spark replays it.", e.batch_id, e.ballot, e)
                 voided.append(e.batch_id)
+                pending = pending_batches(tlog)
+            except DataLossError as e:
+                if e.batch_id is None:
+                    raise
+                # Part of a decided batch read as gone: by evidence that can be deleted once another
+                # run committed the batch (a marker row pruned after its COMMITTED record)?
+                # rule: data loss is reported only if the log, read after the verdict, does not show
+                # the batch finished.
+                if finished_after_all(tlog, e.batch_id, e.generation) is None or e.batch_id in finished_seen:
+                    raise
+                log.warning("twophase recover: batch %d: some of its transactions read as gone, but the log shows "
+                            "it finished (another run committed it, then pruned its evidence): not data loss",
+                            e.batch_id)
+                finished_seen.append(e.batch_id)
                 pending = pending_batches(tlog)
     finally:
         tlog.close()
