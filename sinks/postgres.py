@@ -462,8 +462,30 @@ class PostgresSink(TwoPhaseCommitSink[PostgresTransaction, dict]):
         if not self.schema:
             from twophase.log import remember_former_target
 
-            remember_former_target(target, f"postgres database {db} table {self.table}")
+            homes: list[str] = []
+
+            def wrote(h: dict[str, Any]) -> bool:
+                # An older version's handle names the schema of its marker table; this job's is where
+                # its search_path finds the marker table now (or its current schema, as open() would).
+                if not homes:
+                    homes.append(self._marker_home or self._resolve_marker_home())
+                return h.get("marker_schema") == homes[0]
+
+            remember_former_target(target, f"postgres database {db} table {self.table}", wrote)
         return target
+
+    def _resolve_marker_home(self) -> str:
+        """The schema this sink's marker table is in for the session's ``search_path`` (the schema
+        open() would create it in when there is none: the current schema) (driver)."""
+        try:
+            with self._driver_cursor() as cur:
+                cur.execute("SELECT COALESCE((SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON "
+                            "n.oid = c.relnamespace WHERE c.oid = to_regclass(%s)), current_schema())",
+                            (self._quoted(cur, self._marker),))
+                return str(cur.fetchone()[0])
+        except (_ConnectError, _pg().Error) as e:
+            raise ConfigurationError(f"PostgresSink could not resolve the schema of its marker table at "
+                                     f"{self.where}: {e}") from None
 
     def _resolve_table_home(self) -> str:
         """The schema the session's ``search_path`` resolves the table to (driver, once)."""

@@ -73,14 +73,12 @@ def test_r9_a_partly_committing_run_overtaken_by_recovery_and_a_prune_does_not_r
 
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="review r9: remember_former_target lets the first job of the name take an "
-                   "old generation over, even a job of another schema than the one that wrote it: its batch 0 is "
-                   "skipped as committed, its rows never written (issue 59 scenario 4, in the upgrade path)")
 def test_r9_an_old_generation_is_not_taken_over_by_a_job_of_another_schema_that_comes_first(postgres_service, tmp_path):
     """An older version bound the log for job A (search_path s4a; its target named no schema) and
     committed A's batch 0.  After the upgrade, job B (same name and log, search_path s4b: another
-    table) happens to start first.  The log cannot tell which schema its generation's batches wrote,
-    yet B takes it over (exclusive create of the retarget record): B's batch 0 is 'skipped'."""
+    table) happens to start first.  B took it over (exclusive create of the retarget record) and its
+    batch 0 was 'skipped'.  Now a job takes an old generation over only where the generation's decided
+    handles name its marker table's schema: B is refused (A, later, takes it: test_backfill_sql.py)."""
     from tests.test_backfill_sql import _TwoSchemas
     from twophase.errors import QueryMismatchError
 

@@ -295,20 +295,23 @@ def batch_query_id(name: str, target: str) -> str:
     return f"batch:{name}@{hashlib.sha256(target.encode()).hexdigest()[:16]}"
 
 
-#: Targets whose string changed between versions: new target -> the form older versions gave
-#: (:func:`remember_former_target`).  Process-wide: a sink computes its target in the driver, which
-#: binds the log there too.
-_FORMER_TARGETS: dict[str, str] = {}
+#: Targets whose string changed between versions: new target -> (the form older versions gave, the
+#: test of a handle's data that says it was written by this target) (:func:`remember_former_target`).
+#: Process-wide: a sink computes its target in the driver, which binds the log there too.
+_FORMER_TARGETS: dict[str, tuple[str, Callable[[dict[str, Any]], bool]]] = {}
 
 
-def remember_former_target(target: str, former: str) -> None:
+def remember_former_target(target: str, former: str, wrote: Callable[[dict[str, Any]], bool]) -> None:
     """A sink whose :meth:`~twophase.sink.TwoPhaseCommitSink.target` now names what it writes more
     precisely (PostgresSink: the schema a ``search_path`` resolved, left out before) says which
-    string older versions gave for it.  A batch job's log generation bound with the former one is
-    then taken over by the first job that claims it (exclusive create: one job, never two), instead
-    of being refused as another job's; a second job of the same former target is refused."""
+    string older versions gave for it, and how to tell from a handle's data (the envelope's
+    ``data``) that this target wrote it.  A batch job's log generation bound with the former one is
+    then taken over by a job of this target only where the generation's decided handles prove it
+    wrote them (at least one handle, each one this target's), by exclusive create (one job, never
+    two); otherwise refused, naming both: two jobs of one former target (same-named tables of two
+    schemas) were one to an older version, and the log is the only witness of which wrote it."""
     if former != target:
-        _FORMER_TARGETS[target] = former
+        _FORMER_TARGETS[target] = (former, wrote)
 
 
 def _describe_query(rec: dict[str, Any]) -> str:
@@ -407,7 +410,8 @@ class TransactionLog:
         """
         gens = self.generations()
         latest = gens[-1] if gens else None
-        former = _FORMER_TARGETS.get(target) if target and query_id.startswith("batch:") else None
+        found = _FORMER_TARGETS.get(target) if target and query_id.startswith("batch:") else None
+        former, wrote = found if found is not None else (None, None)
         former_id = None if former is None else batch_query_id(query_id[len("batch:"):].rsplit("@", 1)[0], former)
         # A generation bound with this job's former target counts as its own here (refusal is the safe side).
         replaced = next((g for g in gens[:-1] if g["query_id"] in (query_id, former_id)), None)
@@ -442,6 +446,13 @@ class TransactionLog:
             # job to come rebinds it to its precise target (exclusive create); any other is refused.
             g = int(latest["generation"])
             name_ = f"generations/{g:04d}.retarget.json"
+            if self._read(name_) is None and not self._generation_written_by(g, wrote):
+                # rule: a generation's batches are skipped as committed by whoever binds it: only a job
+                # the generation's own handles name may (never the first to come).
+                raise QueryMismatchError(
+                    self._mismatch(latest, query_id, target) + f". Its generation {g} was bound by an older "
+                    f"twophase version as {former!r}, and its decided transactions do not show that this job "
+                    f"({target}) wrote them: it is not taken over")
             self.store.create(name_, encode_record({"kind": "retarget", "query_id": query_id, "target": target,
                                                     "former": former}))
             bound = self._read(name_) or {}
@@ -465,6 +476,19 @@ class TransactionLog:
             raise LogOwnershipError(f"another coordinator created generation {g} of {self.url} at the same time "
                                     f"(for query {None if rec is None else rec.get('query_id')})")
         return g
+
+    def _generation_written_by(self, generation: int, wrote: Callable[[dict[str, Any]], bool] | None) -> bool:
+        """Do the decided handles of ``generation`` (those its records still hold) all pass ``wrote``,
+        and is there at least one?  A generation with no batch record at all committed nothing: any
+        job may take it."""
+        views = self.views(generation)
+        if wrote is None:
+            return False
+        if not views and not self.pruned(generation, fresh=True):
+            return True
+        datas = [env.get("data") for v in views.values() for b in v.ballots
+                 if b.committed and b.decision is not None for env in b.decision.handles if isinstance(env, dict)]
+        return bool(datas) and all(isinstance(d, dict) and wrote(d) for d in datas)
 
     def _mismatch(self, latest: dict[str, Any], query_id: str, target: str | None = None) -> str:
         if str(query_id).startswith("batch:") or str(latest["query_id"]).startswith("batch:"):
