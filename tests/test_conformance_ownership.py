@@ -106,9 +106,25 @@ def test_a_replaced_generations_late_leftovers_never_swept_are_caught(out_dir):
     assert "still open at a quiescent point" in msg, msg
 
 
+def _old_filesink_given_the_logs_evidence() -> type:
+    """The old FileSink, on today's storage, handed the log's evidence: today's storage sweeps another
+    batch's leftovers only for batches the log shows finished (issue 59), which the old sink's
+    ``abort_lingering`` never passed on, so its late leftovers stayed and the harness stopped on that
+    first.  Handed it, what must be caught is the old sink's own fault: its unscoped names."""
+    old = load_old_sink("sinks/files.py").FileSink
+
+    class OldFileSink(old):  # type: ignore[misc, valid-type]
+        def abort_lingering(self, query_name, batch_id, intent, keep, *, settled=None):
+            kept = [e for h in keep for e in self._entries(h)]
+            return self._backend.abort_lingering(query_name, batch_id, intent, kept, self._name_prefix(batch_id),
+                                                 settled=settled)
+
+    return OldFileSink
+
+
 @needs_old
 def test_scenario_5_old_filesink_unscoped_names_are_caught(out_dir):
-    msg = caught(out_dir, sink_class=load_old_sink("sinks/files.py").FileSink)
+    msg = caught(out_dir, sink_class=_old_filesink_given_the_logs_evidence())
     assert "second pipeline" in msg or "missing although" in msg or "appears" in msg, msg
 
 

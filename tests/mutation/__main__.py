@@ -57,7 +57,10 @@ def run_one(m: Mutant, timeout: float) -> tuple[Mutant, str, float, str]:
     env = dict(os.environ, TWOPHASE_MUTANT=m.id, TWOPHASE_KEEP_SERVICES="1")
     code, out = _pytest(_args(m), env, timeout)
     took = time.monotonic() - t0
-    failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    # pytest's summary lines (-q): "FAILED node - reason" first, "ERROR node" (a fixture's error) after;
+    # a log line that happens to start with "ERROR " is neither (it has no "::").
+    summary = [ln for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR ")) and "::" in ln.split(" ")[1]]
+    failed = sorted(summary, key=lambda ln: not ln.startswith("FAILED "))
     if "StaleMutant" in out:
         return m, "STALE", took, next((ln for ln in out.splitlines() if "StaleMutant" in ln), "")
     if code == 1 and failed:
