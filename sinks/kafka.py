@@ -477,10 +477,10 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         transaction timeout field (which the broker never acts on for an id without a
         transaction), the widest plan so far, so that ids of partitions an earlier, wider batch
         used are still looked at.  Then one DescribeTransactions (per transaction coordinator) of
-        those ids: the ones found ``Ongoing`` are leftovers of closed executions (the coordinator
-        opens a ballot only after every earlier one is closed and every decided batch
-        committed), so their exact (producer id, epoch) may be aborted by this ballot's tasks and
-        cleanup, however late.  Nothing in the pool is changed here.
+        those ids: the ones found ``Ongoing`` are listed ``open`` (leftovers of closed executions,
+        whose exact (producer id, epoch) this ballot's tasks and cleanup may abort, however late)
+        only with the evidence described below, the fence read again after the describe
+        included; else ``held``.  Nothing in the pool is changed here.
         """
         n, r = int(num_partitions), self.slots_per_partition
         ids = self.pool_ids(n)
@@ -520,6 +520,14 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         states = self._describe(client, self._scanned_ids(pool))
         found = {t: [d.producer_id, d.producer_epoch] for t, d in states.items()
                  if d.error_code == kp.NONE and d.state == "Ongoing"}
+        if proven and found:
+            # The bump and the describe are two requests: another run's plan can land between them
+            # and its tasks open transactions that the describe then finds (review r9).  So the
+            # fence is read again, after the describe's answer: still at this plan's epoch, no plan
+            # landed from the bump to after every id was described, and what is open belongs to
+            # the plans before (the proof above).  Moved or unknown: no proof, everything is held.
+            # A plan landing after this read opens its transactions after it, so not in `found`.
+            proven = self._plan_fence_state(client, pool) is True
         pool["open"] = {t: pe for t, pe in found.items() if proven and held_before.get(t) != pe}
         pool["held"] = {t: pe for t, pe in found.items() if t not in pool["open"]}
         self._chain = {"fence": fence_now, "held": dict(pool["held"])}
@@ -615,7 +623,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
             if not listed and latest is None:
                 latest = self._plan_fence_holds(client, pool)
             if listed or latest:
-                # rule: listed = open under a plan of this object's whose ballot it saw closed;
+                # rule: listed = open under a plan of this object's whose ballot it saw closed, with
+                # the fence read after the plan's describe still at its epoch (no plan in between);
                 # latest = opened after this ballot's plan with no plan since: this ballot's own.
                 if self._abort_open(client, tid, st.producer_id, st.producer_epoch, f"batch {batch_id}"):
                     aborted += 1
