@@ -388,21 +388,21 @@ def _paused(pause_log: Path) -> list[Paused]:
 
 
 class Resumer(threading.Thread):
-    """SIGCONTs every process the pause log names, except the killed ones, until stopped: a
-    task stopped at the pause point goes on (its retry too, which stops again in a new process)."""
+    """SIGCONTs the process of every pause-log line, except the killed ones, until stopped: a
+    task stopped at the pause point goes on, and so does its retry, which stops again (a line of
+    its own) in a new process or in a reused Python worker that was resumed before."""
 
     def __init__(self, pause_log: Path, spare: set[int]) -> None:
         super().__init__(daemon=True)
         self.pause_log, self.spare, self.done = pause_log, spare, threading.Event()
-        self.resumed: set[int] = set()
+        self.resumed: set[int] = set()  # indexes of the pause-log lines whose stop was resumed
 
     def run(self) -> None:
         while not self.done.wait(0.1):
-            for p in _paused(self.pause_log):
-                pid = p.pid
-                if pid not in self.spare and pid not in self.resumed and _stopped(pid):
-                    os.kill(pid, signal.SIGCONT)
-                    self.resumed.add(pid)
+            for i, p in enumerate(_paused(self.pause_log)):
+                if p.pid not in self.spare and i not in self.resumed and _stopped(p.pid):
+                    os.kill(p.pid, signal.SIGCONT)
+                    self.resumed.add(i)
 
 
 def _stopped(pid: int) -> bool:
