@@ -37,6 +37,11 @@ pytestmark = [pytest.mark.timeout(600)]
 #: passes and an explorer that explores nothing fails.
 MIN_SCHEDULES = {"datasource": 1500, "deposed": 500, "deposed-recovery": 500, "late-attempt": 30,
                  "recover": 600, "owner-datasource": 1000, "batch-jobs": 700}
+#: The actors of each scenario that some schedule of bound 2 must stop otherwise than by finishing
+#: (an error: fenced, refused, its ballot closed), else the actors did not really race; a scenario
+#: not named here: every actor.
+STOPPABLE = {"datasource": {"ds1", "ds2"}, "deposed": {"deposed"}, "deposed-recovery": {"deposed"},
+             "late-attempt": {"late"}, "owner-datasource": {"ds", "owner"}, "recover": {"owner", "recover"}}
 #: Scenarios whose bound 2 takes minutes (the shipped FileSink: a step is a real file operation):
 #: CI explores them otherwise (tests/test_explorer_batch_jobs.py); TWOPHASE_FULL_CHAOS=1 here too.
 FULL_ONLY = {"batch-jobs"}
@@ -57,9 +62,10 @@ def test_each_named_scenario_keeps_every_invariant_at_preemption_bound_2(name, c
     assert [f.render() for f in report.findings] == []
     assert report.complete, report.summary()
     assert report.schedules >= MIN_SCHEDULES[name], report.summary()
-    # The actors really raced: some schedule ended each of them otherwise than by finishing.
+    # The actors really raced: some schedule ended each actor that can be stopped otherwise than by
+    # finishing (the owner of "deposed" and "late-attempt" is never stopped, by design).
     stopped = {actor for actor, outcomes in report.outcomes.items() if set(outcomes) - {"ended", "never ran"}}
-    assert stopped, report.summary()
+    assert stopped >= STOPPABLE.get(name, set(report.outcomes)), report.summary()
 
 
 # ------------------------------------------------------------------ the checker fails where it must
