@@ -518,3 +518,172 @@ def test_the_ownership_checker_reports_two_decisions_and_a_decision_by_another_c
     assert "batch 2 ballot 0" in msg and "holds a commit decision by epoch" in msg, msg
     a.close()
     b.close()
+
+
+def _staged(sink, envelopes) -> list[str]:
+    """The staged files of a FileSink's handle envelopes that are still there."""
+    import os
+
+    return [e["staging"] for env in envelopes for e in sink._entries(sink.decode_handle(env))
+            if os.path.exists(e["staging"])]
+
+
+def test_a_commit_of_our_own_decision_that_finds_part_of_it_gone_is_data_loss(tmp_path):
+    """Mutant ``a01-protocol-loss-after-decision-swallowed``: our ballot of batch 1 is decided, then its
+    staged file is deleted (an operator, a cleanup) before the commit: the file is neither staged nor
+    published, and the log does not show the batch finished, so the commit raises DataLossError, never
+    returns as if another run had committed it."""
+    import os
+
+    from twophase.sinks.files import FileSink
+
+    out = tmp_path / "out"
+    a = Driver(FileSink(str(out), format="jsonl"), str(tmp_path / "log"), "q")
+    try:
+        assert a.batch(0, ids(1)).action == "committed"
+        prog = BatchProgress("pipe", 1, None, "committed")
+        opened = a.protocol.open_ballot(1, lambda planned: 1, prog)
+        assert opened is not None
+        results = OneTask(a.sink, ids(2)).prepare(a.query_name, 1, opened.intent, opened.run)
+        staged = _staged(a.sink, [r["handle"] for r in results])
+        assert len(staged) == 1
+        os.remove(staged[0])
+        with pytest.raises(DataLossError, match="neither the staged file"):
+            a.protocol.decide_and_commit(opened, results, prog)
+        assert a.tlog.view(1).committed is None and _file_rows(out) == Counter([1])
+    finally:
+        a.close()
+
+
+def test_recovery_that_finds_part_of_a_decided_batch_gone_reports_data_loss_at_once(tmp_path, caplog):
+    """Mutant ``a02-protocol-recovery-loss-swallowed``: batch 1 is decided and its staged file deleted
+    before any commit; the log does not show it finished.  Recovery raises DataLossError at the sink's
+    first verdict and never logs it as 'not data loss' (the mutant logged that, then retried the batch)."""
+    import logging
+    import os
+
+    from twophase.sinks.files import FileSink
+
+    a = Driver(FileSink(str(tmp_path / "out"), format="jsonl"), str(tmp_path / "log"), "q")
+    try:
+        assert a.batch(0, ids(1)).action == "committed"
+        handles = _decided(a, 1, 0, ids(2))
+        for path in _staged(a.sink, handles):
+            os.remove(path)
+        caplog.set_level(logging.WARNING)
+        with pytest.raises(DataLossError) as caught:
+            a.protocol.recover()
+        assert caught.value.batch_id == 1
+        assert not [r for r in caplog.records if "not data loss" in r.getMessage()]
+        assert a.tlog.view(1).committed is None
+    finally:
+        a.close()
+
+
+def test_recovery_aborts_the_transactions_of_a_ballot_it_closed(tmp_path):
+    """Mutant ``a10-recovery-closed-ballot-leftovers-kept``: A opens batch 1's ballot, its task
+    pre-commits, and A dies undecided.  B takes the log over; its recovery closes the ballot (abort)
+    and aborts what it left: the staged file is gone (else held forever: a lock, or a stall)."""
+    from twophase.sinks.files import FileSink
+
+    out, log_url = tmp_path / "out", str(tmp_path / "log")
+    a = Driver(FileSink(str(out), format="jsonl"), log_url, "q")
+    b = None
+    try:
+        assert a.batch(0, ids(1)).action == "committed"
+        prog = BatchProgress("pipe", 1, None, "committed")
+        opened = a.protocol.open_ballot(1, lambda planned: 1, prog)
+        assert opened is not None
+        results = OneTask(a.sink, ids(2)).prepare(a.query_name, 1, opened.intent, opened.run)
+        left = [r["handle"] for r in results]
+        assert _staged(a.sink, left)
+        b = Driver(FileSink(str(out), format="jsonl"), log_url, "q", takeover=True)
+        b.protocol.dirty = True
+        b.protocol.recover()
+        assert [x.decision is not None and x.decision.aborted for x in b.tlog.view(1).ballots] == [True]
+        assert _staged(b.sink, left) == []
+        assert _file_rows(out) == Counter([1])
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+def test_recovery_of_a_decided_batch_aborts_what_its_closed_ballots_left(tmp_path):
+    """Mutant ``a11-recovery-decided-batch-closed-ballots-kept``: batch 1's ballot 0 pre-committed a
+    transaction and was closed (abort) by a coordinator that died before aborting it; ballot 1 was then
+    decided.  Recovery commits ballot 1 and aborts ballot 0's leftover: its staged file is gone and
+    only ballot 1's rows are visible."""
+    from twophase.sinks.files import FileSink
+
+    out = tmp_path / "out"
+    a = Driver(FileSink(str(out), format="jsonl"), str(tmp_path / "log"), "q")
+    try:
+        assert a.batch(0, ids(1)).action == "committed"
+        intent0 = a.sink.plan_batch(a.query_name, 1, 1)
+        assert a.tlog.mine(a.tlog.write(1, INTENT, {"intent": intent0, "sink": a.sink.kind, "name": a.query_name,
+                                                    "num_partitions": 1}, ballot=0))
+        results = OneTask(a.sink, ids(2)).prepare(a.query_name, 1, intent0, f"e{a.tlog.epoch}b0")
+        left = [r["handle"] for r in results]
+        a.tlog.close_ballot(1, 0, "closed by a coordinator that then died")
+        _decided(a, 1, 1, ids(2))
+        assert _staged(a.sink, left)
+        a.protocol.dirty = True
+        a.protocol.recover()
+        assert a.tlog.view(1).committed is not None
+        assert _staged(a.sink, left) == []
+        assert _file_rows(out) == Counter([1, 2])
+    finally:
+        a.close()
+
+
+def test_recovery_aborts_a_deposed_coordinators_late_decision_in_a_pruned_batch(tmp_path):
+    """Mutant ``a13-recovery-late-decision-handles-kept``: A's INTENT of batch 1 lands, then B takes the
+    log over and runs batches 1-4, pruning batch 1.  A's task pre-commits late, A's decision lands in
+    the pruned batch's free slot and A dies before it can see the batch pruned.  B's recovery aborts
+    that decision's transaction (its staged file gone) and forgets the records, never committing it."""
+    from twophase.sinks.files import FileSink
+
+    out, log_url = tmp_path / "out", str(tmp_path / "log")
+    a = Driver(FileSink(str(out), format="jsonl"), log_url, "q")
+    b = None
+    try:
+        assert a.batch(0, ids(1)).action == "committed"
+        intent = a.sink.plan_batch(a.query_name, 1, 1)
+        assert a.tlog.mine(a.tlog.write(1, INTENT, {"intent": intent, "sink": a.sink.kind, "name": a.query_name,
+                                                    "num_partitions": 1}))
+        b = Driver(FileSink(str(out), format="jsonl"), log_url, "q", takeover=True)
+        b.tlog.retain_batches = 1
+        for n in (1, 2, 3, 4):
+            assert b.batch(n, ids(10 * n)).action == "committed"
+        assert b.tlog.is_pruned(1, fresh=True)
+        late = OneTask(a.sink, ids(99)).prepare(a.query_name, 1, intent, f"e{a.tlog.epoch}late")
+        handles = [r["handle"] for r in late]
+        assert a.tlog.mine(a.tlog.decide(1, 0, {"handles": handles, "rows": 1}))  # then A dies
+        assert _staged(b.sink, handles)
+        b.protocol.dirty = True
+        b.protocol.recover()
+        assert _staged(b.sink, handles) == []
+        assert b.tlog.view(1).ballots == []
+        assert _file_rows(out) == Counter([1, 10, 20, 30, 40])
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+def test_two_handles_for_one_partition_are_refused_before_any_decision():
+    """Mutant ``a20-coordinator-two-handles-per-partition``: the tasks' results hold two successful
+    attempts of partition 0 (speculation, a retried task both of whose attempts pre-committed): the
+    coordinator's results check refuses them; both decided would write the partition twice."""
+    import json
+
+    from twophase.coordinator.coordinator import Coordinator
+
+    def row(partition: int, attempt: int) -> dict:
+        return {"partition": partition, "attempt": attempt, "rows": 1, "handle": json.dumps({"h": attempt})}
+
+    ok = Coordinator._results(3, [row(1, 0), row(0, 2)])
+    assert [(r["partition"], r["attempt"]) for r in ok] == [(0, 2), (1, 0)]
+    with pytest.raises(TwoPhaseError, match="partition 0 returned two handles"):
+        Coordinator._results(3, [row(0, 0), row(1, 0), row(0, 1)])
