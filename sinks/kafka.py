@@ -317,6 +317,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         #: [producer id, epoch] of the plan fence, "held": the open transactions that plan could
         #: not attribute}.  See plan_batch.
         self._chain: dict[str, Any] | None = None
+        #: (producer id, epoch) of a plan -> [producer id, epoch] this object's cleanup closed it with.
+        self._fence_closes: dict[tuple[int, int], list[int]] = {}
 
     def __repr__(self) -> str:  # never the producer config: it may hold secrets
         return (f"KafkaSink(bootstrap_servers={self.bootstrap_servers!r}, topic={self.topic!r}, "
@@ -327,6 +329,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         state["_client"] = None
         state["_client_lock"] = None
         state["_chain"] = None  # a copy elsewhere planned nothing: it holds no plan of this object's
+        state["_fence_closes"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -603,6 +606,13 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         tids = self._scanned_ids(pool)
         kept = {(str(h["transactional_id"]), int(h["producer_id"]), int(h["producer_epoch"])) for h in keep}
         client = self._txn_client()
+        # A decided ballot (``keep`` names its committed handles) never runs again: close its plan at
+        # the fence, before looking at the ids, so that a late attempt of it (a zombie task, a stage
+        # retry's duplicate) claims nothing from now on instead of opening a transaction after this
+        # cleanup, which another run's plan cannot attribute (it holds it) and which would hold
+        # read_committed readers back until its timeout.  An undecided ballot's plan is not closed:
+        # the sink's contract lets a caller clean up (keep=[]) before running its INTENT again.
+        closed = self._close_plan_fence(client, pool) if kept else None
         states = self._describe(client, tids)
         latest: bool | None = None  # the plan fence, asked after the ids (see the docstring) and
         snapshot = pool.get("open") or {}  # only if an open transaction depends on it
@@ -621,11 +631,13 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                 continue
             listed = snapshot.get(tid) == [st.producer_id, st.producer_epoch]
             if not listed and latest is None:
-                latest = self._plan_fence_holds(client, pool)
+                latest = self._plan_fence_state(client, pool, closed) is True
             if listed or latest:
                 # rule: listed = open under a plan of this object's whose ballot it saw closed, with
                 # the fence read after the plan's describe still at its epoch (no plan in between);
-                # latest = opened after this ballot's plan with no plan since: this ballot's own.
+                # latest = opened after this ballot's plan with no plan since (the fence, read after
+                # the describe, still at its epoch, or at the epoch this cleanup closed it with,
+                # conditionally from that epoch): this ballot's own.
                 if self._abort_open(client, tid, st.producer_id, st.producer_epoch, f"batch {batch_id}"):
                     aborted += 1
             else:
@@ -635,10 +647,37 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                      "execution or batch was planned before or since, and they may be its own; its cleanup "
                      "aborts them if they are leftovers, or the broker's transaction timeout does",
                      batch_id, len(left), ", ".join(left[:5]))
-        self._closed_plan(pool)
+        self._closed_plan(pool, closed)
         return aborted
 
-    def _closed_plan(self, pool: dict[str, Any]) -> None:
+    def _close_plan_fence(self, client, pool: dict[str, Any]) -> list[int] | None:
+        """Bump the plan fence from exactly ``pool``'s epoch (a conditional InitProducerId: the
+        broker refuses if another plan moved it): [producer id, epoch] the fence now holds, or None
+        if it moved on (or cannot be told).  From then on every task of that ballot is late and
+        claims nothing (:meth:`_check_plan_fence`).  The same ballot closed twice (its own cleanup and
+        another run's recovery) is answered the same epoch again (the broker takes it for a retry);
+        after another plan's (unconditional) bump the answer is PRODUCER_FENCED."""
+        from twophase.sinks import _kafka_protocol as kp
+
+        fence, mine = pool.get("fence"), pool.get("fence_producer")
+        if not fence or not mine:
+            return None
+        widest = max(1, min(int(pool.get("widest") or pool.get("partitions") or 1), self.transaction_timeout_ms))
+        deadline = time.monotonic() + self.request_timeout_s
+        delay = 0.02
+        while True:
+            code, pid, epoch = client.init_producer_id(str(fence), widest, int(mine[0]), int(mine[1]))
+            if code == kp.NONE:
+                if [pid, epoch] != [int(mine[0]), int(mine[1]) + 1]:
+                    return None
+                self._fence_closes[(int(mine[0]), int(mine[1]))] = [pid, epoch]
+                return [pid, epoch]
+            if code not in kp.RETRIABLE or time.monotonic() > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _closed_plan(self, pool: dict[str, Any], closed: list[int] | None = None) -> None:
         """Note that the ballot planned as ``pool`` is closed: the protocol calls abort_lingering only
         once the ballot's slot is filled (committed or closed), recovery's included.  The next plan
         of this object, if its bump lands exactly one epoch after that plan's, may then take what is
@@ -646,7 +685,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         fence, chain = pool.get("fence_producer"), self._chain
         if not fence or "held" not in pool:  # INTENTs of earlier versions did not tell what they held
             return
-        fence = [int(fence[0]), int(fence[1])]
+        fence = list(closed) if closed is not None else [int(fence[0]), int(fence[1])]
         if chain is None or chain["fence"][0] != fence[0] or chain["fence"][1] < fence[1]:
             self._chain = {"fence": fence, "held": dict(pool["held"])}
 
@@ -657,15 +696,15 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         pool = intent.get("pool")
         if not isinstance(pool, dict) or not intent.get("transactional_ids"):
             return False
-        return self._plan_fence_state(self._txn_client(), pool) is False
+        mine = pool.get("fence_producer")
+        # This object's own close of that ballot (its cleanup) is no newer plan.
+        closed = self._fence_closes.get((int(mine[0]), int(mine[1]))) if mine else None
+        return self._plan_fence_state(self._txn_client(), pool, closed) is False
 
-    def _plan_fence_holds(self, client, pool: dict[str, Any]) -> bool:
-        """True if the plan fence still holds the epoch ``pool`` was planned with."""
-        return self._plan_fence_state(client, pool) is True
-
-    def _plan_fence_state(self, client, pool: dict[str, Any]) -> bool | None:
-        """The plan fence against ``pool``'s epoch: True if it still holds it, False if it moved,
-        None if unknown (no fence in the INTENT, or no answer)."""
+    def _plan_fence_state(self, client, pool: dict[str, Any], closed: list[int] | None = None) -> bool | None:
+        """The plan fence against ``pool``'s epoch: True if it still holds it (or ``closed``, the
+        epoch this object's cleanup closed that plan with), False if it moved, None if unknown (no
+        fence in the INTENT, or no answer)."""
         from twophase.sinks import _kafka_protocol as kp
 
         fence, mine = pool.get("fence"), pool.get("fence_producer")
@@ -674,7 +713,7 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
         st = self._describe(client, [str(fence)]).get(str(fence))
         if st is None or st.error_code != kp.NONE:
             return None
-        return [st.producer_id, st.producer_epoch] == list(mine)
+        return [st.producer_id, st.producer_epoch] in (list(mine), list(closed or mine))
 
     def _abort_open(self, client, tid: str, pid: int, epoch: int, label: str, wait: bool = True) -> bool:
         """EndTxn(abort) under exactly (pid, epoch): True if this aborted it.
@@ -1410,8 +1449,8 @@ class KafkaSink(TwoPhaseCommitSink[KafkaTransaction, dict]):
                                 "written")
         if [st.producer_id, st.producer_epoch] != list(pool["fence_producer"]):
             raise TwoPhaseError(
-                f"{ctx.label}: this task attempt is late: a newer execution of batch {ctx.batch_id} or a later "
-                f"batch was planned after its own (the plan fence {fence} is at producer id {st.producer_id} "
+                f"{ctx.label}: this task attempt is late: its execution of batch {ctx.batch_id} was closed, or a "
+                f"newer one or a later batch was planned after its own (the plan fence {fence} is at producer id {st.producer_id} "
                 f"epoch {st.producer_epoch}, its INTENT's at {pool['fence_producer']}). It claims no "
                 "transactional id and writes nothing.")
 
