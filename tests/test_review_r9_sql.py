@@ -25,6 +25,19 @@ def _pg_sink(t: PgTable, **kw):
     return PostgresSink(t.dsn, table=t.name, marker_table=f"{t.name}_m", gid_prefix=t.gid_prefix, **kw)
 
 
+def _prepared_batch_5(x: Driver):
+    """X's ballot of batch 5: two partitions (ids 50 and 51) pre-committed and checked, not decided."""
+    opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
+    assert opened is not None
+    results = []
+    for part in (0, 1):
+        ctx = TransactionContext(opened.query_name, 5, part, 0, opened.intent, opened.run)
+        h = run_attempt(x.sink, ctx, ids(50 + part))
+        results.append({"partition": part, "attempt": 0, "rows": 1, "handle": x.sink.encode_handle(h)})
+    x.protocol.check_prepared(opened, results, started_at=0)
+    return opened, results
+
+
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
 def test_r9_a_partly_committing_run_overtaken_by_recovery_and_a_prune_does_not_report_data_loss(
@@ -34,14 +47,7 @@ def test_r9_a_partly_committing_run_overtaken_by_recovery_and_a_prune_does_not_r
         qid = batch_query_id("daily", _pg_sink(t).target())
         x = Driver(_pg_sink(t), log_url, qid, takeover=True)
         drivers = [x]
-        opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
-        assert opened is not None
-        results = []
-        for part in (0, 1):
-            ctx = TransactionContext(opened.query_name, 5, part, 0, opened.intent, opened.run)
-            h = run_attempt(x.sink, ctx, ids(50 + part))
-            results.append({"partition": part, "attempt": 0, "rows": 1, "handle": x.sink.encode_handle(h)})
-        x.protocol.check_prepared(opened, results, started_at=0)
+        opened, results = _prepared_batch_5(x)
         commit = x.sink.commit
 
         def x_commit(handle):
@@ -122,14 +128,7 @@ def test_r9_twophase_recover_overtaken_by_another_run_and_a_prune_does_not_repor
         qid = batch_query_id("daily", _pg_sink(t).target())
         x = Driver(_pg_sink(t), log_url, qid, takeover=True)
         drivers = [x]
-        opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
-        assert opened is not None
-        results = []
-        for part in (0, 1):
-            ctx = TransactionContext(opened.query_name, 5, part, 0, opened.intent, opened.run)
-            h = run_attempt(x.sink, ctx, ids(50 + part))
-            results.append({"partition": part, "attempt": 0, "rows": 1, "handle": x.sink.encode_handle(h)})
-        x.protocol.check_prepared(opened, results, started_at=0)
+        opened, results = _prepared_batch_5(x)
         assert x.tlog.mine(x.tlog.decide(5, opened.number, {"handles": [r["handle"] for r in results],
                                                             "rows": 2, "partitions": [0, 1]}))
         x.close()   # X dies after its decision
