@@ -235,6 +235,73 @@ def test_a_commit_is_not_stalled_by_an_executor_session_that_prepared_and_linger
             txn.conn.close()
 
 
+def _side_branch(t: MyTable, handle: dict, marker: bool, prepare: bool) -> Any:
+    """A session of the test's own that starts the handle's XA branch, inserts rows 8 and 9 and (with
+    ``marker``) the branch's marker row, and (with ``prepare``) prepares it; returned open."""
+    import pymysql
+
+    s = t.s
+    conn = pymysql.connect(host=s["host"], port=s["port"], user=s["user"], password=s["password"],
+                           database=s["database"], autocommit=True)
+    with conn.cursor() as cur:
+        cur.execute("XA START %s, %s", (handle["gtrid"], handle["bqual"]))
+        cur.execute(f"INSERT INTO `{t.name}` (id, v) VALUES (8, 'x'), (9, 'x')")
+        if marker:
+            cur.execute(f"INSERT INTO `{t.markers}` (gtrid, bqual, query_name, batch_id, partition_id, attempt, "
+                        "target_table, row_count) VALUES (%s, %s, 'q', 0, 0, 0, %s, 2)",
+                        (handle["gtrid"], handle["bqual"], t.name))
+        if prepare:
+            cur.execute("XA END %s, %s", (handle["gtrid"], handle["bqual"]))
+            cur.execute("XA PREPARE %s, %s", (handle["gtrid"], handle["bqual"]))
+    return conn
+
+
+def _handle_of(t: MyTable, sink: MySqlSink) -> dict:
+    sink.open()
+    intent = sink.plan_batch("q", 0, 1)
+    gtrid, bqual = sink.make_xid(intent["gid_prefix"], 0, 0)
+    return {"gtrid": gtrid, "bqual": bqual, "database": t.s["database"], "table": t.name, "rows": 2, "batch": 0,
+            "partition": 0, "marker_table": t.markers}
+
+
+def test_a_branch_not_listed_whose_marker_row_a_transaction_holds_is_never_judged_never_visible(mariadb_service):
+    """MariaDB can answer an XA COMMIT that meets the preparing session's disconnect half done with OK
+    and commit nothing: InnoDB keeps the branch prepared, its marker row uncommitted and locked, and
+    XA RECOVER does not list it until the server restarts (CI's lingering-session test, under load:
+    'committed' over rows nobody saw).  Judged by the listing and the committed marker alone, the
+    branch read as rolled back: lost, never visible, the batch voided and written again, while the
+    server still holds it prepared.  The marker row's key held by a transaction is evidence that the
+    branch exists: retried, never judged gone.  Played here by a branch not yet prepared (not listed,
+    its marker row inserted and uncommitted), which holds the key the same way."""
+    with MyTable(mariadb_service, "limbo") as t:
+        sink = t.sink()
+        h = _handle_of(t, sink)
+        side = _side_branch(t, h, marker=True, prepare=False)
+        try:
+            assert t.prepared() == []  # not listed
+            r = sink.commit(h)
+            assert r.outcome is CommitOutcome.RETRY_LATER, r
+            assert "Restart the MariaDB server" in r.reason and not r.never_visible, r
+        finally:
+            side.close()  # an unprepared branch: rolled back by the disconnect
+        r = sink.commit(h)  # nothing holds the key now: gone, and never visible
+        assert r.outcome is CommitOutcome.LOST and r.never_visible, r
+
+
+def test_an_xa_commit_answered_ok_is_reported_committed_only_once_the_marker_row_is_visible(mariadb_service):
+    """The other half of the lingering-session race: the XA COMMIT answered OK, the rows stayed
+    unseen.  A commit reports COMMITTED only once the branch's marker row is visible; here a branch
+    prepared without its marker row (the server commits it, and the marker never appears) stands for
+    one whose commit did not take: retried later, with what to do, not COMMITTED."""
+    with MyTable(mariadb_service, "nomark") as t:
+        sink = t.sink()
+        h = _handle_of(t, sink)
+        _side_branch(t, h, marker=False, prepare=True).close()
+        r = sink.commit(h)
+        assert r.outcome is CommitOutcome.RETRY_LATER, r
+        assert "Restart the MariaDB server" in r.reason, r
+
+
 _PAUSED_EXECUTOR = r"""
 import json, os, signal, sys
 import pyarrow as pa
