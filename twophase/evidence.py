@@ -22,10 +22,17 @@ read), which leaves garbage for the next cleanup, never deletes what may still b
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from twophase.log import TransactionLog
+
+class SettledSource(Protocol):
+    """What :class:`Settled` reads: a log (``twophase.log.TransactionLog``) by its id and its
+    settled ranges.  A protocol, so that this module, which the sinks import, imports no log."""
+
+    log_id: str
+
+    def settled_ranges(self, generation: int) -> Iterable[Sequence[int]]: ...
 
 
 class Settled:
@@ -35,7 +42,7 @@ class Settled:
     suffix says which generation of which log; a name of another log is never settled here.
     """
 
-    def __init__(self, tlog: TransactionLog) -> None:
+    def __init__(self, tlog: SettledSource) -> None:
         self._tlog = tlog
         self._scope_re = re.compile(r"\." + re.escape(tlog.log_id[:8]) + r"g(\d+)$")
         self._ranges: dict[int, list[tuple[int, int]]] = {}
@@ -50,7 +57,7 @@ class Settled:
         if g is None:
             return []
         if g not in self._ranges:
-            self._ranges[g] = [(a, b) for a, b in self._tlog.settled_ranges(g)]
+            self._ranges[g] = [(int(r[0]), int(r[1])) for r in self._tlog.settled_ranges(g)]
         return self._ranges[g]
 
     def ranges_below(self, query_name: str, below: int) -> list[tuple[int, int]]:
