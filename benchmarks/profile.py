@@ -1,4 +1,4 @@
-"""``--profile``: where the time goes, by pyinstrument, for the closing notes of docs/benchmarks.md.
+"""``--profile``: where the time goes, by pyinstrument (read in benchmarks/HISTORY.md, "What limits the ratios").
 
 Two kinds of profile, each saved as text under ``<out>/profile-<what>.txt``:
 

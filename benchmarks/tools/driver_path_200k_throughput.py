@@ -1,4 +1,17 @@
-"""200,000-row batches: does the driver path cost the task path anything? FileSink, local[2], interleaved."""
+"""200,000-row batches: does the driver path cost the task path anything? (issue 51)
+
+``Coordinator.write`` into ``FileSink`` on ``local[2]``, one cached 200,000-row DataFrame, three
+variants interleaved for 6 rounds (the first dropped): ``task_input="arrow"``, ``"driver"`` (over
+the bound: it collects, then falls back to the Arrow tasks) and ``"auto"`` with
+``driver_batch_rows=10000`` after a large batch.  Prints JSON: per variant the median and every
+kept time in ms, the ratio to ``arrow`` and the path each batch took, and the load average.
+
+Run from the repository root (no services needed)::
+
+    .venv/bin/python benchmarks/tools/driver_path_200k_throughput.py > benchmarks/results/latency-driver/throughput-200k.json
+
+Its figures: benchmarks/HISTORY.md, "Small batches prepared in the driver" (200,000-row batches).
+"""
 import json
 import os
 import statistics

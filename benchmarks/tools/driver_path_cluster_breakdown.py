@@ -1,8 +1,13 @@
-"""The driver path's gap on the standalone cluster, from this folder's results.json alone (issue 51).
+"""The driver path's gap on the standalone cluster, from a latency run's results.json alone (issue 51).
 
-Run from the repository root: ``.venv/bin/python benchmarks/results/latency-driver-cluster/breakdown.py``
-(no Spark: it only reads the numbers ``python -m benchmarks`` wrote; its output is breakdown.txt), or
-with another results.json as its argument (rerun-100/breakdown.txt).
+Run from the repository root (no Spark, no services: it only reads the numbers ``python -m
+benchmarks`` wrote, by default ``benchmarks/results/latency-driver-cluster/results.json``)::
+
+    .venv/bin/python benchmarks/tools/driver_path_cluster_breakdown.py > benchmarks/results/latency-driver-cluster/breakdown.txt
+
+or with another results.json as its argument (``.../latency-driver-cluster/rerun-100/results.json``
+made ``rerun-100/breakdown.txt``).  Its figures: benchmarks/HISTORY.md, "Small batches prepared in
+the driver", on the standalone cluster.
 
 Per (target, rows per batch): Spark's own sink, the driver path's floor (an empty foreachBatch plus
 the driver path's collect, ``df.limit(n + 1).toArrow()``), the empty foreachBatch (files only) and
@@ -23,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "latency-driver-cluster"
 FLOOR = "floor: empty foreachBatch + the driver path's collect (toArrow)"
 EMPTY = "floor: empty foreachBatch"
 
@@ -33,7 +38,7 @@ def med(xs):
 
 
 def main() -> None:
-    src = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "results.json"
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS / "results.json"
     res = json.loads(src.read_text())
     lat = res["sections"]["latency"]
     print(f"run: {res['started_at']} UTC, {res['duration_s']:.0f} s; load average (1 min) "

@@ -1,6 +1,14 @@
-"""Profile of twophase-kafka's two per-batch steps in one process (the plan, then the commit step
-with no transactions), six pairs after two warm-up pairs.  Run from the repository root with the
-services up; output: profile_kafka_steps.txt."""
+"""Profile of twophase-kafka's two per-batch steps in one process (issue 28).
+
+The plan (``streamWriter()`` of a new ``KafkaDataSource``), then the commit step (``commit()`` on
+an unpickled one) with no transactions, over a fake checkpoint: six pairs under cProfile after two
+warm-up pairs; prints the 28 costliest calls by cumulative time.  Run from the repository root with
+Kafka up (``python -m tests.services start kafka``)::
+
+    .venv/bin/python benchmarks/tools/datasource_kafka_steps_profile.py > benchmarks/results/datasource/profile_kafka_steps.txt
+
+Its figures: docs/datasource.md, "What it costs" (``KafkaSink.open()`` twice per batch).
+"""
 
 import cProfile
 import json
@@ -12,7 +20,7 @@ import tempfile
 import uuid
 from dataclasses import asdict
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "../../..")))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")))
 os.environ["TWOPHASE_KEEP_SERVICES"] = "1"
 
 from confluent_kafka.admin import AdminClient  # noqa: E402

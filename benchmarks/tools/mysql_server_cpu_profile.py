@@ -2,7 +2,7 @@
 
 Run from the repository root with MariaDB up (``python -m tests.services start mariadb``):
 
-    .venv/bin/python benchmarks/results/mysql/profile_server.py [ROWS] [REPS]
+    .venv/bin/python benchmarks/tools/mysql_server_cpu_profile.py [ROWS] [REPS]
 
 In this process, no Spark: ``ROWS`` (default 200,000) rows of the benchmark's shape (``id BIGINT``,
 100 hex characters), split in two halves written at the same time by two threads (the 2-partition
@@ -12,8 +12,10 @@ variant runs ``REPS`` (default 3) times, interleaved, into its own table truncat
 those that ended included), the same for one second after the run (work the run left behind: purge,
 page flushing), the CPU of the server threads that served this script's connections, by phase
 (:class:`Threads`: other clients of the shared server do not count there), and ``SHOW GLOBAL
-STATUS`` deltas.  Writes ``profile_server.txt`` next to this file.  The server is shared: other
+STATUS`` deltas.  Writes ``benchmarks/results/mysql/profile_server.txt``.  The server is shared: other
 sessions' statements count in its whole CPU and its counters (medians of the runs).
+Its figures: benchmarks/HISTORY.md, "MySQL / MariaDB (issue 49)" (the run of 2026-11-29:
+``200000 3``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Any
 
 import pyarrow as pa
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "benchmarks" / "results" / "mysql" / "profile_server.txt"
+sys.path.insert(0, str(REPO))
 
 from tests.services import get  # noqa: E402
 from twophase.context import TransactionContext  # noqa: E402
@@ -335,7 +338,7 @@ def main() -> None:
         acur.execute(f"DROP TABLE IF EXISTS `{tbl}`")
     acur.execute(f"DROP TABLE IF EXISTS `{markers}`, `{markers}_claims`")
     admin.close()
-    (HERE / "profile_server.txt").write_text("\n".join(out) + "\n")
+    OUT.write_text("\n".join(out) + "\n")
     print("\n".join(out))
 
 

@@ -1,8 +1,16 @@
-"""Where a Python data source's streamWriter() calls fall in Spark's durationMs (one-off probe).
+"""Where a Python data source's streamWriter() calls fall in Spark's durationMs (issue 28 probe).
 
-A no-op streaming data source whose streamWriter() sleeps `plansleep` seconds: Spark calls it
-for the plan and again for the commit step, so the sleep shows up twice per micro-batch, in
-the phase that runs it.  Run: PYTHONPATH=<this dir> python probe_where_plan_runs.py
+A no-op streaming data source whose streamWriter() sleeps ``plansleep`` seconds (0, 0.25, 0.5;
+two rounds, 10,000-row ``rate-micro-batch`` batches in 2 partitions, ``local[2]``): Spark calls
+it for the plan and again for the commit step, so the sleep shows up twice per micro-batch, in
+the phase that runs it (``addBatch``, not ``queryPlanning``).  Prints the medians of
+``triggerExecution``, ``queryPlanning`` and ``addBatch`` per sleep and round.  Run from the
+repository root (no services; the script puts its own folder on the workers' PYTHONPATH, so
+that they import ``SleepySource`` by reference)::
+
+    .venv/bin/python benchmarks/tools/datasource_plan_probe.py > benchmarks/results/datasource/probe_where_plan_runs.txt
+
+Its figures: docs/datasource.md, "What it costs".
 """
 import os
 import statistics
@@ -43,7 +51,7 @@ if __name__ == "__main__":
     from twophase.spark import local_session
 
     spark = local_session("local[2]", "probe")
-    from probe_where_plan_runs import SleepySource  # type: ignore[import-not-found,no-redef]  # by reference in workers
+    from datasource_plan_probe import SleepySource  # type: ignore[import-not-found,no-redef]  # by reference in workers
 
     spark.dataSource.register(SleepySource)
     for rep in range(2):
