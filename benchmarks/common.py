@@ -187,6 +187,15 @@ def goal(name: str, value: float, target: float, op: str) -> dict[str, Any]:
     return {"goal": name, "value": value, "target": target, "op": op, "met": bool(met)}
 
 
+# ----------------------------------------------------------------------- Kafka
+def _create_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    fut = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])[topic]
+    fut.result(timeout=60)
+
+
 # ----------------------------------------------------------------------- Spark
 def free_port() -> int:
     import socket
@@ -194,6 +203,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: The Spark Connect server plugin the connect section's session runs (benchmarks/connect.py).
+PLUGIN = "org.apache.spark.sql.connect.SparkConnectPlugin"
 
 
 def session(sections: list[str], cluster: int = 0, extra_jars: list[str] | None = None):
@@ -231,8 +244,6 @@ def session(sections: list[str], cluster: int = 0, extra_jars: list[str] | None 
     if "connect" in sections:
         # The connect section: this JVM also serves Spark Connect clients (benchmarks/connect.py),
         # on a free loopback port.
-        from benchmarks.connect import PLUGIN
-
         conf.update({"spark.plugins": PLUGIN, "spark.connect.grpc.binding.address": "127.0.0.1",
                      "spark.connect.grpc.binding.port": str(free_port())})
     if cluster:

@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks.common import (
     PG_COLUMNS,
+    PLUGIN,  # noqa: F401 - still importable from here
     Params,
     Variant,
     data_bytes,
@@ -50,7 +51,6 @@ from benchmarks.common import (
 )
 from benchmarks.partitions import TARGETS, TITLES, _add_batch_ms, input_rows
 
-PLUGIN = "org.apache.spark.sql.connect.SparkConnectPlugin"
 SESSIONS = ("classic", "Connect")
 
 
@@ -119,7 +119,7 @@ def _stream_sink(target: str, params: Params, services: dict[str, Any]):
     if target == "files":
         return FileSink(tmpdir("connect-stream-out"), format="parquet"), ["*"]
     if target == "kafka":
-        from benchmarks.kafka import _create_topic
+        from benchmarks.common import _create_topic
         from twophase.sinks.kafka import KafkaSink
 
         bootstrap = services["kafka"]["bootstrap_servers"]

@@ -15,6 +15,7 @@ from typing import Any
 from benchmarks.common import (
     Params,
     Variant,
+    _create_topic,
     data_bytes,
     goal,
     interleave,
@@ -25,14 +26,6 @@ from benchmarks.common import (
     tmpdir,
     uid,
 )
-
-
-def _create_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    fut = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])[topic]
-    fut.result(timeout=60)
 
 
 def _raw_produce(bootstrap: str, topic: str, table) -> int:

@@ -61,7 +61,7 @@ def _files(spark, dp, params: Params, p: int, services: dict[str, Any]) -> list[
 
 
 def _kafka(spark, dp, params: Params, p: int, services: dict[str, Any]) -> list[Variant]:
-    from benchmarks.kafka import _create_topic
+    from benchmarks.common import _create_topic
     from twophase.coordinator import Coordinator
     from twophase.sinks.kafka import KafkaSink
 
@@ -222,7 +222,7 @@ def streaming(spark, params: Params, services: dict[str, Any]) -> dict[str, Any]
 
     cases: list[tuple[str, Any, Any]] = [("files", files_ours, files_theirs)]
     if "kafka" in services:
-        from benchmarks.kafka import _create_topic
+        from benchmarks.common import _create_topic
 
         bootstrap = services["kafka"]["bootstrap_servers"]
         topic = f"bench-stream-parts-{uid()}"

@@ -47,7 +47,7 @@ from twophase.log import (
 )
 from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
-from twophase.testing.conformance import (
+from twophase.testing._shared import (
     ABORT,
     DIE_AFTER_PRE_COMMIT,
     DIE_MID_WRITE,
@@ -57,14 +57,17 @@ from twophase.testing.conformance import (
     ConformanceError,
     _close,
     _dumps_sink,
+    _format_stats,
     _span,
     _split,
     _story,
+    check_reach,
     default_id_of,
     default_make_batch,
+    default_settings,
     example_id_base,
 )
-from twophase.testing.conformance import note as _note_here
+from twophase.testing._shared import note as _note_here
 
 if TYPE_CHECKING:
     import hypothesis
@@ -985,8 +988,6 @@ def run_ownership_conformance(sink_factory: Callable[[], TwoPhaseCommitSink],
     Fails as degenerate (at any number of examples) if fewer than ``ceil(min_useful_share *
     examples)`` examples committed rows of their own before their closing batches, or played a
     takeover: every example's first step is a takeover, so a working run has both in every example."""
-    from twophase.testing.conformance import _format_stats, check_reach, default_settings
-
     machine = make_ownership_machine(sink_factory, read_committed, protocol_factory=protocol_factory, **options)
     s = settings if settings is not None else default_settings(max_examples=DEFAULT_EXAMPLES, steps=DEFAULT_STEPS)
     overrides: dict[str, Any] = {k: v for k, v in (("max_examples", max_examples), ("stateful_step_count", steps))
