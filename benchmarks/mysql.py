@@ -327,7 +327,7 @@ def _loaders(df, params: Params, info: dict[str, Any], table: str, sql, pgid: in
         return {"load_s": round(load_s, 4), "client_cpu_s": round(cpu, 4)}
 
     def insert_load(cur) -> None:
-        for b in batches:  # sinks/mysql.py MySqlSink.write, per Arrow batch
+        for b in batches:  # sinks/mysql/rows.py MySqlSink.write, per Arrow batch
             cols = [[_py_value(v) for v in b.column(i).to_pylist()] for i in range(b.num_columns)]
             rows = list(zip(*cols))
             for i in range(0, len(rows), 1000):

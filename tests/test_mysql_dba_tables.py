@@ -243,7 +243,7 @@ def test_recovery_with_a_sink_whose_marker_table_differs_is_refused_naming_both(
 
 # ---------------------------------------------------------------- 5. KILL only the connection that prepared
 def _prepare_and_linger(sink: MySqlSink, ctx: TransactionContext, batch: pa.RecordBatch) -> tuple[dict, Any]:
-    import twophase.sinks.mysql as my
+    import twophase.sinks.mysql.writer as my  # pre_commit's module
 
     txn = sink.begin_transaction(ctx)
     sink.write(txn, batch)
@@ -305,9 +305,11 @@ def _lingering(t: MyTable, sink: MySqlSink, batch_id: int) -> tuple[dict, Any]:
 
 def test_a_commit_never_kills_another_users_connection_with_the_handles_session_id(
         mariadb_service, killer, monkeypatch):
-    import twophase.sinks.mysql as my
+    from twophase.sinks.mysql import branches, committer
 
-    monkeypatch.setattr(my, "DETACH_WAIT_SECONDS", 1.0)
+    # The commit's wait (_commit_detached) and a rollback's (_rollback_one), as before the split.
+    monkeypatch.setattr(committer, "DETACH_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(branches, "DETACH_WAIT_SECONDS", 1.0)
     s = mariadb_service
     with MyTable(mariadb_service, "killuser") as t:
         user, pw = killer
@@ -340,9 +342,11 @@ def test_a_commit_never_kills_another_users_connection_with_the_handles_session_
 
 def test_a_commit_never_kills_a_connection_of_the_same_user_made_after_the_branch_began(
         mariadb_service, monkeypatch):
-    import twophase.sinks.mysql as my
+    from twophase.sinks.mysql import branches, committer
 
-    monkeypatch.setattr(my, "DETACH_WAIT_SECONDS", 1.0)
+    # The commit's wait (_commit_detached) and a rollback's (_rollback_one), as before the split.
+    monkeypatch.setattr(committer, "DETACH_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(branches, "DETACH_WAIT_SECONDS", 1.0)
     s = mariadb_service
     with MyTable(mariadb_service, "killtime") as t:
         sink = t.sink()

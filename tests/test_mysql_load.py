@@ -21,6 +21,8 @@ from twophase import TransactionContext
 from twophase.sink import CommitOutcome
 from twophase.sinks import mysql as mysql_mod
 from twophase.sinks.mysql import MySqlSink, MySqlWriteError
+from twophase.sinks.mysql import base as mysql_base
+from twophase.sinks.mysql import rows as mysql_rows
 
 pytestmark = [pytest.mark.mysql, pytest.mark.timeout(120)]
 
@@ -60,7 +62,7 @@ def env(mariadb_service, mdb, monkeypatch):
         return sink
 
     # Each test starts from "the server allows LOCAL loads" (the fallback remembers a refusal per process).
-    monkeypatch.setattr(mysql_mod, "_NO_LOCAL_INFILE", set())
+    monkeypatch.setattr(mysql_rows, "_NO_LOCAL_INFILE", set())
     yield {"db": mdb, "table": table, "make": make, "uid": uid}
     for sink in sinks:
         sink.close()
@@ -113,7 +115,7 @@ def server_in_plus5(monkeypatch):
             with self.cursor() as cur:
                 cur.execute("SET SESSION time_zone = '+05:00'")
 
-    monkeypatch.setattr(mysql_mod, "_load_connection_class", lambda: InPlus5)
+    monkeypatch.setattr(mysql_base, "_load_connection_class", lambda: InPlus5)
 
 
 def typed_batch(ids) -> pa.RecordBatch:
@@ -337,7 +339,7 @@ def test_a_load_that_stores_fewer_rows_than_the_batch_fails(env, monkeypatch):
     """A row the server skips without a warning (here: the CSV made one short) fails the write."""
     tbl = env["table"]("id BIGINT PRIMARY KEY, v VARCHAR(10)")
     real = mysql_mod._csv_table
-    monkeypatch.setattr(mysql_mod, "_csv_table", lambda b: real(b).slice(0, b.num_rows - 1))
+    monkeypatch.setattr(mysql_rows, "_csv_table", lambda b: real(b).slice(0, b.num_rows - 1))
     with pytest.raises(MySqlWriteError, match="stored 2 of 3 rows"):
         write(env["make"](tbl), [pa.record_batch({"id": pa.array([1, 2, 3], pa.int64()), "v": ["a", "b", "c"]})])
     assert q(env["db"], f"SELECT COUNT(*) FROM `{tbl}`")[0][0] == 0

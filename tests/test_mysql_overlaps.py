@@ -213,7 +213,7 @@ def test_a_branch_claimed_doomed_while_still_prepared_is_refused_by_the_decision
 
 
 def test_a_commit_is_not_stalled_by_an_executor_session_that_prepared_and_lingers(mariadb_service, monkeypatch):
-    import twophase.sinks.mysql as my
+    import twophase.sinks.mysql.writer as my  # pre_commit's module
 
     with MyTable(mariadb_service, "linger") as t:
         sink = t.sink()
@@ -305,7 +305,7 @@ def test_an_xa_commit_answered_ok_is_reported_committed_only_once_the_marker_row
 _PAUSED_EXECUTOR = r"""
 import json, os, signal, sys
 import pyarrow as pa
-import twophase.sinks.mysql as my
+import twophase.sinks.mysql.writer as my  # pre_commit's module
 from twophase import TransactionContext
 from twophase.config import sink_from_config
 

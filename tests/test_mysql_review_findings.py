@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.mysql, pytest.mark.timeout(300)]
 def _prepare_and_linger(sink, ctx, batch):
     """An executor that prepared its branch and paused (SIGSTOP, a GC pause) before it disconnected:
     the branch stays attached to its session.  Returns (handle, the held connection)."""
-    import twophase.sinks.mysql as my
+    import twophase.sinks.mysql.writer as my  # pre_commit's module
 
     txn = sink.begin_transaction(ctx)
     sink.write(txn, batch)

@@ -313,7 +313,7 @@ def test_an_abort_of_a_branch_still_attached_to_its_session_is_not_taken_for_don
     to the session that prepared it (its disconnect not yet processed), which the sink took for
     "already gone": the abort was reported done and the branch stayed prepared (then committed).
     Now the abort is confirmed only by the branch's absence from ``XA RECOVER``."""
-    import twophase.sinks.mysql as my
+    import twophase.sinks.mysql.writer as my  # pre_commit's module
 
     sink = env["sink"]
     intent = sink.plan_batch("q", 0, 1)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from tests.services import get  # noqa: E402
 from twophase.context import TransactionContext  # noqa: E402
 from twophase.sinks import mysql as m  # noqa: E402
+from twophase.sinks.mysql import writer as mw  # noqa: E402 - pre_commit's module
 
 TICK = os.sysconf("SC_CLK_TCK")
 STATUS = ("Handler_write", "Innodb_rows_inserted", "Innodb_row_lock_waits", "Innodb_row_lock_time",
@@ -120,13 +121,13 @@ def main() -> None:
         threads.attach(c)
         return c
 
-    real_close = m._close_quietly
+    real_close = mw._close_quietly
 
     def close_marked(conn: Any) -> None:  # the sink closes its branch's connection right after XA PREPARE
         if getattr(conn, "_prof_tid", None) is not None and conn.open:
             threads.mark(conn, "3 marker row, XA END, XA PREPARE (+ SET wait_timeout)")
         real_close(conn)
-    m._close_quietly = close_marked
+    mw._close_quietly = close_marked
     t = rows_table(n)
     halves = [t.slice(0, n // 2), t.slice(n // 2)]
     tables: list[str] = []
