@@ -288,18 +288,55 @@ def test_a_branch_not_listed_whose_marker_row_a_transaction_holds_is_never_judge
         assert r.outcome is CommitOutcome.LOST and r.never_visible, r
 
 
-def test_an_xa_commit_answered_ok_is_reported_committed_only_once_the_marker_row_is_visible(mariadb_service):
-    """The other half of the lingering-session race: the XA COMMIT answered OK, the rows stayed
-    unseen.  A commit reports COMMITTED only once the branch's marker row is visible; here a branch
-    prepared without its marker row (the server commits it, and the marker never appears) stands for
-    one whose commit did not take: retried later, with what to do, not COMMITTED."""
+def _holding_the_marker_key(t: MyTable, handle: dict) -> Any:
+    """A session of the test's own holding the handle's marker row key: its uncommitted insert of it."""
+    import pymysql
+
+    s = t.s
+    conn = pymysql.connect(host=s["host"], port=s["port"], user=s["user"], password=s["password"],
+                           database=s["database"], autocommit=False)
+    with conn.cursor() as cur:
+        cur.execute(f"INSERT INTO `{t.markers}` (gtrid, bqual, query_name, batch_id, partition_id, attempt, "
+                    "target_table, row_count) VALUES (%s, %s, 'q', 0, 0, 0, %s, 2)",
+                    (handle["gtrid"], handle["bqual"], t.name))
+    return conn
+
+
+def test_an_xa_commit_answered_ok_whose_marker_row_a_transaction_still_holds_is_not_reported_committed(
+        mariadb_service):
+    """The other half of the lingering-session race: the XA COMMIT answered OK, and the branch, in
+    MariaDB's limbo, still holds its uncommitted marker row.  A commit reports COMMITTED only once
+    the marker row is visible or nobody holds its key; held, it is retried later with the remedy.
+    Played by a branch prepared without its marker row (the server commits it) while another
+    transaction holds the marker row's key, as the limbo branch does."""
     with MyTable(mariadb_service, "nomark") as t:
         sink = t.sink()
         h = _handle_of(t, sink)
         _side_branch(t, h, marker=False, prepare=True).close()
-        r = sink.commit(h)
+        holder = _holding_the_marker_key(t, h)
+        try:
+            r = sink.commit(h)
+        finally:
+            holder.rollback()
+            holder.close()
         assert r.outcome is CommitOutcome.RETRY_LATER, r
         assert "Restart the MariaDB server" in r.reason, r
+
+
+def test_an_xa_commit_answered_ok_whose_marker_key_nobody_holds_is_committed_even_without_a_marker_row(
+        mariadb_service):
+    """From the fresh-context review of the limbo fence: an XA COMMIT answered OK whose marker row is
+    not in the table read (a handle written before it named its marker table, read with another)
+    was retried; the retry's 1397 found no marker and nothing holding it, and judged the committed
+    branch never visible: voided and written again.  Nothing holds the key, so no transaction of
+    the branch is left: the commit took; reported COMMITTED (with a warning naming the table)."""
+    with MyTable(mariadb_service, "nomark2") as t:
+        sink = t.sink()
+        h = _handle_of(t, sink)
+        _side_branch(t, h, marker=False, prepare=True).close()
+        r = sink.commit(h)
+        assert r.outcome is CommitOutcome.COMMITTED, r
+        assert t.ids() == [8, 9]
 
 
 _PAUSED_EXECUTOR = r"""

@@ -9,11 +9,16 @@ from typing import Any
 from twophase.errors import TwoPhaseError
 from twophase.sinks.mysql.base import _MySqlBase
 from twophase.sinks.mysql.common import (
+    ABSENT,
     DECIDED,
     DETACH_WAIT_SECONDS,
     DOOMED,
+    ER_LOCK_DEADLOCK,
+    ER_LOCK_WAIT_TIMEOUT,
     ER_XAER_NOTA,
+    HELD,
     PREPARED_SESSION_IDLE_SECONDS,
+    PRESENT,
     _errno,
     _my,
     _text,
@@ -121,6 +126,26 @@ class _Branches(_MySqlBase):
             self._release(conn)
         return n
 
+    def _marker_state(self, cur: Any, handle: dict) -> str:
+        """What a locking read of the branch's marker row key finds: :data:`HELD` (a transaction holds
+        it: one it inserted and has not ended), :data:`PRESENT` (the row, committed: the freshest
+        evidence there is, the read waited for any holder to end) or :data:`ABSENT`.  A branch not
+        listed by ``XA RECOVER`` whose marker row is not committed is never visible only if the key is
+        ABSENT: a branch in MariaDB's limbo (``_Committer._committed_or_limbo``) holds it.  The read
+        waits at most a second; the session's lock wait is set back to the server's default after it."""
+        my = _my()
+        cur.execute("SET SESSION innodb_lock_wait_timeout = 1")
+        try:
+            cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s "
+                        "FOR UPDATE", (handle["gtrid"], handle["bqual"]))
+            return PRESENT if cur.fetchall() else ABSENT
+        except my.Error as e:
+            if _errno(e) in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
+                return HELD
+            raise
+        finally:
+            cur.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+
     def _rollback_one(self, conn: Any, gtrid: str, bqual: str) -> bool:
         """``XA ROLLBACK`` one branch (the caller may: claimed doomed, or its ballot decided to abort);
         True if rolled back here, False if gone already.  A branch still attached to the session that
@@ -134,6 +159,16 @@ class _Branches(_MySqlBase):
             try:
                 with conn.cursor() as cur:
                     cur.execute("XA ROLLBACK %s, %s", (gtrid, bqual))
+                    # MariaDB's race (``_Committer._committed_or_limbo``) answers a rollback OK too and
+                    # leaves the branch prepared, unlisted, its row locks held until the server restarts
+                    # (its recovery lists it again for the next cleanup): nothing becomes visible, but
+                    # writers of the same keys wait and fail; say so, with the remedy.
+                    if self._marker_state(cur, {"gtrid": gtrid, "bqual": bqual}) == HELD:
+                        log.error("XA ROLLBACK %s/%s was answered OK, but the branch still holds its marker row: "
+                                  "MariaDB's race with the disconnect of the session that prepared it left it "
+                                  "prepared and unlisted, its row locks held (writes of the same keys fail after "
+                                  "the lock wait). Restart the MariaDB server: its recovery lists the branch again "
+                                  "and the next cleanup rolls it back. Nothing of it is visible", gtrid, bqual)
                 return True
             except my.Error as e:
                 if _errno(e) != ER_XAER_NOTA:

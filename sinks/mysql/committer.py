@@ -15,15 +15,16 @@ from twophase.sinks import _sql2pc as names
 from twophase.sinks.mysql.branches import _Branches
 from twophase.sinks.mysql.common import (
     _TRANSIENT,
+    ABSENT,
     DECIDED,
     DETACH_WAIT_SECONDS,
-    ER_LOCK_DEADLOCK,
-    ER_LOCK_WAIT_TIMEOUT,
     ER_NO_SUCH_TABLE,
     ER_NO_SUCH_THREAD,
     ER_XAER_DUPID,
     ER_XAER_NOTA,
     ER_XAER_RMFAIL,
+    HELD,
+    PRESENT,
     SESSION_GONE_WAIT_SECONDS,
     _ConnectError,
     _errno,
@@ -167,8 +168,11 @@ class _Committer(_Branches):
                 cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s",
                             (handle["gtrid"], handle["bqual"]))
                 found = cur.fetchone() is not None
-                if not found and self._marker_held(cur, handle):
-                    return CommitResult.retry_later(_limbo_text(name))
+                if not found:
+                    state = self._marker_state(cur, handle)
+                    if state == HELD:
+                        return CommitResult.retry_later(_limbo_text(name))
+                    found = state == PRESENT
         except my.Error as e:
             if _errno(e) == ER_NO_SUCH_TABLE:
                 return CommitResult.lost(f"XA branch {name} does not exist and the marker table "
@@ -179,7 +183,7 @@ class _Committer(_Branches):
         if found:
             return CommitResult.already_committed(f"marker row of {name} present")
         # rule: a never-visible verdict rests on the marker's absence, committed and uncommitted (no
-        # transaction holds its key: _marker_held); this sink deletes markers only of batches the log
+        # transaction holds its key: _marker_state); this sink deletes markers only of batches the log
         # shows COMMITTED (_prune_markers).  A marker deleted by hand is not told apart (open: issue 59's
         # "evidence someone else can delete").
         return CommitResult.lost(
@@ -251,9 +255,10 @@ class _Committer(_Branches):
                 time.sleep(0.05)
             cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s",
                         (handle["gtrid"], handle["bqual"]))
-            if cur.fetchone() is not None:
+            state = PRESENT if cur.fetchone() is not None else self._marker_state(cur, handle)
+            if state == PRESENT:
                 return CommitResult.already_committed(f"marker row of {name} present")
-            if self._marker_held(cur, handle):
+            if state == HELD:
                 return CommitResult.retry_later(_limbo_text(name))
         return CommitResult.lost(
             f"XA branch {name} does not exist and its marker row is absent: it was rolled back (XA ROLLBACK "
@@ -290,28 +295,19 @@ class _Committer(_Branches):
                     (handle["gtrid"], handle["bqual"]))
         if cur.fetchone() is not None:
             return CommitResult.committed()
-        log.error("%s", _limbo_text(name))
-        return CommitResult.retry_later(_limbo_text(name))
-
-    def _marker_held(self, cur: Any, handle: dict) -> bool:
-        """Does a transaction hold the key of the branch's marker row (one it inserted and has not
-        ended)?  A branch not listed by ``XA RECOVER`` whose marker row is not committed is never visible
-        only if no transaction holds that row: one in MariaDB's limbo (:meth:`_committed_or_limbo`) does.
-        A locking read of that one key, waiting at most a second; the session's lock wait is set back to
-        the server's default after it."""
-        my = _my()
-        cur.execute("SET SESSION innodb_lock_wait_timeout = 1")
-        try:
-            cur.execute(f"SELECT 1 FROM {quote_ident(self.marker_table)} WHERE gtrid = %s AND bqual = %s "
-                        "FOR UPDATE", (handle["gtrid"], handle["bqual"]))
-            cur.fetchall()
-            return False
-        except my.Error as e:
-            if _errno(e) in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
-                return True
-            raise
-        finally:
-            cur.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+        state = self._marker_state(cur, handle)
+        if state == HELD:
+            log.error("%s", _limbo_text(name))
+            return CommitResult.retry_later(_limbo_text(name))
+        if state == ABSENT:
+            # Committed (no transaction of the branch is left: nothing holds its marker's key), but its
+            # marker row is not in this table: a handle written before it named its marker table, read
+            # with another one.  Never a retry: the retry's 1397 would find no marker and judge it
+            # never visible.
+            log.warning("XA branch %s: XA COMMIT answered OK and no transaction holds its marker row's key, "
+                        "but marker table %s has no row of it: is that the table the branch was written with?",
+                        name, quote_ident(self.marker_table))
+        return CommitResult.committed()
 
     @staticmethod
     def _up_since(cur: Any, at: float) -> bool:

@@ -183,6 +183,10 @@ def _unique_index_problem(rows: list[tuple[Any, ...]], table: str, key_columns: 
             "unique index then fails the batch)")
 
 
+#: What a locking read of a branch's marker row key finds (``_Branches._marker_state``).
+HELD, PRESENT, ABSENT = "held", "present", "absent"
+
+
 def _limbo_text(name: str) -> str:
     return (f"XA branch {name} is prepared but neither committed nor listed by XA RECOVER: the server answered an "
             "XA COMMIT that met the disconnect of the session that prepared it OK without committing (a MariaDB "
