@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from twophase.sinks import _kafka_protocol as kp
+from twophase.sinks.kafka import protocol as kp
 from twophase.testing import explorer as ex
 from twophase.testing import kafka_model as km
 

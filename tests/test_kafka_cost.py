@@ -15,9 +15,9 @@ import pytest
 from tests.test_kafka_sink import _ctx, _topic, read_committed
 from twophase.errors import TwoPhaseError
 from twophase.sink import CommitOutcome
-from twophase.sinks import _kafka_protocol as kp
-from twophase.sinks import kafka as kafka_sink
 from twophase.sinks.kafka import KafkaSink
+from twophase.sinks.kafka import protocol as kp
+from twophase.sinks.kafka import writer as kafka_writer
 
 
 class _CountingProducer:
@@ -46,7 +46,7 @@ def test_producers_connect_to_the_brokers_at_once_unless_told_otherwise():
 def test_topic_existence_is_checked_once_per_worker_not_per_transaction(kafka_service, monkeypatch):
     bs = kafka_service["bootstrap_servers"]
     topic, prefix = _topic(bs), f"tchk-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setattr(kafka_sink, "_TOPICS_SEEN", {}, raising=False)  # a fresh worker
+    monkeypatch.setattr(kafka_writer, "_TOPICS_SEEN", {}, raising=False)  # a fresh worker
     sink = KafkaSink(bs, topic, prefix)
     calls, handles = [], []
     for b in range(3):

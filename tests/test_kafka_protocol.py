@@ -13,8 +13,8 @@ import pytest
 from tests.test_kafka_sink import _child_transaction, _topic, read_committed
 from twophase.errors import MissingDependencyError
 from twophase.sink import CommitOutcome
-from twophase.sinks import _kafka_protocol as kp
 from twophase.sinks.kafka import KafkaSink
+from twophase.sinks.kafka import protocol as kp
 
 
 # ---------------------------------------------------------------------------- unit

@@ -25,8 +25,8 @@ import pytest
 from twophase.context import TransactionContext
 from twophase.errors import ConfigurationError
 from twophase.sink import CommitOutcome
-from twophase.sinks import _kafka_protocol as kp
 from twophase.sinks.kafka import KafkaSink
+from twophase.sinks.kafka import protocol as kp
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]

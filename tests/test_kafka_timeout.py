@@ -32,7 +32,7 @@ import pytest
 from tests.test_datasource import _inputs, _log_records, _path
 from tests.test_kafka_sink import _topic, read_committed
 from twophase import chaos, crash
-from twophase.sinks import _kafka_protocol as kp
+from twophase.sinks.kafka import protocol as kp
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.chaos, pytest.mark.timeout(900)]
 

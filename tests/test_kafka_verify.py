@@ -21,8 +21,8 @@ import pytest
 from tests.test_kafka_sink import _ctx, _prepared_in_log, _topic, read_committed
 from twophase.errors import ConfigurationError, TwoPhaseError
 from twophase.sink import CommitOutcome
-from twophase.sinks import _kafka_protocol as kp
 from twophase.sinks.kafka import KafkaSink
+from twophase.sinks.kafka import protocol as kp
 
 
 def _rows(prefix: str, n: int) -> pa.RecordBatch:

@@ -431,7 +431,7 @@ class KafkaTarget:
         return {}
 
     def _txn_client(self):
-        from twophase.sinks import _kafka_protocol as kp
+        from twophase.sinks.kafka import protocol as kp
 
         if self._client is None:
             self._client = kp.TxnClient(kp.kafka_python_config({"bootstrap.servers": self.bootstrap}))
@@ -477,7 +477,7 @@ class KafkaTarget:
     def leftovers(self) -> list[str]:
         """Open transactions (while one of the pool is still being completed, its markers being
         written, everything is asked again, for up to 10 s)."""
-        from twophase.sinks import _kafka_protocol as kp
+        from twophase.sinks.kafka import protocol as kp
 
         client = self._txn_client()
         deadline = time.monotonic() + 10

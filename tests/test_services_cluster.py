@@ -159,7 +159,7 @@ def test_twophase_reaches_executors_without_it_by_addpyfile_of_a_zip(cluster_dri
         assert a["executor_id"] in {"0", "1"} and a["python"] == str(python)
         init, kafka, coord = a["files"]
         assert init.endswith("twophase.zip/twophase/__init__.py"), a
-        assert kafka.endswith("twophase.zip/twophase/sinks/kafka.py"), a
+        assert kafka.endswith("twophase.zip/twophase/sinks/kafka/__init__.py"), a
         assert coord.endswith("twophase.zip/twophase/coordinator/__init__.py"), a
         assert a["sink"] == "KafkaSink"
 

@@ -4,10 +4,10 @@ explorer (issue 59: "the explorer runs the code we ship").
 The shipped :class:`twophase.sinks.kafka.KafkaSink` runs over it unchanged: its two client seams are
 replaced, inside :func:`patched` only, by ones that talk to a :class:`ModelBroker`:
 
-- ``twophase.sinks._kafka_protocol.TxnClient`` (the driver's and the executors' kafka-python client:
+- ``twophase.sinks.kafka.protocol.TxnClient`` (the driver's and the executors' kafka-python client:
   InitProducerId, EndTxn, DescribeTransactions, DescribeProducers, the topic ids, the uncommitted
   batch-at-offset and transaction-marker reads) by :class:`ModelTxnClient`;
-- ``confluent_kafka`` as ``twophase.sinks.kafka`` gets it (``require``): the transactional
+- ``confluent_kafka`` as the modules of ``twophase.sinks.kafka`` get it (``require``): the transactional
   ``Producer`` (``init_transactions``, ``begin_transaction``, ``produce``, ``flush``,
   ``abort_transaction``, its 'Acquired PID' debug line), the ``read_committed`` ``Consumer``
   (watermarks, poll) and the ``AdminClient`` (topic listing, configs), by :class:`ModelConfluent`.
@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from twophase.sinks import _kafka_protocol as kp
+from twophase.sinks.kafka import protocol as kp
 
 __all__ = ["ModelBroker", "ModelConfluent", "ModelTxnClient", "patched", "register"]
 
@@ -381,7 +381,7 @@ def _bootstrap(config: dict[str, Any]) -> str:
 
 # ============================================================================ the driver's client
 class ModelTxnClient:
-    """:class:`twophase.sinks._kafka_protocol.TxnClient` over a :class:`ModelBroker` (the broker
+    """:class:`twophase.sinks.kafka.protocol.TxnClient` over a :class:`ModelBroker` (the broker
     registered under its bootstrap servers when each request is sent: a client cached across
     schedules talks to the current one)."""
 
@@ -768,11 +768,13 @@ def patched() -> Iterator[None]:
     """Inside it, :class:`twophase.sinks.kafka.KafkaSink` talks to the model brokers registered
     under its bootstrap servers (:func:`register`): its ``confluent_kafka`` and its ``TxnClient``
     are the model's; the executors' client cache and topic checks are fresh, restored after."""
-    import twophase.sinks.kafka as kafka_mod
+    from twophase.sinks.kafka import claims, committer, common, sink, writer
 
     model = ModelConfluent()
-    new: list[tuple[Any, str, Any]] = [(kafka_mod, "require", model.require), (kp, "TxnClient", ModelTxnClient),
-                                       (kafka_mod, "_TASK_CLIENTS", {}), (kafka_mod, "_TOPICS_SEEN", {})]
+    # ``require`` is looked up in the module of the code that calls it: every module of the sink that does.
+    new: list[tuple[Any, str, Any]] = [*((mod, "require", model.require) for mod in (common, sink, committer, claims, writer)),
+                                       (kp, "TxnClient", ModelTxnClient),
+                                       (common, "_TASK_CLIENTS", {}), (writer, "_TOPICS_SEEN", {})]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in new]
     for obj, attr, value in new:
         setattr(obj, attr, value)
