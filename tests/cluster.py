@@ -539,7 +539,18 @@ def _package_map() -> dict[str, Path]:
     (``sinks/`` and ``coordinator/`` install as ``twophase.sinks`` and ``twophase.coordinator``)."""
     tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     dirs = tool.get("package-dir", {})
-    return {pkg: REPO / dirs.get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
+
+    def source(pkg: str) -> Path:
+        # setuptools' rule: the nearest enclosing package named in package-dir, then the rest of the
+        # name as folders (twophase.sinks.kafka -> sinks/kafka).
+        parts = pkg.split(".")
+        for n in range(len(parts), 0, -1):
+            head = ".".join(parts[:n])
+            if head in dirs:
+                return REPO / dirs[head] / "/".join(parts[n:])
+        return REPO / dirs.get("", ".") / "/".join(parts)
+
+    return {pkg: source(pkg) for pkg in tool["packages"]}
 
 
 def _top_level_modules() -> list[Path]:
