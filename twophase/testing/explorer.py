@@ -1433,7 +1433,8 @@ def deterministic() -> Iterator[None]:
         patch(_recovery_mod, "ThreadPoolExecutor", _SyncExecutor)
         patch(_log_mod, "uuid", _Uuids())
         patch(_protocol_mod, "uuid", _Uuids())
-        for module in ("twophase.sinks.files", "twophase.storage.parts"):  # FileSink's tokens and staged names
+        for module in ("twophase.sinks.files.sink", "twophase.sinks.files.spark_writer",
+                       "twophase.storage.parts"):  # FileSink's tokens and staged names
             if module in sys.modules:
                 patch(sys.modules[module], "uuid", _Uuids())
         patch(_log_mod, "time", _Clock())
