@@ -32,6 +32,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from twophase.sinks._formats import (  # the format names and options, importable from here as before
+    DEFAULT_TEXT,
+    FORMATS,
+    MIB,
+    PARQUET_CODECS,
+    TEXT_CODECS,
+    TextOptions,
+)
 from twophase.sinks._formats import FormatWriter as _FormatWriter  # noqa: F401 - importable from here, as before
 from twophase.sinks._partitions import (  # noqa: F401 - the public names stay importable from here
     _ESCAPE,
@@ -60,9 +68,16 @@ from twophase.sinks.files.options import (
 from twophase.sinks.files.sink import FileSink
 from twophase.sinks.files.spark_writer import parquet_footer_rows
 from twophase.sinks.files.transaction import FileTransaction
-from twophase.storage.parts import STAGING_DIR
+from twophase.storage.parts import STAGING_DIR, PartFiles
 
 __all__ = [
+    "DEFAULT_TEXT",
+    "FORMATS",
+    "MIB",
+    "PARQUET_CODECS",
+    "PartFiles",
+    "TEXT_CODECS",
+    "TextOptions",
     "DEFAULT_PART_SIZE",
     "DEFAULT_WRITER",
     "DEFAULT_WRITER_BY_SCHEME",

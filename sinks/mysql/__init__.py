@@ -28,12 +28,37 @@ Names: the XID's gtrid (at most 64 bytes) is the ballot's prefix and the partiti
 A query name longer than 24 bytes (or not name-safe) goes into the gtrid as a digest.
 """
 
-from twophase.sinks.mysql.common import MySqlTransaction, MySqlWriteError, query_token, quote_ident
+# The module's constants, importable from here as before the split (read where they are used:
+# a patch of a tuning constant goes to sinks/mysql/common.py and the modules that read it).
+from twophase.sinks.mysql.common import (
+    DETACH_WAIT_SECONDS,
+    ER_LOCK_DEADLOCK,
+    ER_LOCK_WAIT_TIMEOUT,
+    ER_NO_SUCH_TABLE,
+    ER_NO_SUCH_THREAD,
+    ER_XA_RBROLLBACK,
+    ER_XAER_DUPID,
+    ER_XAER_NOTA,
+    ER_XAER_OUTSIDE,
+    ER_XAER_RMERR,
+    ER_XAER_RMFAIL,
+    MAX_PLANNED_ATTEMPTS,
+    MAX_QUERY_CHARS,
+    MAX_XID_PART_BYTES,
+    MODES,
+    PREPARED_SESSION_IDLE_SECONDS,
+    SESSION_GONE_WAIT_SECONDS,
+    MySqlTransaction,
+    MySqlWriteError,
+    query_token,
+    quote_ident,
+)
 from twophase.sinks.mysql.infile import _LOAD_CHUNK, _load_connection_class
 from twophase.sinks.mysql.jdbc import sink_from_jdbc_options
 from twophase.sinks.mysql.sink import MySqlSink
 from twophase.sinks.mysql.values import _csv_options, _csv_table, _py_value
 
-__all__ = ["MySqlSink", "MySqlTransaction", "MySqlWriteError", "quote_ident", "query_token",
+__all__ = ["DETACH_WAIT_SECONDS", "ER_LOCK_DEADLOCK", "ER_LOCK_WAIT_TIMEOUT", "ER_NO_SUCH_TABLE", "ER_NO_SUCH_THREAD", "ER_XAER_DUPID", "ER_XAER_NOTA", "ER_XAER_OUTSIDE", "ER_XAER_RMERR", "ER_XAER_RMFAIL", "ER_XA_RBROLLBACK", "MAX_PLANNED_ATTEMPTS", "MAX_QUERY_CHARS", "MAX_XID_PART_BYTES", "MODES", "PREPARED_SESSION_IDLE_SECONDS", "SESSION_GONE_WAIT_SECONDS",
+           "MySqlSink", "MySqlTransaction", "MySqlWriteError", "quote_ident", "query_token",
            "sink_from_jdbc_options", "_LOAD_CHUNK", "_load_connection_class", "_csv_options", "_csv_table",
            "_py_value"]
