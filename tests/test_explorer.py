@@ -1,4 +1,4 @@
-"""The schedule explorer (twophase/testing/explorer.py, issue 45): every named scenario explored to
+"""The schedule explorer (twophase/testing/explorer/, issue 45): every named scenario explored to
 its preemption bound on the protocol as it is, and proof that the checker fails where it must: the
 protocol with scenario 3 put back (two ballots of one batch both decided), a sink that commits a
 handle twice, and the explorer's own checks of its actors (unexpected errors, blocking, livelock,

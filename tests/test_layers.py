@@ -17,10 +17,10 @@ UPPER = ("twophase.sinks", "twophase.coordinator", "sinks", "coordinator")
 #: Applications on top of the whole stack that still live in the core directory.  ``demo.py``
 #: is the ``twophase demo`` command (Spark + FileSink + Coordinator); it is not imported by
 #: any core module but the CLI's ``demo`` subcommand.  Remove it from here when it moves out.
-#: ``testing/explorer.py`` and ``testing/kafka_model.py`` run the schedule explorer over the *shipped*
-#: FileSink and KafkaSink (issue 59: the explorer checks the code we ship) and a model of the broker
-#: behind KafkaSink's client seams; no core module imports them.
-APPLICATIONS = {"demo.py", "testing/explorer.py", "testing/kafka_model.py"}
+#: ``testing/explorer/`` (a package: every module in it) and ``testing/kafka_model.py`` run the schedule
+#: explorer over the *shipped* FileSink and KafkaSink (issue 59: the explorer checks the code we ship)
+#: and a model of the broker behind KafkaSink's client seams; no core module imports them.
+APPLICATIONS = {"demo.py", "testing/explorer/", "testing/kafka_model.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -63,9 +63,14 @@ def _imports(path: Path, module: str | None = None) -> list[tuple[int, str]]:
     return out
 
 
+def _application(rel: str) -> bool:
+    """``rel`` (a path under ``twophase/``) is an application's: an entry ending in ``/`` is a folder."""
+    return any(rel == a or (a.endswith("/") and rel.startswith(a)) for a in APPLICATIONS)
+
+
 def core_modules() -> list[Path]:
     return sorted(
-        p for p in CORE.rglob("*.py") if p.relative_to(CORE).as_posix() not in APPLICATIONS
+        p for p in CORE.rglob("*.py") if not _application(p.relative_to(CORE).as_posix())
     )
 
 

@@ -1,0 +1,120 @@
+"""The explorer's bottom module, imported by every other one and importing none of them: the URLs and
+names every schedule uses, the state shared across modules (the current schedule, ``_WORLD``; the
+calling actor's run, ``_local``; the lock of :func:`~twophase.testing.explorer.deterministic`), a
+scheduling point (``_point``), and the findings: :class:`Finding` and its rendering, the schedule's
+text form, :class:`Violation`, :class:`TaskFailed`, the trace's lines."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from twophase.errors import TwoPhaseError
+
+if TYPE_CHECKING:
+    from twophase.testing.explorer.world import _Run, _World
+
+#: The URL scheme of the explorer's in-memory log store (registered only inside :func:`deterministic`).
+SCHEME = "explorer"
+LOG_URL = f"{SCHEME}://log"
+_QUIET_URL = f"{SCHEME}://checks"  # the same store, as the explorer's checks read it
+QUERY_ID = "explorer-query"
+NAME = "pipe"
+
+_local = threading.local()
+
+
+_WORLD: list[_World | None] = [None]
+_PATCH_LOCK = threading.Lock()
+
+
+#: A folder :func:`file_sink` made for one schedule, as it appears in paths (left out of the trace).
+_TARGET_PREFIX = re.compile(r"/\S*?/twophase-explorer-[^/\s]+/")
+
+
+def _point() -> None:
+    """A scheduling point: the calling actor stops here until the scheduler picks it again."""
+    run: _Run | None = getattr(_local, "run", None)
+    if run is not None:
+        run.point()
+
+
+# ============================================================================ findings
+@dataclass
+class Finding:
+    """One broken invariant (or liveness failure) in one schedule, with the steps that led there."""
+
+    kind: str
+    message: str
+    scenario: str
+    schedule: int
+    choices: list[int]
+    preemptions: int
+    trace: list[str]
+    also: list[str] = field(default_factory=list)  # what else broke later in the same schedule
+    count: int = 1  # schedules that broke the same invariant (collect mode)
+
+    @property
+    def schedule_text(self) -> str:
+        """The schedule as ``--replay`` takes it: the actor index per step, run-length encoded."""
+        return schedule_text(self.choices)
+
+    def render(self) -> str:
+        head = (f"explorer: scenario {self.scenario!r}, schedule #{self.schedule} "
+                f"({self.preemptions} preemption{'s' if self.preemptions != 1 else ''}): {self.kind}")
+        return "\n".join([head, *self.trace, f"invariant broken ({self.kind}): {self.message}",
+                          *(f"and later: {a}" for a in self.also),
+                          f"schedule (actor index per step; --replay): {self.schedule_text}"])
+
+
+def schedule_text(choices: Sequence[int]) -> str:
+    """``[0, 0, 1]`` -> ``"0*2 1"``."""
+    items = []
+    for actor, group in itertools.groupby(choices):
+        n = len(list(group))
+        items.append(f"{actor}*{n}" if n > 1 else str(actor))
+    return " ".join(items)
+
+
+def parse_schedule(text: str) -> list[int]:
+    """Inverse of :func:`schedule_text` (commas or spaces between items)."""
+    out: list[int] = []
+    for item in text.replace(",", " ").split():
+        actor, _, times = item.partition("*")
+        out += [int(actor)] * (int(times) if times else 1)
+    return out
+
+
+class Violation(AssertionError):
+    """Raised by :func:`explore` on the first finding (unless it collects them): carries it."""
+
+    def __init__(self, finding: Finding):
+        super().__init__(finding.render())
+        self.finding = finding
+
+
+class TaskFailed(TwoPhaseError):
+    """A task attempt failed on its executor with the sink's own error (an ``OSError``, a driver
+    library's): what the driver gets is a failed Spark job."""
+
+
+class _Abandon(BaseException):
+    """Unwinds an actor's thread once its schedule is over (a finding stopped it)."""
+
+
+@dataclass
+class _Entry:
+    """One line of a schedule's trace, formatted only if it is printed."""
+
+    label: str
+    op: str
+    detail: Callable[[], str] | str
+    preempted: str | None = None
+
+    def text(self) -> str:
+        d = self.detail() if callable(self.detail) else self.detail
+        return f"{self.label}: {self.op}{(' ' + _TARGET_PREFIX.sub('', d)) if d else ''}"
