@@ -32,4 +32,8 @@ if ! wait "$mypy_pid"; then cat "$mypy_out" >&2; echo "[test] mypy failed" >&2; 
 tail -1 "$mypy_out" >&2
 rm -f "$mypy_out"
 export TWOPHASE_KEEP_SERVICES=1   # this script stops them itself
-python -m pytest -p no:cacheprovider --timeout=1800 --durations=30 "$@"
+# Two workers (pytest-xdist): a test waits on servers, Spark and its drivers' start-up about a third
+# of its time, which the other worker's test uses; each file runs on one worker, and a test marked
+# alone runs while no other does (tests/conftest.py).  TWOPHASE_TEST_WORKERS=0 runs one process.
+python -m pytest -p no:cacheprovider --timeout=1800 --durations=30 \
+  -n "${TWOPHASE_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -3,38 +3,150 @@
 Servers are started on demand by the fixtures (so ``pytest`` alone brings up what the
 selected tests need) and stopped at the end of the session if this session started
 them, unless ``TWOPHASE_KEEP_SERVICES=1``.
+
+On several workers (pytest-xdist, ``-n 2``: scripts/test.sh) each worker has its own Spark
+session and all share the servers: every test holds a lock shared, and a test marked
+``alone`` (it kills or reconfigures something the others use, or reads a server's whole
+state) holds it exclusive, so it runs while no other test does (:func:`_turn`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests import services
 
-_started: list[str] = []
-
 
 def pytest_sessionstart(session):
     # The drivers the tests start (every kill test's, and the session's own Spark) start in
-    # about half the time: tests/fastjvm.py (TWOPHASE_FAST_JVM=0 turns it off).
+    # about half the time: tests/fastjvm.py (TWOPHASE_FAST_JVM=0 turns it off).  Under xdist
+    # this runs in the controller before it starts the workers, which inherit the options.
     from tests import fastjvm
 
     fastjvm.apply()
+    if not hasattr(session.config, "workerinput"):  # the controller (or the one process)
+        os.environ["TWOPHASE_TEST_RUN"] = os.urandom(8).hex()  # the workers inherit it
+
+
+def _run_file(suffix: str) -> Path:
+    """A file of this test run's, the same for all its workers."""
+    return Path(tempfile.gettempdir()) / f"twophase-test-run-{os.environ['TWOPHASE_TEST_RUN']}{suffix}"
+
+
+def _several_workers(config) -> bool:
+    return int(getattr(config, "workerinput", {}).get("workercount", 1)) > 1
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int):
+    with open(path, "a+") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _service(name: str) -> dict:
     svc = services.get(name)
-    was_up = svc.ready()
-    try:
-        info = svc.start()
-    except services.ServiceError as e:  # a missing server is a failure, never a silent skip
-        pytest.fail(f"could not start {name}: {e}", pytrace=False)
+    # Two workers asking for a server that is down must not both start it.
+    with _flock(Path(tempfile.gettempdir()) / f"twophase-service-{name}.lock", fcntl.LOCK_EX):
+        was_up = svc.ready()
+        try:
+            info = svc.start()
+        except services.ServiceError as e:  # a missing server is a failure, never a silent skip
+            pytest.fail(f"could not start {name}: {e}", pytrace=False)
     if not was_up:
-        _started.append(name)
+        with open(_run_file(".started"), "a") as f:  # the controller stops it at the end
+            f.write(name + "\n")
     return info
+
+
+#: Rough minutes of a test by its markers, to hand the workers the longest files first (the
+#: tail of a run is then short files); a guess that only orders files, never skips a test.
+_WEIGHT = {"mutation": 60, "nemesis": 60, "chaos": 40, "packaging": 30, "cluster": 20,
+           "connect": 20, "hosts": 10, "spark": 3}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in item.iter_markers("alone"):
+            if not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip()):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.alone needs its reason, "
+                                        "e.g. alone(\"SIGKILLs a Spark cluster worker\")")
+        for mark in item.iter_markers("one_at_a_time"):
+            if not mark.args or not all(isinstance(a, str) and a.isidentifier() for a in mark.args):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.one_at_a_time names what it "
+                                        "holds, e.g. one_at_a_time(\"connect_port_15002\")")
+    if _several_workers(config):  # xdist --dist loadfile hands out files in this order
+        weight: dict[str, float] = {}
+        for item in items:
+            w = max((_WEIGHT.get(m.name, 0) for m in item.iter_markers()), default=0) or 0.5
+            weight[item.location[0]] = weight.get(item.location[0], 0) + w
+        items.sort(key=lambda item: -weight[item.location[0]])  # stable: a file keeps its order
+
+
+#: Shared things that take one test at a time, by the fixtures that reach them: the Spark
+#: standalone cluster has two 1-core workers and a driver of the tests asks for both, so a second
+#: application waits for the first one's cores (and a test's executor wait may run out); YARN's
+#: NodeManagers the same.  A test holding one runs beside tests that do not need it.
+_ONE_AT_A_TIME = {"spark_cluster": ("spark_cluster_service",), "yarn": ("yarn_service",)}
+
+
+def _one_at_a_time(item) -> list[str]:
+    """The things ``item`` holds alone, sorted (every test takes them in one order): those of
+    :data:`_ONE_AT_A_TIME` its fixtures reach, and those its ``one_at_a_time`` markers name."""
+    names = {n for n, fixtures in _ONE_AT_A_TIME.items() if any(f in item.fixturenames for f in fixtures)}
+    names.update(a for m in item.iter_markers("one_at_a_time") for a in m.args)
+    return sorted(names)
+
+
+def _skipped_by_mark(item) -> bool:
+    try:
+        from _pytest.skipping import evaluate_skip_marks
+
+        return evaluate_skip_marks(item) is not None
+    except Exception:  # pytest's internals moved, or a condition failed: the test will say so
+        return False
+
+
+@contextlib.contextmanager
+def _turn(item):
+    """The worker's turn to run ``item``: the lock shared, or exclusive for an ``alone`` test.
+
+    A writer-first lock from two files: a test first takes the turnstile, then the lock shared
+    (released the turnstile at once) or exclusive (the turnstile kept until it ends), so an
+    ``alone`` test waits for the tests running now and no new one starts before it.  A test that
+    reaches a thing of :data:`_ONE_AT_A_TIME` holds that thing's lock too (taken first: a test
+    waiting for it holds nothing else)."""
+    if not _several_workers(item.config) or _skipped_by_mark(item):
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    with contextlib.ExitStack() as held:
+        for name in _one_at_a_time(item):
+            one = held.enter_context(open(_run_file(f".one.{name}"), "a+"))
+            fcntl.flock(one, fcntl.LOCK_EX)
+        turnstile = held.enter_context(open(_run_file(".turnstile"), "a+"))
+        lock = held.enter_context(open(_run_file(".lock"), "a+"))
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield  # closing the files at the end releases every lock still held
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _turn(item):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -146,9 +258,16 @@ def spark():
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return  # a worker: the controller stops what the workers started, once all have ended
+    started = _run_file(".started")
+    names = list(dict.fromkeys(started.read_text().split())) if started.exists() else []
+    for path in _run_file("").parent.glob(_run_file("").name + ".*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
     if os.environ.get("TWOPHASE_KEEP_SERVICES") == "1":
         return
-    for name in reversed(_started):
+    for name in reversed(names):
         try:
             services.get(name).stop()
         except Exception as e:  # pragma: no cover - best effort teardown
