@@ -9,6 +9,7 @@ Python process and the test session already has a local one, so cluster jobs run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -577,13 +578,32 @@ def build_zip(dest_dir: Path) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def wheel_build_lock():
+    """Held while pip builds a wheel of this checkout: setuptools builds in the source tree
+    (``build/``, ``*.egg-info``), so two builds at once (two test processes, pytest-xdist) would
+    delete each other's files mid-build.  An exclusive ``flock`` on a file named after the checkout."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    tag = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"twophase-wheel-build-{tag}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build_wheel(dest_dir: Path) -> Path:
     """A (non-editable) wheel of this checkout, built by pip without dependencies; for a venv that
     is then packed for ``spark.archives`` or installed on the workers."""
     dest_dir.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                        "--disable-pip-version-check", "-q", "-w", str(dest_dir), str(REPO)],
-                       check=False, capture_output=True, text=True, timeout=600)
+    with wheel_build_lock():
+        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--disable-pip-version-check", "-q", "-w", str(dest_dir), str(REPO)],
+                           check=False, capture_output=True, text=True, timeout=600)
     wheels = sorted(dest_dir.glob("twophase-*.whl"))
     if r.returncode != 0 or not wheels:
         raise RuntimeError(f"pip wheel of {REPO} failed (exit {r.returncode}):\n"

@@ -96,10 +96,14 @@ def _env(py: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    from tests.cluster import wheel_build_lock
+
     out = tmp_path_factory.mktemp("wheel")
     t0 = time.monotonic()
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
-          str(REPO), "-w", str(out)], cwd=out)
+    # setuptools builds in the checkout (build/): one build of it at a time (tests/cluster.py).
+    with wheel_build_lock():
+        _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
+              str(REPO), "-w", str(out)], cwd=out)
     (whl,) = out.glob("twophase-*.whl")
     _say(f"wheel {whl.name}: {time.monotonic() - t0:.1f}s")
     return whl

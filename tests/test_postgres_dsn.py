@@ -54,6 +54,9 @@ def odd_role(db, postgres_service):
     )
     role = f"tp_odd_{_uid()}"
     t = table(db, "id bigint")
+    # The marker table (and its claims table) the GRANT below names exist from here on, whichever
+    # test file ran first on this server.
+    PostgresSink(postgres_service["dsn"], table=t).open()
     su = SERVICE._superuser_conn(timeout=10)
     su.autocommit = True
     with su.cursor() as cur:

@@ -252,7 +252,9 @@ class KafkaService(Service):
             return False
 
     def after_ready(self) -> None:
-        """The SCRAM user, for both mechanisms (idempotent: an upsert of its credentials)."""
+        """The SCRAM user, for both mechanisms: each credential made once.  Not an upsert every
+        time: a test session's fixture (each pytest-xdist worker's, each child pytest's) calls this,
+        and a credential written anew (a new salt) under a client's SCRAM exchange fails its login."""
         if not self.secured:
             return
         from confluent_kafka.admin import (
@@ -263,7 +265,15 @@ class KafkaService(Service):
         )
 
         admin = AdminClient({"bootstrap.servers": BOOTSTRAP, "log_level": 0})
+        have = set()
+        try:
+            for fut in admin.describe_user_scram_credentials([SCRAM_USER]).values():
+                have.update(info.mechanism for info in fut.result(30).scram_credential_infos)
+        except Exception:  # the user has no credential yet (RESOURCE_NOT_FOUND)
+            have = set()
         for m in (ScramMechanism.SCRAM_SHA_256, ScramMechanism.SCRAM_SHA_512):  # one per request
+            if m in have:
+                continue
             up = UserScramCredentialUpsertion(SCRAM_USER, ScramCredentialInfo(m, 4096), SCRAM_PASSWORD.encode())
             for fut in admin.alter_user_scram_credentials([up]).values():
                 fut.result(30)
