@@ -62,6 +62,7 @@ def _check_mysql(my: dict, partition_counts: list, rows: int) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.alone("runs the benchmark suite: timings of its own, both cores busy, within a 580 s bound")
 def test_quick_benchmark_writes_every_section(tmp_path):
     out = tmp_path / "results"
     env = dict(os.environ, PYTHONPATH=str(REPO))

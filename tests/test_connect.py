@@ -28,6 +28,10 @@ from twophase import chaos
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.connect, pytest.mark.spark, pytest.mark.chaos]
+#: SparkSession.builder.remote("local[...]") starts its Connect server on pyspark's fixed port 15002
+#: and connects to localhost:15002 (an ephemeral port only under SPARK_TESTING): two such sessions
+#: at once, in two test processes, clash.
+LOCAL_CONNECT = pytest.mark.one_at_a_time("connect_port_15002")
 
 
 def _log_records(log_dir: Path) -> int:
@@ -44,6 +48,7 @@ def _fired(runs) -> list[str]:
                            "are the Kafka twin's below and the data source form's "
                            "(tests/test_datasource.py); the demo's --connect is the Connect example test's "
                            "neighbour; TWOPHASE_FULL_CHAOS=1 runs it")
+@LOCAL_CONNECT
 def test_files_exactly_once_over_spark_connect_with_client_server_and_worker_killed(tmp_path):
     workdir = tmp_path / "demo"
     points = ["after_pre_commit", "after_prepared_logged", "mid_commit"]
@@ -93,6 +98,7 @@ def _kill_server_and_time_the_client(server, client) -> float:
 
 @pytest.mark.kafka
 @pytest.mark.timeout(1200)
+@LOCAL_CONNECT
 def test_kafka_exactly_once_over_spark_connect_with_client_server_and_worker_killed(kafka_service, tmp_path):
     from confluent_kafka import Producer
 
@@ -128,6 +134,7 @@ def test_kafka_exactly_once_over_spark_connect_with_client_server_and_worker_kil
                            "below (orphan prepared transactions and decisions), and the crash points by name in "
                            "tests/test_datasource.py's JDBC data source over Connect; the coordinator's worker "
                            "crash points are the Kafka twin's above; TWOPHASE_FULL_CHAOS=1 runs it")
+@LOCAL_CONNECT
 def test_postgres_exactly_once_over_spark_connect_with_client_server_and_worker_killed(tmp_path,
                                                                                         postgres_service):
     from tests.test_postgres_chaos import _leftovers, _new_table, _run, _table_ids, _write_input
@@ -187,6 +194,7 @@ sys.exit(0)
 """
 
 
+@LOCAL_CONNECT
 def test_over_spark_connect_batch_writes_work_and_a_query_without_the_checkpoint_location_is_refused(tmp_path):
     """A batch DataFrame: ``Coordinator.write`` from a Connect client writes once per batch id.
     A streaming query: Connect offers foreachBatch no query id, so the coordinator needs the
@@ -214,6 +222,7 @@ def test_over_spark_connect_batch_writes_work_and_a_query_without_the_checkpoint
     assert not log.exists()
 
 
+@LOCAL_CONNECT
 def test_the_spark_connect_example_writes_every_id_once(tmp_path):
     """examples/spark_connect.py, as docs/clusters.md's "Spark Connect" section runs it."""
     inp = tmp_path / "in"

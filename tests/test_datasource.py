@@ -14,6 +14,12 @@ import pytest
 from twophase import chaos
 
 pytestmark = [pytest.mark.spark]
+#: A driver with ``--connect`` is a client of SparkSession.builder.remote("local[2]"), whose Connect
+#: server takes pyspark's fixed port 15002 (two at once, in two test processes, clash); one with
+#: ``--cluster`` takes both cores of the shared standalone cluster (1 core per worker, cores.max 2),
+#: where another test's application would get no executor until it ends.
+LOCAL_CONNECT = pytest.mark.one_at_a_time("connect_port_15002")
+ON_CLUSTER = pytest.mark.one_at_a_time("spark_cluster")  # as the spark_cluster_service fixture's tests
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -122,6 +128,7 @@ def test_a_new_users_mistake_gets_one_clear_line_and_writes_nothing(spark, tmp_p
 @pytest.mark.postgres
 @pytest.mark.connect
 @pytest.mark.timeout(900)
+@LOCAL_CONNECT
 def test_jdbc_data_source_by_name_over_spark_connect_every_id_once_across_server_kills_and_crash_points(
         tmp_path, postgres_service):
     """``format("twophase-jdbc")`` with Spark's JDBC options (url, dbtable, user, password), from a
@@ -179,6 +186,7 @@ def test_jdbc_data_source_by_name_over_spark_connect_every_id_once_across_server
 @pytest.mark.kafka
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
+@ON_CLUSTER
 def test_kafka_data_source_on_a_cluster_every_id_once_across_driver_kills_and_executor_crash_points(
         tmp_path, kafka_service, spark_cluster_service):
     """``format("twophase-kafka")`` with Spark's Kafka options on the standalone cluster: a task's
@@ -295,8 +303,8 @@ def test_a_commit_step_paused_while_a_second_run_replays_its_batch_loses_and_eve
 @pytest.mark.kafka
 @pytest.mark.postgres
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("where", ["local", pytest.param("cluster", marks=pytest.mark.cluster),
-                                   pytest.param("connect", marks=pytest.mark.connect)])
+@pytest.mark.parametrize("where", ["local", pytest.param("cluster", marks=[pytest.mark.cluster, ON_CLUSTER]),
+                                   pytest.param("connect", marks=[pytest.mark.connect, LOCAL_CONNECT])])
 def test_every_format_by_name_writes_every_id_once_on_local_spark_a_cluster_and_spark_connect(
         where, tmp_path, kafka_service, postgres_service, request):
     """Issue 28: each of twophase-files, -jdbc and -kafka from one driver, on local Spark (the

@@ -79,6 +79,7 @@ def test_kafka_on_its_host_advertises_that_hosts_address(servers):
     assert listening == [f"{address}:19092", f"{address}:19093"], r.stdout
 
 
+@pytest.mark.alone("detaches test host driver-a from the bridge (hosts.isolate)")
 def test_isolate_makes_requests_time_out_and_rejoin_heals(servers):
     pg = servers["postgres_host"]
     try:
@@ -91,6 +92,7 @@ def test_isolate_makes_requests_time_out_and_rejoin_heals(servers):
     assert probe("driver-a", pg["host"], pg["port"]) == "connected"
 
 
+@pytest.mark.alone("cuts driver-a off the s3 host's MinIO (hosts.cut) and heals every test host")
 def test_cut_on_the_servers_host_silences_one_client_only(servers):
     minio = servers["minio_host"]
     port = int(minio["endpoint_url"].rsplit(":", 1)[1])
@@ -109,6 +111,7 @@ def test_cut_on_the_servers_host_silences_one_client_only(servers):
     assert probe("driver-a", s3, port) == "connected" and time.monotonic() - t0 < 30
 
 
+@pytest.mark.alone("cuts driver-a off the root namespace (hosts.cut) and heals every test host")
 def test_cut_on_the_root_namespace_silences_one_host_from_what_listens_there(servers):
     """The nemesis's fault proxy listens on the bridge's root address: a cut there (hosts.ROOT)
     silences one host's requests to it, and heal() takes that route away too."""

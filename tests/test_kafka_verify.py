@@ -75,6 +75,7 @@ def test_verify_prepared_refuses_a_transaction_the_broker_already_aborted(kafka_
 
 
 @pytest.mark.kafka
+@pytest.mark.alone("wall-clock: asserts the transaction is 2-3 s old after a 2.5 s sleep")
 def test_verify_prepared_refuses_a_young_transaction_without_the_commit_margin(kafka_service):
     """Still open, but less than commit_margin_ms left: refused while it can still be aborted."""
     bs = kafka_service["bootstrap_servers"]
@@ -120,6 +121,7 @@ def test_verify_prepared_passes_healthy_transactions_which_then_commit_once(kafk
 # ----------------------------------------------------------- through the coordinator
 @pytest.mark.kafka
 @pytest.mark.spark
+@pytest.mark.alone("wall-clock: a 6 s transaction timeout against a task slowed 4 s on two cores")
 def test_batch_outliving_the_timeout_fails_undecided_and_replays_once(kafka_service, spark, tmp_path):
     """Three partitions on two cores: partition 0 pre-commits at once, partition 1 is slow, so
     partition 0's transaction has too little of its timeout left when the tasks are done.  The

@@ -690,6 +690,7 @@ def test_coordinator_end_to_end_exactly_once(db, postgres_service, spark, tmp_pa
 
 
 # ------------------------------------------------------------------- server restart
+@pytest.mark.alone("restarts the shared PostgreSQL server")
 def test_server_restart_with_prepared_transactions(db, postgres_service):
     from tests.services.postgres import SERVICE
 

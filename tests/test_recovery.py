@@ -243,6 +243,8 @@ time.sleep(60)
 """
 
 
+@pytest.mark.alone("a 1 s lease kept by 0.25 s heartbeats (two fsyncs each): a stall of 0.75 s under "
+                   "another worker's load lets the second driver take it over")
 def test_idle_query_keeps_its_lease_and_a_second_driver_is_refused(tmp_path):
     url = str(tmp_path / "log")
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, url, "1.0", "30", "keep"],
@@ -274,6 +276,8 @@ def test_closed_coordinator_releases_its_lease_at_once(tmp_path):
 
 
 @pytest.mark.spark
+@pytest.mark.alone("asserts a heartbeat (two fsyncs) within 1 s of a 0.8 s lease: a stall under another "
+                   "worker's load fails it")
 def test_coordinator_heartbeats_while_it_lives_and_close_releases(spark, tmp_path):
     c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="hb",
                     lease_timeout=0.8)

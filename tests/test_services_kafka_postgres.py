@@ -291,6 +291,7 @@ def test_postgres_prepared_transaction_survives_killed_client(postgres_service, 
 
 
 @pytest.mark.postgres
+@pytest.mark.alone("restarts the shared PostgreSQL server")
 def test_postgres_prepared_transaction_survives_server_restart(postgres_service, pg_table):
     from tests.services.postgres import SERVICE
 
