@@ -9,7 +9,6 @@ Python process and the test session already has a local one, so cluster jobs run
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -578,22 +577,18 @@ def build_zip(dest_dir: Path) -> Path:
     return out
 
 
-@contextlib.contextmanager
 def wheel_build_lock():
     """Held while pip builds a wheel of this checkout: setuptools builds in the source tree
     (``build/``, ``*.egg-info``), so two builds at once (two test processes, pytest-xdist) would
-    delete each other's files mid-build.  An exclusive ``flock`` on a file named after the checkout."""
-    import fcntl
+    delete each other's files mid-build.  The services' cross-process lock, on a file named after
+    the checkout."""
     import hashlib
     import tempfile
 
+    from tests.services import locked
+
     tag = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
-    with open(Path(tempfile.gettempdir()) / f"twophase-wheel-build-{tag}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return locked(Path(tempfile.gettempdir()) / f"twophase-wheel-build-{tag}.lock")
 
 
 def build_wheel(dest_dir: Path) -> Path:

@@ -44,25 +44,13 @@ def _several_workers(config) -> bool:
     return int(getattr(config, "workerinput", {}).get("workercount", 1)) > 1
 
 
-@contextlib.contextmanager
-def _flock(path: Path, mode: int):
-    with open(path, "a+") as f:
-        fcntl.flock(f, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _service(name: str) -> dict:
     svc = services.get(name)
-    # Two workers asking for a server that is down must not both start it.
-    with _flock(Path(tempfile.gettempdir()) / f"twophase-service-{name}.lock", fcntl.LOCK_EX):
-        was_up = svc.ready()
-        try:
-            info = svc.start()
-        except services.ServiceError as e:  # a missing server is a failure, never a silent skip
-            pytest.fail(f"could not start {name}: {e}", pytrace=False)
+    was_up = svc.ready()
+    try:
+        info = svc.start()  # locked across processes (two workers start a server once)
+    except services.ServiceError as e:  # a missing server is a failure, never a silent skip
+        pytest.fail(f"could not start {name}: {e}", pytrace=False)
     if not was_up:
         with open(_run_file(".started"), "a") as f:  # the controller stops it at the end
             f.write(name + "\n")
