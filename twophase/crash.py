@@ -18,8 +18,8 @@ there goes on, and a replay of the batch in the same process does not stop again
 Spark task, once per task attempt (a retry of the task stops again, even in a reused
 Python worker).  Where both plans name a point, the crash wins.  ``TWOPHASE_PAUSE_LOG``
 names a file each process appends ``"<point> <batch> <pid>"`` to just before it stops, and
-in a Spark task ``"<point> <batch> <pid> <partition> <attempt>"`` (the task's partition id
-and attempt number), so a test learns which process to resume and which task stopped (an
+in a Spark task ``"<point> <batch> <pid> <partition> <attempt> <task attempt id>"`` (the
+task's partition id, attempt number and application-wide task attempt id), so a test learns which process to resume and which task stopped (an
 executor's Python worker at ``before_begin`` or ``after_pre_commit``; the coordinator
 ships the pause plan to its tasks like the crash plan).
 A test waits for the stop itself (``/proc/<pid>/stat`` state ``T``), never for a time.  A
@@ -163,20 +163,22 @@ def _pause(name: str, batch_id: int | None) -> None:
     if where:
         try:
             with open(where, "a") as f:
-                f.write(f"{name} {batch_id} {pid}" + (f" {task[0]} {task[1]}" if task else "") + "\n")
+                f.write(f"{name} {batch_id} {pid}" + "".join(f" {n}" for n in task or ()) + "\n")
         except OSError:
             pass
     os.kill(pid, signal.SIGSTOP)
     _say(f"twophase: pause point {name} (batch {batch_id}): process {pid} resumed\n")
 
 
-def _task() -> tuple[int, int] | None:
-    """(partition id, attempt number) of the Spark task this process runs now, or None (a driver,
-    or no pyspark loaded: nothing is imported here for it)."""
+def _task() -> tuple[int, int, int] | None:
+    """(partition id, attempt number, task attempt id) of the Spark task this process runs now, or
+    None (a driver, or no pyspark loaded: nothing is imported here for it).  The attempt number
+    starts again at 0 when Spark runs the stage again (a new stage attempt); the task attempt id is
+    unique in the application and grows, so a retry always has a higher one."""
     pyspark = sys.modules.get("pyspark")
     try:
         tc = pyspark.TaskContext.get() if pyspark is not None else None
-        return None if tc is None else (int(tc.partitionId()), int(tc.attemptNumber()))
+        return None if tc is None else (int(tc.partitionId()), int(tc.attemptNumber()), int(tc.taskAttemptId()))
     except Exception:  # a pause point must never fail its caller
         return None
 
