@@ -17,6 +17,7 @@ import fcntl
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def pytest_sessionstart(session):
     fastjvm.apply()
     if not hasattr(session.config, "workerinput"):  # the controller (or the one process)
         os.environ["TWOPHASE_TEST_RUN"] = os.urandom(8).hex()  # the workers inherit it
+        _START.append(time.monotonic())
 
 
 def _run_file(suffix: str) -> Path:
@@ -118,6 +120,7 @@ def _turn(item):
         yield
         return
     alone = item.get_closest_marker("alone") is not None
+    t0 = time.monotonic()
     with contextlib.ExitStack() as held:
         for name in _one_at_a_time(item):
             one = held.enter_context(open(_run_file(f".one.{name}"), "a+"))
@@ -128,6 +131,10 @@ def _turn(item):
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
+        waited = time.monotonic() - t0
+        if waited >= 1:  # what the run's summary adds up (pytest_terminal_summary)
+            with open(_run_file(".waits"), "a") as f:
+                f.write(f"{waited:.1f} {os.environ.get('PYTEST_XDIST_WORKER', '-')} {int(alone)} {item.nodeid}\n")
         yield  # closing the files at the end releases every lock still held
 
 
@@ -245,9 +252,48 @@ def spark():
     session.stop()
 
 
+#: The controller's account of where a run's minutes went: seconds of test per worker and per
+#: file (setup, call and teardown), and what each test waited for its turn (pytest_terminal_summary).
+_BUSY: dict[str, float] = {}
+_FILES: dict[str, float] = {}
+_WAITS: list[tuple[float, str, bool, str]] = []
+_START: list[float] = []
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # xdist: the worker that ran it (on the controller)
+    worker = getattr(getattr(node, "gateway", None), "id", None)
+    if worker is None:
+        return
+    _BUSY[worker] = _BUSY.get(worker, 0.0) + report.duration
+    path = report.nodeid.split("::", 1)[0]
+    _FILES[path] = _FILES.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _BUSY:
+        return
+    tr = terminalreporter
+    tr.section("where the minutes went (two workers: tests/conftest.py)")
+    tr.write_line(f"run {(time.monotonic() - _START[0]) / 60:.1f} min; in tests per worker: "
+                  + ", ".join(f"{w} {s / 60:.1f} min" for w, s in sorted(_BUSY.items())))
+    for worker in sorted({w for _, w, _, _ in _WAITS}):
+        mine = [x for x in _WAITS if x[1] == worker]
+        tr.write_line(f"{worker} waited for its turn {sum(x[0] for x in mine) / 60:.1f} min over {len(mine)} tests "
+                      f"({sum(x[0] for x in mine if x[2]) / 60:.1f} min of it before alone tests)")
+    for waited, worker, alone, nodeid in sorted(_WAITS, reverse=True)[:8]:
+        tr.write_line(f"  {waited:6.1f}s {worker} {'alone ' if alone else ''}{nodeid}")
+    tr.write_line("longest files: " + ", ".join(f"{p.removeprefix('tests/')} {s:.0f}s"
+                                                for p, s in sorted(_FILES.items(), key=lambda x: -x[1])[:15]))
+
+
 def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):
         return  # a worker: the controller stops what the workers started, once all have ended
+    with contextlib.suppress(OSError, ValueError):
+        for line in _run_file(".waits").read_text().splitlines():
+            waited, worker, alone, nodeid = line.split(" ", 3)
+            _WAITS.append((float(waited), worker, alone == "1", nodeid))
     started = _run_file(".started")
     names = list(dict.fromkeys(started.read_text().split())) if started.exists() else []
     for path in _run_file("").parent.glob(_run_file("").name + ".*"):
