@@ -59,7 +59,7 @@ POINTS = (
 _plan: dict[str, set[int] | None] | None = None
 _pause_plan: dict[str, set[int] | None] = {}
 #: (point, batch, the Spark task's (partition, attempt) or None) this process already stopped at
-_paused: set[tuple[str, int | None, tuple[int, int] | None]] = set()
+_paused: set[tuple[str, int | None, tuple[int, int, int] | None]] = set()
 
 
 def _parse(value: str, env: str = ENV) -> dict[str, set[int] | None]:
