@@ -273,7 +273,7 @@ def test_without_the_logs_evidence_a_cleanup_sweeps_no_other_batch(tmp_path):
 # ----------------------------------------------------------------------------- scenario 4
 def _job(sink: FileSink, log_url: str, name: str = "daily", target: str | None = None
          ) -> tuple[TransactionLog, TwoPhaseProtocol]:
-    """What a batch job's run does before its batch (twophase.datasource._plan): its query id is its
+    """What a batch job's run does before its batch (twophase.datasource_plan._plan): its query id is its
     name and its sink's target (``target``: what an older version named it), and it takes the log
     over."""
     target = target or sink.target()

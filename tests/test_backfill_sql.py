@@ -283,7 +283,7 @@ def _assert_the_late_decision_was_committed(t: PgTable, a: Driver, b: Driver, ba
 def test_a_late_decision_landing_while_the_owner_closes_the_ballot_is_committed_protocol(postgres_service, tmp_path):
     """The owner B meets deposed A's late INTENT in its slot (the late-INTENT loop) and closes A's ballot;
     A's decision lands between B's view and B's close: B's close finds it, and it wins: committed once,
-    never skipped, never rolled back and run again (twophase/protocol.py, ``_close_earlier_ballots``)."""
+    never skipped, never rolled back and run again (twophase/protocol_recovery.py, ``_close_earlier_ballots``)."""
     log_url = str(tmp_path / "log")
     with PgTable(postgres_service["dsn"], "latedec") as t:
         a = Driver(t.sink(), log_url, "q")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-import twophase.coordinator.coordinator as coordinator_module
+import twophase.coordinator.driver_path as coordinator_module
 from tests.test_driver_prepared import _file_ids, failing_frame
 from twophase.coordinator import Coordinator
 from twophase.sinks.files import FileSink

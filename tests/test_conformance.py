@@ -495,9 +495,9 @@ def test_the_first_batchs_crash_is_what_the_check_counts(fast_path, monkeypatch)
     """Without the crash every example's first batch draws, a run of one-step examples never crashes
     the driver: the check fails it, naming what was not reached.  (The driver path's own death
     mid-write, drawn for a batch of one partition, is switched off too: it is a crash of its own.)"""
-    from twophase.testing import conformance
+    from twophase.testing import _conformance_tasks, conformance
 
-    monkeypatch.setattr(conformance, "_FIRST_CRASH_MIX", (None,))
+    monkeypatch.setattr(_conformance_tasks, "_FIRST_CRASH_MIX", (None,))  # where _execute reads it
     monkeypatch.setattr(conformance.SinkConformanceMachine, "driver_path", False)
     db = str(fast_path / "db")
     with pytest.raises(ConformanceError, match=r"the run was degenerate: 0 of 4 examples went through a driver "

@@ -300,7 +300,7 @@ def test_the_coordinators_own_async_progress_check_refuses_it(spark, tmp_path, m
     under an ``AsyncProgressTrackingMicroBatchExecution``: here the query the coordinator finds is
     one (a stand-in for the JVM object: the refusal above is this test's real-Spark twin), and its
     check of the Spark session, which runs before a batch's INTENT, refuses it."""
-    import twophase.coordinator.coordinator as cmod
+    import twophase.coordinator.environment as cmod
 
     class JavaClass:
         def getSimpleName(self):

@@ -180,7 +180,7 @@ def test_auto_never_collects_again_after_a_collect_out_of_memory(spark, tmp_path
     """A collect that failed with an OutOfMemoryError (here a column whose error says so, once) is
     not tried again by that coordinator: the same rows would run the heap out again, and the driver's
     JVM may die of it the next time.  The wait of other failures is cut to 2 batches here."""
-    import twophase.coordinator.coordinator as coordinator_module
+    import twophase.coordinator.driver_path as coordinator_module
 
     monkeypatch.setattr(coordinator_module, "_COLLECT_RETRY_FIRST", 2)
     marker = tmp_path / "fail-the-next-evaluation"

@@ -19,8 +19,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+import twophase.committer as committer_mod
 import twophase.protocol as protocol_mod
-import twophase.recovery as recovery_mod
 from twophase.errors import CommitError, LogOwnershipError
 from twophase.log import INTENT
 from twophase.protocol import BatchProgress, OpenedBallot, TwoPhaseProtocol
@@ -392,12 +392,12 @@ def test_a_late_attempt_waits_for_its_intent_and_a_guard_that_never_holds_is_no_
 
 
 def test_deterministic_restores_everything_it_patched():
-    before = (protocol_mod._InBackground, recovery_mod.ThreadPoolExecutor, protocol_mod.uuid,
+    before = (protocol_mod._InBackground, committer_mod.ThreadPoolExecutor, protocol_mod.uuid,
               ex.TransactionLog.start_heartbeat, dict(registry._FACTORIES))
     with ex.deterministic():
         assert protocol_mod._InBackground is not before[0]
         assert ex.SCHEME in registry._FACTORIES
-    assert (protocol_mod._InBackground, recovery_mod.ThreadPoolExecutor, protocol_mod.uuid,
+    assert (protocol_mod._InBackground, committer_mod.ThreadPoolExecutor, protocol_mod.uuid,
             ex.TransactionLog.start_heartbeat, dict(registry._FACTORIES)) == before
 
 

@@ -52,7 +52,7 @@ tests = ["tests/test_log.py::test_checksum_catches_an_edited_record"]
 
 [[mutant]]
 id = "killed"
-file = "twophase/log.py"
+file = "twophase/log_records.py"
 find = "if not isinstance(body, dict) or hashlib.sha256(_canonical(body)).hexdigest() != obj.get(\\"sha256\\"):"
 replace = "if not isinstance(body, dict):"
 why = "the checksum ignored"

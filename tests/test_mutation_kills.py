@@ -459,10 +459,11 @@ def _ownership_check(monkeypatch, url: str, seen: list[int], handles: dict[str, 
     the ConformanceError's message ("" if it passed).  ``left_open``: transactions the target shows open."""
     import json
 
-    from twophase.testing import ownership
+    from twophase.testing import _ownership_checks, ownership
     from twophase.testing.conformance import ConformanceError
 
-    monkeypatch.setattr(ownership, "note", lambda *a, **k: None)  # hypothesis' note, outside a run here
+    # hypothesis' note, outside a run here (patched where OwnershipMachine._check reads it)
+    monkeypatch.setattr(_ownership_checks, "note", lambda *a, **k: None)
     m = object.__new__(ownership.OwnershipMachine)
     m.urls, m.late, m.rows, m.owner, m.protocol_factory = [url], {}, {}, None, "TwoPhaseProtocol"
     m.handle_rows = {json.dumps({"h": k}, sort_keys=True): ids for k, ids in handles.items()}

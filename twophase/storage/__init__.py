@@ -1,4 +1,5 @@
-"""Storage backends under the transaction log and the file sink: one module per backend.
+"""Storage backends under the transaction log and the file sink: one module per backend (S3's
+face ``s3`` over its client, storage and part-file modules).
 
 :mod:`~twophase.storage.local` (POSIX directories), :mod:`~twophase.storage.hdfs`
 (WebHDFS) and :mod:`~twophase.storage.s3` (botocore) each offer what two-phase commit

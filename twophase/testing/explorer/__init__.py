@@ -47,12 +47,13 @@ What it proves: for the actors modelled, every interleaving of their store and s
 the bound keeps those invariants.  What it does not: the storage is linearizable here (one dict;
 no lost, torn or reordered writes, no partial listings, no eventual consistency, no write whose
 outcome is unknown), Spark is not there (the data source form's plan and commit steps are mirrored
-from twophase/datasource.py; the coordinator's Spark glue is not run), the memory sink is a model
-of the real sinks' contract (their own races, timeouts and fences are theirs to test:
-:mod:`twophase.testing.conformance`), a process never crashes (an actor that stops early is the
-same as one paused for ever; a crash that loses in-flight work is the conformance harness's),
-time does not pass (leases never expire; only takeovers depose), schedules beyond the bound are
-not explored, and what the protocol runs in background threads runs inline where it is started.
+from twophase/datasource_plan.py and twophase/datasource_writer.py; the coordinator's Spark glue is
+not run), the memory sink is a model of the real sinks' contract (their own races, timeouts and
+fences are theirs to test: :mod:`twophase.testing.conformance`), a process never crashes (an actor
+that stops early is the same as one paused for ever; a crash that loses in-flight work is the
+conformance harness's), time does not pass (leases never expire; only takeovers depose), schedules
+beyond the bound are not explored, and what the protocol runs in background threads runs inline
+where it is started.
 
 ``python -m twophase.testing.explorer --help``; docs/explorer.md.
 

@@ -2,7 +2,10 @@
 names every schedule uses, the state shared across modules (the current schedule, ``_WORLD``; the
 calling actor's run, ``_local``; the lock of :func:`~twophase.testing.explorer.deterministic`), a
 scheduling point (``_point``), and the findings: :class:`Finding` and its rendering, the schedule's
-text form, :class:`Violation`, :class:`TaskFailed`, the trace's lines."""
+text form, :class:`Violation`, :class:`TaskFailed`, the trace's lines.  Also the schedule as the
+modules below world.py see it (:class:`_WorldView`, :class:`_RunView`, :class:`_SutView`:
+protocols, which world.py's ``_World`` and ``_Run`` and sinks.py's ``SinkUnderTest`` meet), so
+that no module imports world.py, which imports them."""
 
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twophase.errors import TwoPhaseError
 
 if TYPE_CHECKING:
-    from twophase.testing.explorer.world import _Run, _World
+    from twophase.protocol import TwoPhaseProtocol
+    from twophase.sink import TwoPhaseCommitSink
 
 #: The URL scheme of the explorer's in-memory log store (registered only inside :func:`deterministic`).
 SCHEME = "explorer"
@@ -28,7 +32,7 @@ NAME = "pipe"
 _local = threading.local()
 
 
-_WORLD: list[_World | None] = [None]
+_WORLD: list[_WorldView | None] = [None]
 _PATCH_LOCK = threading.Lock()
 
 
@@ -38,7 +42,7 @@ _TARGET_PREFIX = re.compile(r"/\S*?/twophase-explorer-[^/\s]+/")
 
 def _point() -> None:
     """A scheduling point: the calling actor stops here until the scheduler picks it again."""
-    run: _Run | None = getattr(_local, "run", None)
+    run: _RunView | None = getattr(_local, "run", None)
     if run is not None:
         run.point()
 
@@ -118,3 +122,68 @@ class _Entry:
     def text(self) -> str:
         d = self.detail() if callable(self.detail) else self.detail
         return f"{self.label}: {self.op}{(' ' + _TARGET_PREFIX.sub('', d)) if d else ''}"
+
+
+# ============================================================================ the schedule, as seen from below
+class _SutView(Protocol):
+    """What the actors and the scheduled sink read of the sink under test (sinks.py's
+    :class:`~twophase.testing.explorer.sinks.SinkUnderTest`)."""
+
+    @property
+    def sink(self) -> Callable[[Any], TwoPhaseCommitSink[Any, Any]]: ...
+    @property
+    def make_batch(self) -> Callable[[list[int]], Any]: ...
+    @property
+    def partitions(self) -> int: ...
+    @property
+    def sink_points(self) -> bool: ...
+
+
+class _WorldView(Protocol):
+    """One schedule's world as the modules below world.py use it (world.py's
+    :class:`~twophase.testing.explorer.world._World`): its store's files and their checks, the trace,
+    the sink under test and its target, the actors' bookkeeping."""
+
+    uuids: int
+    clock: float
+    task_ids: int
+
+    @property
+    def files(self) -> dict[str, bytes]: ...
+    @property
+    def quiet(self) -> bool: ...
+    @property
+    def batches(self) -> int: ...
+    @property
+    def batch_ids(self) -> list[int] | None: ...
+    @property
+    def expected(self) -> list[int]: ...
+    @property
+    def retain_batches(self) -> int: ...
+    @property
+    def protocol_factory(self) -> Callable[..., TwoPhaseProtocol]: ...
+    @property
+    def sut(self) -> _SutView: ...
+    @property
+    def target_obj(self) -> Any: ...
+    @property
+    def spark_committed(self) -> set[int]: ...
+
+    def log(self, op: str, detail: Callable[[], str] | str, key: str = "") -> None: ...
+    def on_write(self, name: str, data: bytes) -> None: ...
+    def on_change(self, name: str) -> None: ...
+
+
+class _RunView(Protocol):
+    """One actor's thread in one schedule as the modules below world.py use it (world.py's
+    :class:`~twophase.testing.explorer.world._Run`)."""
+
+    label: str
+
+    @property
+    def captured(self) -> Any: ...
+    @property
+    def actor(self) -> Any: ...  # its Actor (actors.py, which imports this module)
+
+    def ready(self) -> None: ...
+    def point(self) -> None: ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import twophase.recovery as _recovery_mod
 from twophase.context import TransactionContext
@@ -18,11 +18,17 @@ from twophase.log import TransactionLog, parse_batch_name
 from twophase.protocol import BatchProgress, TwoPhaseProtocol
 from twophase.recovery import Committer
 from twophase.sink import TwoPhaseCommitSink
-from twophase.testing.explorer._base import LOG_URL, NAME, QUERY_ID, TaskFailed, _Abandon
+from twophase.testing.explorer._base import (
+    LOG_URL,
+    NAME,
+    QUERY_ID,
+    TaskFailed,
+    _Abandon,
+    _RunView,
+    _WorldView,
+)
 from twophase.testing.explorer.points import _body, _scheduled
 
-if TYPE_CHECKING:
-    from twophase.testing.explorer.world import _Run, _World
 
 # ============================================================================ actors
 @dataclass
@@ -40,7 +46,7 @@ class Actor:
 
     name: str
     run: Callable[[ActorContext], None]
-    guard: Callable[[_World], Any] | None = None
+    guard: Callable[[_WorldView], Any] | None = None
     prologue: bool = False  # run() calls ctx.ready() itself
     #: What the actor may stop with; anything else is ``unexpected-error``.
     expected: tuple[type[BaseException], ...] = (TwoPhaseError,)
@@ -53,7 +59,7 @@ class ActorContext:
     """What an actor's ``run`` gets: the schedule's world, and helpers that build what a process
     builds (a sink object, a log object, a protocol) on it."""
 
-    def __init__(self, world: _World, run: _Run):
+    def __init__(self, world: _WorldView, run: _RunView):
         self.world, self._run = world, run
 
     @property
@@ -218,9 +224,9 @@ def deposed(batches: Sequence[int] | None = None, *, name: str = "deposed", hist
 def datasource_run(batches: Sequence[int] | None = None, *, name: str = "ds", until_last: bool = False) -> Actor:
     """One run of a query written with the data source form (``format("twophase-...")``): per batch
     its plan step, its task and its commit step, each a process of its own, as
-    twophase/datasource.py runs them.  Default batches: the first batch Spark has not committed
-    when it starts, alone (a run paused in it) or (``until_last``) to the scenario's last (a
-    restarted run).
+    twophase/datasource_plan.py and twophase/datasource_writer.py run them.  Default batches: the
+    first batch Spark has not committed when it starts, alone (a run paused in it) or
+    (``until_last``) to the scenario's last (a restarted run).
 
     Plan (``_plan``): a fresh log taken over (a new epoch), ``open_ballot``.  Task: begin, write,
     pre-commit under the plan's INTENT.  Commit (``_Steps._commit``): a log ``resume``-d as the
@@ -277,7 +283,7 @@ def datasource_run(batches: Sequence[int] | None = None, *, name: str = "ds", un
     return Actor(name, run)
 
 
-def _intent_of(world: _World, batch_id: int, ballot: int | None) -> dict[str, Any] | None:
+def _intent_of(world: _WorldView, batch_id: int, ballot: int | None) -> dict[str, Any] | None:
     """The INTENT of a ballot of a batch in the store (``ballot=None``: its latest), or None."""
     best: tuple[int, dict[str, Any]] | None = None
     for name, data in world.files.items():
@@ -339,7 +345,7 @@ def batch_job(batch_id: int, *, name: str | None = None) -> Actor:
     return Actor(name or f"b{batch_id}", run, forbidden=(DataLossError,))
 
 
-def _final_owner(world: _World) -> Actor:
+def _final_owner(world: _WorldView) -> Actor:
     """After every actor: a restarted query's coordinator, alone: recovery, then every batch Spark
     has not committed, then one batch more (its cleanup sweeps what late attempts left).  Batch
     jobs (``Scenario.batch_ids``): a re-run of every job whose run did not return, in id order (one

@@ -15,9 +15,13 @@ import uuid as _uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import twophase.committer as _committer_mod
 import twophase.log as _log_mod
+import twophase.log_batches as _log_batches_mod
+import twophase.log_generations as _log_generations_mod
+import twophase.log_ownership as _log_ownership_mod
+import twophase.log_pruning as _log_pruning_mod
 import twophase.protocol as _protocol_mod
-import twophase.recovery as _recovery_mod
 from twophase.errors import TwoPhaseError
 from twophase.log import TransactionLog
 from twophase.storage import registry as _registry
@@ -114,7 +118,7 @@ def deterministic() -> Iterator[None]:
 
     - ``twophase.protocol._InBackground`` (the fence check, the replaced generations' sweep, a
       background COMMITTED record) runs inline where it is started;
-    - ``twophase.recovery.ThreadPoolExecutor`` (the committer's pool) runs each commit at submit;
+    - ``twophase.committer.ThreadPoolExecutor`` (the committer's pool) runs each commit at submit;
     - ``uuid4`` of the log and the protocol counts, ``time.time`` of the log is a clock per schedule
       (so the lease's heartbeat never comes due); ``TransactionLog.start_heartbeat`` starts nothing;
     - the ``explorer://`` scheme opens the schedule's in-memory store;
@@ -129,14 +133,18 @@ def deterministic() -> Iterator[None]:
                 setattr(obj, attr, value)
 
         patch(_protocol_mod, "_InBackground", _Inline)
-        patch(_recovery_mod, "ThreadPoolExecutor", _SyncExecutor)
-        patch(_log_mod, "uuid", _Uuids())
+        patch(_committer_mod, "ThreadPoolExecutor", _SyncExecutor)
+        # The log's parts (twophase/log*.py): each module that reads uuid / time has its own name.
+        log_mods = (_log_mod, _log_batches_mod, _log_generations_mod, _log_ownership_mod, _log_pruning_mod)
+        for log_mod in log_mods:
+            patch(log_mod, "uuid", _Uuids())
         patch(_protocol_mod, "uuid", _Uuids())
         for module in ("twophase.sinks.files.sink", "twophase.sinks.files.spark_writer",
                        "twophase.storage.parts"):  # FileSink's tokens and staged names
             if module in sys.modules:
                 patch(sys.modules[module], "uuid", _Uuids())
-        patch(_log_mod, "time", _Clock())
+        for log_mod in log_mods:
+            patch(log_mod, "time", _Clock())
         patch(TransactionLog, "start_heartbeat", lambda self: None)
         factories = _registry._FACTORIES
         had = factories.get(SCHEME)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
@@ -18,10 +18,7 @@ from twophase.log import parse_batch_name
 from twophase.sink import CommitOutcome, CommitResult, TwoPhaseCommitSink
 from twophase.sink import abort_lingering as _sink_abort_lingering
 from twophase.storage._base import LogStore
-from twophase.testing.explorer._base import _TARGET_PREFIX, _Abandon, _point
-
-if TYPE_CHECKING:
-    from twophase.testing.explorer.world import _World
+from twophase.testing.explorer._base import _TARGET_PREFIX, _Abandon, _point, _WorldView
 
 _SCHEDULED: dict[str, type] = {}
 
@@ -30,7 +27,7 @@ _NO_POINT = {"handle_to_json", "handle_from_json", "encode_handle", "decode_hand
              "to_config", "from_config", "target", "executor_modules", "local_paths", "max_parallelism"}
 
 
-def _scheduled(inner: TwoPhaseCommitSink[Any, Any], world: _World) -> TwoPhaseCommitSink[Any, Any]:
+def _scheduled(inner: TwoPhaseCommitSink[Any, Any], world: _WorldView) -> TwoPhaseCommitSink[Any, Any]:
     """``inner`` with a scheduling point before every driver and executor method (and a trace line).
 
     A method of :class:`~twophase.sink.TwoPhaseCommitSink` the wrapper does not name (one added
@@ -78,7 +75,7 @@ def _intent_text(intent: dict[str, Any] | None) -> str:
 class _ScheduledSink(TwoPhaseCommitSink[Any, Any]):
     """A sink whose every method is a scheduling point of the explorer; delegates to ``inner``."""
 
-    def __init__(self, inner: TwoPhaseCommitSink[Any, Any], world: _World):
+    def __init__(self, inner: TwoPhaseCommitSink[Any, Any], world: _WorldView):
         self.inner, self.world = inner, world
         self.supports_speculation = inner.supports_speculation
         self.points = world.sut.sink_points
@@ -268,7 +265,7 @@ class MemoryLogStore(LogStore):
     Linearizable (one dict, one actor at a time); every call is a scheduling point.
     """
 
-    def __init__(self, world: _World, url: str):
+    def __init__(self, world: _WorldView, url: str):
         self.world, self.url = world, url
 
     def read(self, name: str) -> bytes | None:
@@ -318,7 +315,7 @@ def _listing(files: dict[str, bytes], folder: str, hidden: bool) -> list[str]:
 class _QuietStore(LogStore):
     """The same files, read by the explorer's checks: no scheduling point, no trace, read only."""
 
-    def __init__(self, world: _World, url: str):
+    def __init__(self, world: _WorldView, url: str):
         self.world, self.url = world, url
 
     def read(self, name: str) -> bytes | None:

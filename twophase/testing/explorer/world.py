@@ -8,7 +8,7 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twophase.log import TransactionLog, parse_batch_name
 from twophase.testing.explorer._base import _QUIET_URL, _TARGET_PREFIX, _Abandon, _Entry, _local
@@ -17,7 +17,25 @@ from twophase.testing.explorer.points import _body, _short
 from twophase.testing.explorer.sinks import MemoryTarget
 
 if TYPE_CHECKING:
-    from twophase.testing.explorer.search import _Explorer
+    from twophase.protocol import TwoPhaseProtocol
+    from twophase.testing.explorer.scenarios import Scenario
+    from twophase.testing.explorer.sinks import SinkUnderTest
+
+
+class _ExplorerView(Protocol):
+    """What a schedule reads of its explorer (search.py's
+    :class:`~twophase.testing.explorer.search._Explorer`, which imports this module)."""
+
+    @property
+    def scenario(self) -> Scenario: ...
+    @property
+    def sut(self) -> SinkUnderTest: ...
+    @property
+    def protocol_factory(self) -> Callable[..., TwoPhaseProtocol]: ...
+    @property
+    def retain_batches(self) -> int: ...
+    @property
+    def max_steps(self) -> int: ...
 
 # ============================================================================ one schedule
 class _Run:
@@ -90,7 +108,7 @@ class _Run:
 class _World:
     """One schedule: the store's files, the sink's target, the actors' threads, the checks."""
 
-    def __init__(self, explorer: _Explorer):
+    def __init__(self, explorer: _ExplorerView):
         self.explorer = explorer
         self.batches = explorer.scenario.batches
         self.batch_ids = explorer.scenario.batch_ids
