@@ -151,7 +151,7 @@ class _Ownership:
 
     def resume(self, *, owner: str, epoch: int | None, generation: int | None, query_id: str) -> None:
         """Act as the owner that acquired ``epoch`` in another process: the data source's commit
-        step (twophase/datasource.py) decides the ballot its plan opened, in a process of its
+        step (twophase/datasource_writer.py) decides the ballot its plan opened, in a process of its
         own.  Its records carry that owner, so :meth:`mine` tells them apart as the plan's would.
         The fence stays the ballots' slots; nothing is written here."""
         self.owner, self.epoch, self.generation, self.query_id = owner, epoch, generation, query_id

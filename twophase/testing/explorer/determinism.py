@@ -126,10 +126,12 @@ def deterministic() -> Iterator[None]:
     """
     with _PATCH_LOCK:
         saved: list[tuple[Any, str, Any]] = []
+        _inherited = object()  # a class attribute found on a base: restored by deleting the own one
 
         def patch(obj: Any, attr: str, value: Any) -> None:
             if hasattr(obj, attr):
-                saved.append((obj, attr, getattr(obj, attr)))
+                own = not isinstance(obj, type) or attr in vars(obj)
+                saved.append((obj, attr, getattr(obj, attr) if own else _inherited))
                 setattr(obj, attr, value)
 
         patch(_protocol_mod, "_InBackground", _Inline)
@@ -166,7 +168,10 @@ def deterministic() -> Iterator[None]:
             else:
                 factories[SCHEME] = had
             for obj, attr, value in reversed(saved):
-                setattr(obj, attr, value)
+                if value is _inherited:
+                    delattr(obj, attr)
+                else:
+                    setattr(obj, attr, value)
 
 
 @contextlib.contextmanager
