@@ -88,9 +88,6 @@ def pytest_collection_modifyitems(config, items):
 #: application waits for the first one's cores (and a test's executor wait may run out); YARN's
 #: NodeManagers the same.  A test holding one runs beside tests that do not need it.
 _ONE_AT_A_TIME = {"spark_cluster": ("spark_cluster_service",), "yarn": ("yarn_service",)}
-#: ... and by the tests' marks: the test hosts (network namespaces with servers, a Spark cluster
-#: and YARN of their own, tests/services/hosts.py), which the nemesis cuts, pauses and kills.
-_ONE_AT_A_TIME_BY_MARK = {"hosts": "test_hosts"}
 
 
 def _one_at_a_time(item) -> list[str]:
@@ -98,7 +95,6 @@ def _one_at_a_time(item) -> list[str]:
     :data:`_ONE_AT_A_TIME` its fixtures reach, and those its ``one_at_a_time`` markers name."""
     names = {n for n, fixtures in _ONE_AT_A_TIME.items() if any(f in item.fixturenames for f in fixtures)}
     names.update(a for m in item.iter_markers("one_at_a_time") for a in m.args)
-    names.update(n for mark, n in _ONE_AT_A_TIME_BY_MARK.items() if item.get_closest_marker(mark) is not None)
     return sorted(names)
 
 

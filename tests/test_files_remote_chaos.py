@@ -204,7 +204,7 @@ def test_s3_exactly_once_under_crash_points(tmp_path):
 @pytest.mark.cluster
 @pytest.mark.hdfs
 @pytest.mark.spark
-@pytest.mark.one_at_a_time("spark_cluster")  # SIGKILLs executor JVMs of the shared Spark standalone cluster
+@pytest.mark.alone("SIGKILLs executor JVMs on the shared Spark standalone cluster")
 @pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
                     reason="CI time: in CI FileSink's Arrow writer on HDFS loses an executor mid-task (its "
                            "file pre-committed) on YARN, in tests/test_yarn.py's " + YARN_CI + ", and the "
@@ -270,7 +270,7 @@ def test_hdfs_exactly_once_on_a_cluster_whose_executors_die(tmp_path, hdfs_servi
 
 @pytest.mark.cluster
 @pytest.mark.spark
-@pytest.mark.one_at_a_time("spark_cluster")  # SIGKILLs an executor JVM of the shared Spark standalone cluster
+@pytest.mark.alone("SIGKILLs an executor JVM on the shared Spark standalone cluster")
 @pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
                     reason="CI time: in CI FileSink on S3 on the cluster meets the nemesis's files-s3 "
                            "schedule (tests/test_nemesis.py: the driver SIGKILLed, the log cut from it; no "

@@ -57,7 +57,7 @@ def test_driver_killed_at_the_sinks_crash_points(kafka_service, tmp_path):
 @pytest.mark.spark
 @pytest.mark.chaos
 @pytest.mark.cluster
-@pytest.mark.one_at_a_time("spark_cluster")  # SIGKILLs a worker of it and its executors (cluster.Saboteur)
+@pytest.mark.alone("SIGKILLs a Spark standalone cluster worker and its executors (cluster.Saboteur)")
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
                     reason="CI time: KafkaSink on a cluster under executor and driver faults is the nemesis's "

@@ -33,11 +33,9 @@ from tests.services import hosts
 RUN_MARKS = [pytest.mark.nemesis, pytest.mark.hosts, pytest.mark.chaos, pytest.mark.s3,  # the log is on S3
              pytest.mark.timeout(900),
              pytest.mark.cluster,
-             # It cuts test hosts off the bridge, blackholes routes, SIGKILLs/SIGSTOPs executors of the
-             # test hosts' Spark cluster: the mark ``hosts`` makes it one of the tests that take the test
-             # hosts one at a time (tests/conftest.py), beside tests on loopback, which it never touches
-             # (its servers are the hosts' own, tests/services/*_host.py).
-             pytest.mark.skipif(hosts.available() is not None, reason=f"test hosts: {hosts.available()}")]
+             pytest.mark.skipif(hosts.available() is not None, reason=f"test hosts: {hosts.available()}"),
+             pytest.mark.alone("cuts test hosts off the bridge, blackholes routes, SIGKILLs/SIGSTOPs executors "
+                               "of the test hosts' shared Spark cluster, which it needs free")]
 
 
 def _run_marks(f):

@@ -165,7 +165,7 @@ def test_upsert_final_table_under_replays(tmp_path, postgres_service):
 
 @pytest.mark.cluster
 @pytest.mark.spark
-@pytest.mark.one_at_a_time("spark_cluster")  # SIGKILLs a worker of it and its executors (cluster.Saboteur)
+@pytest.mark.alone("SIGKILLs a Spark standalone cluster worker and its executors (cluster.Saboteur)")
 def test_insert_exactly_once_on_a_cluster_whose_executors_and_workers_die(tmp_path, postgres_service,
                                                                           spark_cluster_service):
     """Issue 17, PostgreSQL: the insert pipeline on the standalone cluster (two workers, one

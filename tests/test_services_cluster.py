@@ -81,7 +81,7 @@ def test_a_job_runs_on_two_executors_each_in_its_own_jvm(cluster_driver):
                            "nemesis's executor-kill (tests/test_nemesis.py, on three sinks, checking that the "
                            "killed attempt's partition ran again beside it), on the cluster of the test hosts; "
                            "TWOPHASE_FULL_CHAOS=1 runs it")
-@pytest.mark.one_at_a_time("spark_cluster")  # SIGKILLs an executor JVM of it
+@pytest.mark.alone("SIGKILLs an executor JVM on the shared Spark standalone cluster")
 def test_an_executor_sigkilled_mid_job_costs_a_retried_task_not_the_job(cluster_driver, tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -111,7 +111,7 @@ def test_an_executor_sigkilled_mid_job_costs_a_retried_task_not_the_job(cluster_
                     reason="CI time: a worker SIGKILLed mid-job and brought back is what the PostgreSQL "
                            "cluster kill test's saboteur does (tests/test_postgres_chaos.py), its next job's rows "
                            "checked there by id; TWOPHASE_FULL_CHAOS=1 runs it")
-@pytest.mark.one_at_a_time("spark_cluster")  # SIGKILLs a worker of it and its executors, then restarts it
+@pytest.mark.alone("SIGKILLs a Spark standalone cluster worker and its executors, then restarts it")
 def test_a_worker_sigkilled_mid_job_comes_back_and_runs_the_next_job(cluster_driver, tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -236,7 +236,7 @@ def test_the_zip_holds_the_modules_the_wheel_installs(tmp_path):
         assert set(z.namelist()) == installed
 
 
-@pytest.mark.one_at_a_time("spark_cluster")  # SIGKILLs a worker of it, then restarts it
+@pytest.mark.alone("SIGKILLs a Spark standalone cluster worker, then restarts it")
 def test_start_brings_back_a_worker_sigkilled_a_moment_ago(spark_cluster_service):
     """What `python -m tests.services start` and cluster_driver's teardown do after chaos."""
     lost = WORKERS[1]
