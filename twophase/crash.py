@@ -19,9 +19,10 @@ Spark task, once per task attempt (a retry of the task stops again, even in a re
 Python worker).  Where both plans name a point, the crash wins.  ``TWOPHASE_PAUSE_LOG``
 names a file each process appends ``"<point> <batch> <pid>"`` to just before it stops, and
 in a Spark task ``"<point> <batch> <pid> <partition> <attempt> <task attempt id>"`` (the
-task's partition id, attempt number and application-wide task attempt id), so a test learns which process to resume and which task stopped (an
-executor's Python worker at ``before_begin`` or ``after_pre_commit``; the coordinator
-ships the pause plan to its tasks like the crash plan).
+task's partition id, attempt number and application-wide task attempt id), so a test learns
+which process to resume and which task stopped (an executor's Python worker at
+``before_begin`` or ``after_pre_commit``; the coordinator ships the pause plan to its tasks
+like the crash plan).
 A test waits for the stop itself (``/proc/<pid>/stat`` state ``T``), never for a time.  A
 worker paused at ``before_begin`` is a *late task attempt* on demand: resumed after its
 driver was killed and another driver took the batch over, it begins its transaction under
@@ -58,7 +59,8 @@ POINTS = (
 
 _plan: dict[str, set[int] | None] | None = None
 _pause_plan: dict[str, set[int] | None] = {}
-#: (point, batch, the Spark task's (partition, attempt) or None) this process already stopped at
+#: (point, batch, the Spark task's (partition, attempt, task attempt id) or None) this process
+#: already stopped at
 _paused: set[tuple[str, int | None, tuple[int, int, int] | None]] = set()
 
 
