@@ -85,23 +85,42 @@ def _run(tmp_path, sink: FileSink, env: dict[str, str], log: str | None = None,
     return runs
 
 
-def _check_every_batch_committed(log_url: str, opts: dict | None = None) -> None:
-    """The run's log (one generation) shows each of its FILES batches decided to commit: settled
-    (COMMITTED, or in a pruned range), or, for the last one only, its commit decision without the
-    COMMITTED record (written in the background; a SIGKILL after Spark's own commit of the last
-    batch leaves it so, and no later batch runs the recovery that writes it: the rows, checked by id
-    above, are all visible)."""
+def _spark_batches(checkpoint) -> dict[int, int]:
+    """The batches Spark's checkpoint planned, each with how many input files its file source
+    gave it (``sources/0/<id>``; one, with ``maxFilesPerTrigger`` 1, unless Spark planned otherwise)."""
+    out = {}
+    for f in (checkpoint / "offsets").iterdir():
+        if f.name.isdigit():
+            src = checkpoint / "sources" / "0" / f.name
+            lines = src.read_text().splitlines()[1:] if src.exists() else []
+            out[int(f.name)] = sum(1 for line in lines if line.strip())
+    return dict(sorted(out.items()))
+
+
+def _check_every_batch_committed(log_url: str, opts: dict | None, checkpoint) -> None:
+    """The run's log (one generation) shows each batch of Spark's checkpoint decided to commit:
+    settled (COMMITTED, or in a pruned range), or, for the last one only, its commit decision
+    without the COMMITTED record (written in the background; a SIGKILL after Spark's own commit of
+    the last batch leaves it so, and no later batch runs the recovery that writes it: the rows,
+    checked by id above, are all visible).  The batches are Spark's (one input file each, as
+    planned; the message names what Spark planned if the log disagrees)."""
     from twophase.log import TransactionLog
 
     tlog = TransactionLog(log_url, storage_options=opts, readonly=True)
     assert [g["generation"] for g in tlog.generations()] == [1], tlog.generations()
     settled = tlog.settled_ranges(1)
-    last = FILES - 1
+    planned = _spark_batches(checkpoint)
+    last = max(planned)
+    assert sorted(planned) == list(range(last + 1)), planned
+    listing = sorted(tlog.store.list("g0001", hidden=True))
     if settled == [[0, last - 1]]:
         decision = tlog.view(last, generation=1).decision
-        assert decision is not None and not decision.aborted, f"batch {last} is neither COMMITTED nor decided"
+        assert decision is not None and not decision.aborted, (
+            f"batch {last} is neither COMMITTED nor decided; Spark's batches (id: input files) {planned}; "
+            f"the log's records {listing}")
     else:
-        assert settled == [[0, last]], f"not every batch of 0..{last} committed: {settled}"
+        assert settled == [[0, last]], (f"not every batch of 0..{last} committed: {settled}; Spark's batches "
+                                        f"(id: input files) {planned}; the log's records {listing}")
 
 
 @pytest.mark.hdfs
@@ -137,9 +156,9 @@ def test_hdfs_exactly_once_under_crash_points_and_sigkills(tmp_path, hdfs_servic
         assert all(r["k"] == KEYS[r["id"] % len(KEYS)] for r in rows)  # partition values read back intact
         staged = [f"{d}/{f}" for d, _, files in client.walk(f"{path}/out/_twophase") for f in files]
         assert staged == []
-        # the log on HDFS says every batch committed: batches 0..FILES-1 (one input file each),
+        # the log on HDFS says every batch of Spark's checkpoint committed (one input file each, as planned),
         # each by its COMMITTED record (or a pruned range, which records only COMMITTED ids)
-        _check_every_batch_committed(f"{url}/log", opts)
+        _check_every_batch_committed(f"{url}/log", opts, tmp_path / "ck")
         batches = client.list(f"{path}/log/g0001")
         # A driver killed between a record's temp file and its rename (CI's SIGKILL once landed
         # there) leaves the hidden temp file: at most one per killed run, each a record's of a
