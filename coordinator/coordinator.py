@@ -112,7 +112,8 @@ class Coordinator(_Environment, _DriverPath, _TaskPath):
     ``small_batch_rows`` rows, else Arrow. Spark Connect has no RDDs: always Arrow there.
 
     ``task_input="driver"`` runs no task at all: the batch's rows are collected to the driver as
-    Arrow record batches (one JVM action, ``df.limit(bound + 1).toArrow()``) and the sink writes
+    Arrow record batches (one JVM action, ``df.limit(bound + 1).toArrow()``, by one task for a batch
+    of at most two partitions) and the sink writes
     them there, in one transaction (partition 0, attempt 0, the ballot planned for one partition),
     which the driver pre-commits and decides like a task's.  The bound is ``driver_batch_rows``
     (default :data:`DRIVER_BATCH_ROWS`, 10,000 rows; None means the default), checked by that very
@@ -199,6 +200,7 @@ class Coordinator(_Environment, _DriverPath, _TaskPath):
         self._collect_failures = 0     # failed driver collects in a row (reset by one that succeeds)
         self._collect_wait = 0         # batches "auto" still keeps to the tasks after a failed collect
         self._unsafe_collect: str | None = None  # why "auto" must not collect here (_collect_unsafe)
+        self._one_task: tuple[str, int, bool] | None = None  # (query id, batches left, verdict): _collect_in_one_task
         self._batch_input = ""         # the path the current batch's tasks took
         self._probed = False           # executors checked (cluster masters, first batch)
         self._job: tuple[Any, str] | None = None  # (SparkContext, job group) of the batch's job while it runs

@@ -34,6 +34,30 @@ _COLLECT_FAILED = "the driver's collect failed"
 #: mid-collect, a fetch failure) no longer keeps a long-running query off the driver path for good.
 _COLLECT_RETRY_FIRST = 10
 _COLLECT_RETRY_MAX = 1000
+#: A batch of at most this many partitions is collected by one task (``coalesce(1)`` before the
+#: limit): a limit over more partitions is a second stage (a shuffle of each partition's first rows
+#: to one), which cost a 100-row batch about 30 of its 70 ms of collect on ``local[2]``
+#: (docs/benchmarks.md).  Over more partitions the collect keeps their parallelism: a small batch
+#: may be a selective filter over a large input, which one task would read alone.
+_COLLECT_IN_ONE_TASK = 2
+#: A streaming query's partitions are counted again after this many batches (counting plans the
+#: batch, about 10 ms; a source's partitions seldom change, and the count only chooses how to collect).
+_RECOUNT_EVERY = 100
+
+
+def _few_partitions(df) -> bool:
+    """Whether the batch's plan has at most :data:`_COLLECT_IN_ONE_TASK` partitions, counted without
+    a job (False when it cannot be: adaptive query execution would run the plan's shuffle stages to
+    settle it, and Spark Connect shows no RDD)."""
+    if is_connect(df.sparkSession):
+        return False
+    try:
+        qe = df._jdf.queryExecution()
+        if qe.executedPlan().getClass().getSimpleName() == "AdaptiveSparkPlanExec":
+            return False
+        return int(qe.toRdd().getNumPartitions()) <= _COLLECT_IN_ONE_TASK
+    except Exception:  # noqa: BLE001 - an unusual plan: the collect as before
+        return False
 
 
 def _cancelled(e: BaseException) -> bool:
@@ -91,11 +115,12 @@ class _DriverPath(_CoordinatorBase):
             return None
         t0 = time.perf_counter()
         try:
+            rows = (df.coalesce(1) if self._collect_in_one_task(df) else df).limit(bound + 1)
             if is_connect(df.sparkSession):  # no job groups to cancel by (as the Connect task path)
-                table = df.limit(bound + 1).toArrow()
+                table = rows.toArrow()
             else:
                 with self._cancellable(df):  # a fence found while it runs cancels the collect
-                    table = df.limit(bound + 1).toArrow()
+                    table = rows.toArrow()
             if table.num_rows <= bound:
                 table = table.cast(target)
         except LogOwnershipError:
@@ -143,6 +168,17 @@ class _DriverPath(_CoordinatorBase):
             log.info("%s: %s %d rows: this batch takes the Arrow task path", self.name, _OVER_BOUND, bound)
             return None
         return table
+
+    def _collect_in_one_task(self, df) -> bool:
+        """:func:`_few_partitions`, counted once per :data:`_RECOUNT_EVERY` batches of a streaming query."""
+        query_id, streaming = self._batch_query
+        cached = self._one_task
+        if streaming and cached is not None and cached[0] == query_id and cached[1] > 0:
+            self._one_task = (query_id, cached[1] - 1, cached[2])
+            return cached[2]
+        few = _few_partitions(df)
+        self._one_task = (query_id, _RECOUNT_EVERY, few) if streaming else None
+        return few
 
     def _collect_unsafe(self, spark) -> str:
         """Why "auto" must not collect batches into this driver ("" if it may), asked once.

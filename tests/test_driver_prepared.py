@@ -113,6 +113,46 @@ def test_driver_input_stays_on_the_driver_up_to_the_bound_and_no_further(spark, 
     assert _file_ids(out) == list(range(102))
 
 
+def test_a_batch_of_few_partitions_is_collected_by_one_task_and_a_wider_one_keeps_its_tasks(spark, tmp_path):
+    """The driver path's collect: ``coalesce(1)`` before the limit for a batch of at most two
+    partitions (no second stage, issue 63), each partition its own task for a wider batch (a small
+    batch may be a selective filter over a large input); the bound holds either way."""
+    from twophase.coordinator.driver_path import _few_partitions
+
+    assert _few_partitions(_frame(spark, 0, 10, parts=1)) and _few_partitions(_frame(spark, 0, 10, parts=2))
+    assert not _few_partitions(_frame(spark, 0, 10, parts=3))
+    # A plan under adaptive query execution is not counted (it would run its shuffle stages).
+    assert not _few_partitions(_frame(spark, 0, 10).groupBy("v").count())
+    for parts in (2, 8):
+        out = tmp_path / f"out{parts}"
+        c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / f"log{parts}"), name=f"w{parts}",
+                        task_input="driver", driver_batch_rows=50)
+        progress = [dict(c.write(_frame(spark, lo, n, parts=parts), batch_id=b))
+                    for b, (lo, n) in enumerate([(0, 50), (50, 51), (101, 7)])]
+        c.close()
+        assert [p["task_input"] for p in progress] == ["driver", "arrow", "driver"], (parts, progress)
+        assert _file_ids(out) == list(range(108)), parts
+
+
+def test_a_streaming_querys_partitions_are_counted_once_per_hundred_batches(spark, tmp_path, monkeypatch):
+    from twophase.coordinator import driver_path
+
+    counted = []
+    monkeypatch.setattr(driver_path, "_few_partitions", lambda df: counted.append(1) or True)
+    c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="cnt")
+    df = _frame(spark, 0, 3)
+    c._batch_query = ("q1", True)
+    assert all(c._collect_in_one_task(df) for _ in range(driver_path._RECOUNT_EVERY + 1))
+    assert len(counted) == 1
+    assert c._collect_in_one_task(df) and len(counted) == 2  # the 102nd batch counts again
+    c._batch_query = ("q2", True)  # another query: counted at once
+    c._collect_in_one_task(df)
+    c._batch_query = ("", False)  # a batch write: every time
+    c._collect_in_one_task(df)
+    c._collect_in_one_task(df)
+    assert len(counted) == 5
+
+
 def test_a_collect_whose_job_is_cancelled_fails_the_batch_instead_of_starting_the_task_path(spark, tmp_path):
     """A stopping query cancels the batch's running job (``q.stop()``: SPARK_JOB_CANCELLED).  If that
     job is the driver path's collect, the batch fails with the cancellation; before, the coordinator
