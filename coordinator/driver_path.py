@@ -48,12 +48,17 @@ _RECOUNT_EVERY = 100
 def _few_partitions(df) -> bool:
     """Whether the batch's plan has at most :data:`_COLLECT_IN_ONE_TASK` partitions, counted without
     a job (False when it cannot be: adaptive query execution would run the plan's shuffle stages to
-    settle it, and Spark Connect shows no RDD)."""
+    settle it, a plan with an exchange or a subquery runs jobs while it is prepared (broadcasts,
+    subqueries), and Spark Connect shows no RDD)."""
     if is_connect(df.sparkSession):
         return False
     try:
         qe = df._jdf.queryExecution()
-        if qe.executedPlan().getClass().getSimpleName() == "AdaptiveSparkPlanExec":
+        plan = qe.executedPlan()
+        if plan.getClass().getSimpleName() == "AdaptiveSparkPlanExec":
+            return False
+        text = plan.toString()
+        if "Exchange" in text or "Subquery" in text:
             return False
         return int(qe.toRdd().getNumPartitions()) <= _COLLECT_IN_ONE_TASK
     except Exception:  # noqa: BLE001 - an unusual plan: the collect as before

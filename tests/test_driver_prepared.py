@@ -123,6 +123,13 @@ def test_a_batch_of_few_partitions_is_collected_by_one_task_and_a_wider_one_keep
     assert not _few_partitions(_frame(spark, 0, 10, parts=3))
     # A plan under adaptive query execution is not counted (it would run its shuffle stages).
     assert not _few_partitions(_frame(spark, 0, 10).groupBy("v").count())
+    # Nor one with an exchange or a subquery (preparing it runs jobs: a broadcast, the subquery).
+    spark.conf.set("spark.sql.adaptive.enabled", "false")
+    try:
+        assert not _few_partitions(_frame(spark, 0, 10, parts=4).repartition(2))
+        assert not _few_partitions(_frame(spark, 0, 10).where("id < (SELECT max(id) FROM range(3))"))
+    finally:
+        spark.conf.unset("spark.sql.adaptive.enabled")
     for parts in (2, 8):
         out = tmp_path / f"out{parts}"
         c = Coordinator(FileSink(str(out)), log_location=str(tmp_path / f"log{parts}"), name=f"w{parts}",
