@@ -99,7 +99,6 @@ class _CoordinatorBase:
     _collect_failures: int
     _collect_wait: int
     _unsafe_collect: str | None
-    _one_task: tuple[str, int, bool] | None
     _batch_input: str
     _probed: bool
     _job: tuple[Any, str] | None

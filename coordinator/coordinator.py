@@ -200,7 +200,6 @@ class Coordinator(_Environment, _DriverPath, _TaskPath):
         self._collect_failures = 0     # failed driver collects in a row (reset by one that succeeds)
         self._collect_wait = 0         # batches "auto" still keeps to the tasks after a failed collect
         self._unsafe_collect: str | None = None  # why "auto" must not collect here (_collect_unsafe)
-        self._one_task: tuple[str, int, bool] | None = None  # (query id, batches left, verdict): _collect_in_one_task
         self._batch_input = ""         # the path the current batch's tasks took
         self._probed = False           # executors checked (cluster masters, first batch)
         self._job: tuple[Any, str] | None = None  # (SparkContext, job group) of the batch's job while it runs

@@ -36,13 +36,12 @@ _COLLECT_RETRY_FIRST = 10
 _COLLECT_RETRY_MAX = 1000
 #: A batch of at most this many partitions is collected by one task (``coalesce(1)`` before the
 #: limit): a limit over more partitions is a second stage (a shuffle of each partition's first rows
-#: to one), which cost a 100-row batch about 30 of its 70 ms of collect on ``local[2]``
-#: (docs/benchmarks.md).  Over more partitions the collect keeps their parallelism: a small batch
+#: to one), which cost a 100-row batch about 25-30 of its 100 ms of collect on ``local[2]``
+#: (docs/benchmarks.md).  Counted every batch: a Kafka micro-batch has a partition per topic
+#: partition with new records, so its count changes from batch to batch (``foreachBatch`` hands a
+#: plan over the batch's RDD, built before the call: counting it plans nothing).  Over more partitions the collect keeps their parallelism: a small batch
 #: may be a selective filter over a large input, which one task would read alone.
 _COLLECT_IN_ONE_TASK = 2
-#: A streaming query's partitions are counted again after this many batches (counting plans the
-#: batch, about 10 ms; a source's partitions seldom change, and the count only chooses how to collect).
-_RECOUNT_EVERY = 100
 
 
 def _few_partitions(df) -> bool:
@@ -54,6 +53,10 @@ def _few_partitions(df) -> bool:
         return False
     try:
         qe = df._jdf.queryExecution()
+        logical = qe.logical()
+        if logical.getClass().getSimpleName() == "LogicalRDD":
+            # foreachBatch's batch: a plan over the micro-batch's RDD, which Spark built before the call
+            return int(logical.rdd().getNumPartitions()) <= _COLLECT_IN_ONE_TASK
         plan = qe.executedPlan()
         if plan.getClass().getSimpleName() == "AdaptiveSparkPlanExec":
             return False
@@ -120,7 +123,7 @@ class _DriverPath(_CoordinatorBase):
             return None
         t0 = time.perf_counter()
         try:
-            rows = (df.coalesce(1) if self._collect_in_one_task(df) else df).limit(bound + 1)
+            rows = (df.coalesce(1) if _few_partitions(df) else df).limit(bound + 1)
             if is_connect(df.sparkSession):  # no job groups to cancel by (as the Connect task path)
                 table = rows.toArrow()
             else:
@@ -173,17 +176,6 @@ class _DriverPath(_CoordinatorBase):
             log.info("%s: %s %d rows: this batch takes the Arrow task path", self.name, _OVER_BOUND, bound)
             return None
         return table
-
-    def _collect_in_one_task(self, df) -> bool:
-        """:func:`_few_partitions`, counted once per :data:`_RECOUNT_EVERY` batches of a streaming query."""
-        query_id, streaming = self._batch_query
-        cached = self._one_task
-        if streaming and cached is not None and cached[0] == query_id and cached[1] > 0:
-            self._one_task = (query_id, cached[1] - 1, cached[2])
-            return cached[2]
-        few = _few_partitions(df)
-        self._one_task = (query_id, _RECOUNT_EVERY, few) if streaming else None
-        return few
 
     def _collect_unsafe(self, spark) -> str:
         """Why "auto" must not collect batches into this driver ("" if it may), asked once.

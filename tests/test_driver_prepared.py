@@ -141,23 +141,22 @@ def test_a_batch_of_few_partitions_is_collected_by_one_task_and_a_wider_one_keep
         assert _file_ids(out) == list(range(108)), parts
 
 
-def test_a_streaming_querys_partitions_are_counted_once_per_hundred_batches(spark, tmp_path, monkeypatch):
-    from twophase.coordinator import driver_path
+def test_a_streaming_batchs_partitions_are_counted_on_the_rdd_foreach_batch_hands_over(spark, tmp_path):
+    """Each micro-batch counted (a Kafka batch has a partition per topic partition with new records),
+    on the plan over the batch's RDD that foreachBatch hands over: nothing planned again."""
+    from twophase.coordinator.driver_path import _few_partitions
 
-    counted = []
-    monkeypatch.setattr(driver_path, "_few_partitions", lambda df: counted.append(1) or True)
-    c = Coordinator(FileSink(str(tmp_path / "out")), log_location=str(tmp_path / "log"), name="cnt")
-    df = _frame(spark, 0, 3)
-    c._batch_query = ("q1", True)
-    assert all(c._collect_in_one_task(df) for _ in range(driver_path._RECOUNT_EVERY + 1))
-    assert len(counted) == 1
-    assert c._collect_in_one_task(df) and len(counted) == 2  # the 102nd batch counts again
-    c._batch_query = ("q2", True)  # another query: counted at once
-    c._collect_in_one_task(df)
-    c._batch_query = ("", False)  # a batch write: every time
-    c._collect_in_one_task(df)
-    c._collect_in_one_task(df)
-    assert len(counted) == 5
+    seen = {}
+    for parts in (2, 3):
+        def each(df, batch_id, parts=parts):
+            seen[parts] = (df._jdf.queryExecution().logical().getClass().getSimpleName(), _few_partitions(df))
+
+        q = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", 10).option("numPartitions", parts)
+             .load().writeStream.foreachBatch(each).option("checkpointLocation", str(tmp_path / f"ck{parts}"))
+             .trigger(once=True).start())
+        q.awaitTermination(120)
+        assert q.exception() is None
+    assert seen == {2: ("LogicalRDD", True), 3: ("LogicalRDD", False)}, seen
 
 
 def test_a_collect_whose_job_is_cancelled_fails_the_batch_instead_of_starting_the_task_path(spark, tmp_path):

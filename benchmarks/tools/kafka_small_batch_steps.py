@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         timed(kp.TxnClient, name, f"request.{name}")
     timed(driver_path._DriverPath, "_driver_rows", "coordinator.collect (driver path)")
     timed(driver_path._DriverPath, "_prepare_in_driver", "coordinator.transaction (driver path)")
+    timed(driver_path, "_few_partitions", "coordinator.collect: partitions counted")
 
     bootstrap = services.get("kafka").start()["bootstrap_servers"]
     topic = f"steps-{uuid.uuid4().hex[:8]}"
