@@ -37,10 +37,11 @@ _COLLECT_RETRY_MAX = 1000
 #: A batch of at most this many partitions is collected by one task (``coalesce(1)`` before the
 #: limit): a limit over more partitions is a second stage (a shuffle of each partition's first rows
 #: to one), which cost a 100-row batch about 25-30 of its 100 ms of collect on ``local[2]``
-#: (docs/benchmarks.md).  Counted every batch: a Kafka micro-batch has a partition per topic
-#: partition with new records, so its count changes from batch to batch (``foreachBatch`` hands a
-#: plan over the batch's RDD, built before the call: counting it plans nothing).  Over more partitions the collect keeps their parallelism: a small batch
-#: may be a selective filter over a large input, which one task would read alone.
+#: (docs/benchmarks.md).  Over more partitions the collect keeps their parallelism: a small batch
+#: may be a selective filter over a large input, which one task would read alone.  Counted every
+#: batch: a Kafka micro-batch has a partition per topic partition with new records, so its count
+#: changes from batch to batch (``foreachBatch`` hands a plan over the batch's RDD, built before
+#: the call: counting it plans nothing).
 _COLLECT_IN_ONE_TASK = 2
 
 
