@@ -74,6 +74,33 @@ def _find_query(spark, query_id: str):
     return q
 
 
+def _counted_partitions(df, *, unprepared: bool = False) -> int | None:
+    """A batch's partitions, counted without a job; None where they cannot be: Spark Connect (no
+    RDDs), adaptive query execution (settling the plan runs its shuffle stages), a plan Spark cannot
+    execute into its RDD here, and with ``unprepared`` a plan with an exchange or a subquery
+    (executing it into its RDD prepares them: broadcasts and subqueries run jobs).
+
+    ``foreachBatch``'s batch is a plan over the micro-batch's RDD, built before the call: its
+    partitions are read off that RDD, nothing planned (0.5 ms; planning and executing it took 8-12).
+    """
+    if is_connect(df.sparkSession):
+        return None
+    try:
+        qe = df._jdf.queryExecution()
+        logical = qe.logical()
+        if logical.getClass().getSimpleName() == "LogicalRDD":
+            return int(logical.rdd().getNumPartitions())
+        plan = qe.executedPlan()
+        if plan.getClass().getSimpleName() == "AdaptiveSparkPlanExec":
+            return None
+        if unprepared and ("Exchange" in (text := plan.toString()) or "Subquery" in text):
+            return None
+        return int(qe.toRdd().getNumPartitions())
+    except Exception:  # noqa: BLE001 - an unusual plan: not counted
+        log.debug("could not count the batch's partitions", exc_info=True)
+        return None
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 

@@ -12,7 +12,14 @@ import sys
 import time
 from typing import Any
 
-from twophase.coordinator.base import _CoordinatorBase, _job_failure, _ms, _python_worker_error, log
+from twophase.coordinator.base import (
+    _CoordinatorBase,
+    _counted_partitions,
+    _job_failure,
+    _ms,
+    _python_worker_error,
+    log,
+)
 from twophase.coordinator.task_input import arrow_settings
 from twophase.errors import LogOwnershipError
 from twophase.spark import is_connect
@@ -46,27 +53,11 @@ _COLLECT_IN_ONE_TASK = 2
 
 
 def _few_partitions(df) -> bool:
-    """Whether the batch's plan has at most :data:`_COLLECT_IN_ONE_TASK` partitions, counted without
-    a job (False when it cannot be: adaptive query execution would run the plan's shuffle stages to
-    settle it, a plan with an exchange or a subquery runs jobs while it is prepared (broadcasts,
-    subqueries), and Spark Connect shows no RDD)."""
-    if is_connect(df.sparkSession):
-        return False
-    try:
-        qe = df._jdf.queryExecution()
-        logical = qe.logical()
-        if logical.getClass().getSimpleName() == "LogicalRDD":
-            # foreachBatch's batch: a plan over the micro-batch's RDD, which Spark built before the call
-            return int(logical.rdd().getNumPartitions()) <= _COLLECT_IN_ONE_TASK
-        plan = qe.executedPlan()
-        if plan.getClass().getSimpleName() == "AdaptiveSparkPlanExec":
-            return False
-        text = plan.toString()
-        if "Exchange" in text or "Subquery" in text:
-            return False
-        return int(qe.toRdd().getNumPartitions()) <= _COLLECT_IN_ONE_TASK
-    except Exception:  # noqa: BLE001 - an unusual plan: the collect as before
-        return False
+    """Whether the batch has at most :data:`_COLLECT_IN_ONE_TASK` partitions, counted without a job
+    (:func:`~twophase.coordinator.base._counted_partitions`, plans with an exchange or a subquery
+    left uncounted); False when they are not counted."""
+    n = _counted_partitions(df, unprepared=True)
+    return n is not None and n <= _COLLECT_IN_ONE_TASK
 
 
 def _cancelled(e: BaseException) -> bool:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from twophase import crash
-from twophase.coordinator.base import _CoordinatorBase, log
+from twophase.coordinator.base import _CoordinatorBase, _counted_partitions, log
 from twophase.coordinator.driver_path import _COLLECT_FAILED, _OVER_BOUND
 from twophase.coordinator.task_input import (
     CONVERSION_FAILED,
@@ -31,9 +31,10 @@ def _batch_partitions(df, slots: int) -> tuple[int, bool]:
     """(transactions to plan, whether to coalesce the batch to ``slots``) for a batch written with
     at most ``slots`` writer tasks.
 
-    ``df.rdd`` counts a batch's partitions without a job, except under adaptive query execution,
-    where it runs the plan's shuffle stages to settle the final plan (and the write then runs
-    them again).  Such a plan is coalesced to the slots uncounted, unless it ends in the user's
+    :func:`~twophase.coordinator.base._counted_partitions` counts a batch's partitions without a
+    job, except under adaptive query execution, where counting would run the plan's shuffle stages
+    to settle the final plan (and the write then runs them again).  Such a plan is coalesced to the
+    slots uncounted, unless it ends in the user's
     own coalesce or repartition to at most ``slots`` partitions: Spark's optimizer would merge
     a coalesce of ours into that one and could raise its count, so its count is planned.  Spark
     Connect has no RDDs: a batch is coalesced uncounted unless its plan ends in such a coalesce
@@ -45,22 +46,17 @@ def _batch_partitions(df, slots: int) -> tuple[int, bool]:
         if type(plan).__name__ in ("Repartition", "RepartitionByExpression") and isinstance(n, int) and n <= slots:
             return n, False
         return slots, True
-    qe = None
-    try:
-        qe = df._jdf.queryExecution()
-        adaptive = qe.executedPlan().getClass().getSimpleName() == "AdaptiveSparkPlanExec"
-        root = qe.optimizedPlan() if adaptive else None
-    except Exception:  # noqa: BLE001 - an unusual plan: count the RDD's partitions
-        qe, adaptive, root = None, False, None
-    if not adaptive:
-        # The plan just made, executed into its RDD (no job): what df.rdd counts, without planning
-        # the batch again and wrapping it for Python (8 ms of 20 per batch, measured on local[2]).
-        n = qe.toRdd().getNumPartitions() if qe is not None else df.rdd.getNumPartitions()
+    n = _counted_partitions(df)
+    if n is not None:
         return (slots, True) if n > slots else (n, False)
-    if root is not None and root.nodeName() in ("Repartition", "RepartitionByExpression"):
-        n = int(root.numPartitions())
-        if n <= slots:
-            return n, False
+    try:  # adaptive (or not counted): the user's own repartition at the plan's root
+        root = df._jdf.queryExecution().optimizedPlan()
+        if root.nodeName() in ("Repartition", "RepartitionByExpression"):
+            n = int(root.numPartitions())
+            if n <= slots:
+                return n, False
+    except Exception:  # noqa: BLE001 - an unusual plan: coalesced uncounted
+        pass
     return slots, True
 
 
