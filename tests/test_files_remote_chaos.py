@@ -91,10 +91,16 @@ def _spark_batches(checkpoint) -> dict[int, int]:
     One each, with ``maxFilesPerTrigger`` 1, except after a driver killed between the source's log
     entry of a batch and the batch's offsets: Spark's next run counts that entry's file as seen and
     plans the next file under the next log offset, and the batch then reads both."""
+    from twophase.log import open_store
+    from twophase.spark import source_offsets
+
+    store = open_store(str(checkpoint), None, exclusive=False)
     ends = {}
     for f in (checkpoint / "offsets").iterdir():
         if f.name.isdigit():
-            ends[int(f.name)] = int(json.loads(f.read_text().splitlines()[-1])["logOffset"])
+            parsed = source_offsets(store, int(f.name))
+            assert parsed is not None, f
+            ends[int(f.name)] = int(parsed["sources"][0]["logOffset"])
     entries: dict[str, int] = {}  # file -> its log offset (compacted logs repeat entries)
     for f in (checkpoint / "sources" / "0").iterdir():
         if not (f.name.isdigit() or f.name.removesuffix(".compact").isdigit()):

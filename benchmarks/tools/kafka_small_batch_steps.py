@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
     args = ap.parse_args(argv)
 
-    from confluent_kafka.admin import AdminClient, NewTopic
-
+    from benchmarks.common import _create_topic
     from tests import services
     from twophase.coordinator import Coordinator, driver_path
     from twophase.sinks.kafka import KafkaSink
@@ -74,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bootstrap = services.get("kafka").start()["bootstrap_servers"]
     topic = f"steps-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result()
+    _create_topic(bootstrap, topic, 2)
     spark = local_session("local[2]", app_name="twophase-kafka-steps")
     checkpoint = tempfile.mkdtemp(prefix="twophase-kafka-steps-")
     coordinator = Coordinator(KafkaSink(bootstrap_servers=bootstrap, topic=topic,
