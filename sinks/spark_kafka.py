@@ -67,6 +67,14 @@ def build(options: Mapping[str, str]) -> TwoPhaseCommitSink[Any, Any]:
             extra["transaction_timeout_ms"] = int(timeout)
         except ValueError:
             raise ConfigurationError(f"twophase.transactionTimeoutMs must be milliseconds, got {timeout!r}") from None
+    ids = options.get("twophase.transactionalids")
+    if ids:
+        from twophase.sinks.kafka.common import TRANSACTIONAL_IDS
+
+        if ids.strip().lower() not in TRANSACTIONAL_IDS:
+            raise ConfigurationError(f"twophase.transactionalIds must be one of {', '.join(TRANSACTIONAL_IDS)}, "
+                                     f"got {ids!r}")
+        extra["transactional_ids"] = ids.strip().lower()
     return KafkaSink(servers, options.get("topic"), prefix, producer_config=producer or None,
                      tombstones=True, auto_create_topics=auto_create, **extra)
 
@@ -137,6 +145,7 @@ FORMAT = SparkFormat(
     #: ``includeheaders``: Spark's Kafka *source* option, which its sink ignores (a ``headers``
     #: column is written when the rows have one); so does this one.
     known_options=frozenset({"topic", "twophase.transactionalidprefix", "twophase.transactiontimeoutms",
+                             "twophase.transactionalids",
                              "includeheaders"}),
     passed_prefixes=("kafka.",),
     appends_in_complete_mode=True,

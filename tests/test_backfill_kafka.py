@@ -37,8 +37,8 @@ from twophase.sinks.kafka import KafkaSink
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
 
 
-def _sink(bs: str, topic: str, prefix: str) -> KafkaSink:
-    return KafkaSink(bs, topic, prefix, transaction_timeout_ms=120_000)
+def _sink(bs: str, topic: str, prefix: str, transactional_ids: str = "auto") -> KafkaSink:
+    return KafkaSink(bs, topic, prefix, transaction_timeout_ms=120_000, transactional_ids=transactional_ids)
 
 
 def _other_producer(bs: str, topic: str, *, aborted: int = 0, committed: int = 0) -> None:
@@ -161,13 +161,14 @@ def test_scenario_2_a_run_planning_after_a_backfills_tasks_leaves_its_decided_tr
     ballots, Y's task aborted ``-1.0`` and claimed ``-1.1``, and X's second commit was
     INVALID_TXN_STATE: DataLossError, partition 1's rows lost.  Now Y's plan cannot prove the ballot
     before it was its own and closed (another plan landed in between), so it holds them as
-    someone else's: its task takes another slot, its cleanup leaves them, X commits whole."""
+    someone else's: its task takes another slot, its cleanup leaves them, X commits whole.  On the
+    pool (``transactional_ids="pool"``): batch jobs plan on ids of their own by default (below)."""
     bs = kafka_service["bootstrap_servers"]
     topic, prefix = _topic(bs, partitions=2), f"s2-{uuid.uuid4().hex[:8]}"
     log_url = str(tmp_path / "log")
 
     def sink() -> KafkaSink:
-        return _sink(bs, topic, prefix)
+        return _sink(bs, topic, prefix, "pool")
 
     qid = batch_query_id("daily", sink().target())
     y = Driver(sink(), log_url, qid, takeover=True)
@@ -212,6 +213,99 @@ def test_scenario_2_a_run_planning_after_a_backfills_tasks_leaves_its_decided_tr
         assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0") + _values("b5-p1"))
     finally:
         del x.sink.commit
+        for d in (x, y):
+            d.sink.close()
+            d.close()
+
+
+@pytest.mark.parametrize("ids", ["pool", "auto"])
+def test_a_task_paused_between_its_claim_and_its_producers_init_beside_a_backfill(kafka_service, tmp_path, ids):
+    """The explorer's ``decided-fenced`` (docs/explorer.md) on the real broker.  Y (batch 11) planned;
+    its partition-1 task claims an id (a conditional InitProducerId) and pauses before its producer's
+    InitProducerId (librdkafka's ``init_transactions``, unconditional).  X, a backfill of batch 5,
+    takes the log over, pre-commits both partitions, decides and commits its first transaction.  Y
+    resumes.  On the pool, X's partition-1 task claimed the very id Y claimed (Empty, so claimable):
+    Y's InitProducerId aborts X's decided transaction, X's second commit fails, DataLossError, half of
+    batch 5 visible.  By default a batch job's ballot plans on ids of its own: Y's InitProducerId
+    lands on an id X never names, X commits whole."""
+    import threading
+
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=2), f"ci-{uuid.uuid4().hex[:8]}"
+    log_url = str(tmp_path / "log")
+
+    def sink() -> KafkaSink:
+        return _sink(bs, topic, prefix, ids)
+
+    qid = batch_query_id("daily", sink().target())
+    y = Driver(sink(), log_url, qid, takeover=True)
+    y_opened = y.protocol.open_ballot(11, lambda p: 2, BatchProgress("pipe", 11, None, "committed"))
+    assert y_opened is not None
+    claimed, resume = threading.Event(), threading.Event()
+    y_out: dict[str, Any] = {}
+    conf = y.sink._producer_config
+
+    def paused_after_the_claim(tid: str, box: list) -> dict[str, Any]:
+        y_out.setdefault("claimed", tid)  # the claim landed; the producer's InitProducerId has not
+        claimed.set()
+        assert resume.wait(120)
+        return conf(tid, box)
+
+    y.sink._producer_config = paused_after_the_claim  # type: ignore[method-assign]
+
+    def y_task() -> None:
+        try:
+            ctx = TransactionContext(y_opened.query_name, 11, 1, 0, y_opened.intent, y_opened.run)
+            y_out["handle"] = run_attempt(y.sink, ctx, _rows("b11-p1"))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            y_out["error"] = e
+
+    thread = threading.Thread(target=y_task, daemon=True)
+    thread.start()
+    assert claimed.wait(60), y_out
+    x = Driver(sink(), log_url, qid, takeover=True)
+    try:
+        opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
+        assert opened is not None
+        started, results = time.time(), []
+        for part in (0, 1):
+            ctx = TransactionContext(opened.query_name, 5, part, 0, opened.intent, opened.run)
+            h = run_attempt(x.sink, ctx, _rows(f"b5-p{part}"))
+            results.append({"partition": part, "attempt": 0, "rows": 20, "handle": x.sink.encode_handle(h)})
+        x.protocol.check_prepared(opened, results, started_at=started)
+        x_ids = sorted(x.sink.decode_handle(r["handle"])["transactional_id"] for r in results)
+        commit = x.sink.commit
+
+        def commit_then_y_resumes(handle: dict) -> Any:
+            res = commit(handle)
+            if not resume.is_set():  # after X's first commit: Y's producer initialises its id
+                resume.set()
+                thread.join(120)
+            return res
+
+        x.sink.commit = commit_then_y_resumes  # type: ignore[method-assign]
+        if ids == "pool":
+            assert y_out["claimed"] == f"{prefix}-1.0" and f"{prefix}-1.0" in x_ids, (y_out, x_ids)
+            with pytest.raises(DataLossError):
+                x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
+            assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0")), "half of batch 5"
+            return
+        x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
+        assert not thread.is_alive() and "error" not in y_out, y_out
+        y_ids = {y_out["claimed"], y.sink.decode_handle(y.sink.encode_handle(y_out["handle"]))["transactional_id"]}
+        own_y, own_x = y_opened.intent["pool"]["ids"], opened.intent["pool"]["ids"]
+        assert own_y != own_x and all(t.startswith(f"{prefix}-{own_y}-") for t in y_ids), (y_ids, own_y)
+        assert all(t.startswith(f"{prefix}-{own_x}-") for t in x_ids) and not set(x_ids) & y_ids, (x_ids, y_ids)
+        assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0") + _values("b5-p1"))
+        assert x.tlog.view(5).committed is not None
+        # Y was deposed: giving its ballot up aborts its own transaction alone.
+        y.protocol.give_up(y_opened, RuntimeError("deposed"))
+        assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0") + _values("b5-p1"))
+        states = x.sink._txn_client().describe_transactions(sorted(y_ids | set(x_ids)))
+        assert all(d.state != "Ongoing" for d in states.values()), states
+    finally:
+        resume.set()
+        thread.join(60)
         for d in (x, y):
             d.sink.close()
             d.close()

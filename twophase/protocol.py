@@ -307,7 +307,9 @@ class TwoPhaseProtocol(_ProtocolRecovery):
                 # way lands when it lands, and the owner runs its batch again (_RunAgain).
                 raise LogOwnershipError(f"batch {batch_id}: this coordinator (epoch {tlog.epoch}) was fenced by "
                                         "a newer one; it stops without planning (the owner runs the batch)")
-            intent = self.sink.plan_batch(qname, batch_id, num_partitions)
+            # A batch job (its query id is batch_query_id's, "batch:..."): its runs may overlap.
+            plan = self.sink.plan_batch_job if self.batch_job else self.sink.plan_batch
+            intent = plan(qname, batch_id, num_partitions)
             opened = tlog.write(batch_id, INTENT, {"intent": intent, "sink": self.sink.kind, "name": qname,
                                                    "num_partitions": num_partitions}, ballot=number)
             if tlog.mine(opened):

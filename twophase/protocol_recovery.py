@@ -64,6 +64,13 @@ class _ProtocolRecovery:
     #: ``abort_lingering`` per replaced generation, which may cost the sink a listing.
     sweep_replaced_every: int = 10
 
+    @property
+    def batch_job(self) -> bool:
+        """Whether the log is a batch job's (``Coordinator.write``, a data source batch write: its
+        query id is :func:`~twophase.log.batch_query_id`'s): its ballots are planned with the sink's
+        :meth:`~twophase.sink.TwoPhaseCommitSink.plan_batch_job`, since its runs may overlap."""
+        return str(self.tlog.query_id or "").startswith("batch:")
+
     # ------------------------------------------------------------------ recovery
     def recover(self) -> set[tuple[int, int]]:
         """Decided batches of every generation are committed first, oldest first; only then are

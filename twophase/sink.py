@@ -163,6 +163,18 @@ class TwoPhaseCommitSink(ABC, Generic[TxnT, HandleT]):
         """
         return {}
 
+    def plan_batch_job(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        """:meth:`plan_batch` for a ballot of a batch job (driver): ``Coordinator.write`` or
+        ``df.write.format("twophase-*")``, whose batch ids the job picks itself.
+
+        Two runs of one batch job may overlap (a backfill of an older id beside a run of a newer
+        one, or a re-run beside a paused earlier run), where a streaming query's batches follow one
+        another.  A sink whose plan hands out names that a later ballot reuses can give each batch
+        job ballot names of its own here (KafkaSink: transactional ids no other ballot names).
+        Default: :meth:`plan_batch`.
+        """
+        return self.plan_batch(query_name, batch_id, num_partitions)
+
     def prepare_batch(self, df: Any, ctx: BatchContext) -> PreparedBatch[HandleT] | None:
         """Pre-commit the whole batch with a Spark job of the sink's own (driver); None: not this way.
 

@@ -31,6 +31,8 @@ _rdlog = logging.getLogger("twophase.sinks.kafka.librdkafka")
 #: ``intent["pool"]["version"]`` of INTENTs planned with slots and the plan fence.  INTENTs without
 #: "pool" were written by earlier versions (ids ``{prefix}-{partition}``); they are still cleaned up.
 POOL_VERSION = 2
+#: KafkaSink(transactional_ids=...): whose ballots get ids of their own (pool.py, plan_batch_job).
+TRANSACTIONAL_IDS = ("auto", "pool", "per-plan")
 #: States of a transactional id in which a claim can take it (no transaction open or closing).
 _CLAIMABLE = frozenset({"Empty", "CompleteCommit", "CompleteAbort"})
 # The executors' transaction clients (claims, DescribeProducers), one per sink setting and Python
@@ -97,6 +99,7 @@ class _KafkaSinkBase:
     warn_age_fraction: float
     commit_margin_ms: int
     slots_per_partition: int
+    transactional_ids: str
     _client: Any
     _client_lock: threading.Lock
     _chain: dict[str, Any] | None

@@ -38,6 +38,8 @@ class _Pool(_KafkaSinkBase):
         only with the evidence described below, the fence read again after the describe
         included; else ``held``.  Nothing in the pool is changed here.
         """
+        if self.transactional_ids == "per-plan":
+            return self._plan_own_ids(batch_id, num_partitions)
         n, r = int(num_partitions), self.slots_per_partition
         ids = self.pool_ids(n)
         pool: dict[str, Any] = {"version": POOL_VERSION, "partitions": n, "slots": r, "widest": n,
@@ -93,10 +95,62 @@ class _Pool(_KafkaSinkBase):
                      len(pool["held"]), ", ".join(sorted(pool["held"])[:5]))
         return intent
 
+    def plan_batch_job(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        """INTENT of one ballot of a batch job: transactional ids of its own (``transactional_ids=
+        "auto"``, the default, or ``"per-plan"``; ``"pool"``: :meth:`plan_batch`'s pool) (driver).
+
+        Two runs of a batch job overlap (a backfill of batch 5 beside a run of batch 11).  On a
+        shared pool, a task of one that claimed an id and paused before its producer's
+        InitProducerId (librdkafka's, unconditional) aborts, when it resumes, whatever the other
+        run opened on that id since, a decided transaction included (the explorer's
+        ``decided-fenced``, docs/kafka.md).  Ids only this ballot names cannot meet another run's.
+        """
+        if self.transactional_ids == "pool":
+            return self.plan_batch(query_name, batch_id, num_partitions)
+        return self._plan_own_ids(batch_id, num_partitions)
+
+    def _plan_own_ids(self, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        """A ballot on ids of its own: ``{prefix}-{pid}.{epoch}-{partition}.{slot}``, named after the
+        plan fence's (producer id, epoch) that this plan's bump returned, which the broker gives one
+        plan only.  Nothing can be open on them yet: no describe, nothing ``open`` or ``held``.  The
+        bump still makes every earlier ballot's late attempts claim nothing."""
+        n, r = int(num_partitions), self.slots_per_partition
+        fence = self.plan_fence_id()
+        pool: dict[str, Any] = {"version": POOL_VERSION, "partitions": n, "slots": r, "widest": n,
+                                "fence": fence, "fence_producer": None, "open": {}, "held": {}}
+        intent: dict[str, Any] = {"transactional_ids": [], "transaction_timeout_ms": self.transaction_timeout_ms,
+                                  "pool": pool}
+        if n == 0:
+            return intent
+        from twophase.sinks.kafka import protocol as kp
+
+        client = self._txn_client()
+        before = self._describe(client, [fence]).get(fence)
+        widest = n  # the fence keeps the widest plan of the pool's ids (plan_batch): never lowered here
+        if before is not None and before.error_code == kp.NONE:
+            widest = max(n, int(before.timeout_ms))
+        fence_now = list(self._bump_plan_fence(client, batch_id, max(1, min(widest, self.transaction_timeout_ms))))
+        pool["fence_producer"] = fence_now
+        pool["ids"] = f"{fence_now[0]}.{fence_now[1]}"  # rule: names no other plan can give
+        intent["transactional_ids"] = self._own_ids(pool)
+        # This plan proves nothing about the pool's ids (plan_batch's chain): the next pool plan of
+        # this object holds whatever it finds open.
+        self._chain = None
+        return intent
+
     @staticmethod
-    def _scanned_ids(pool: dict[str, Any]) -> list[str]:
+    def _own_ids(pool: dict[str, Any]) -> list[str]:
+        prefix = str(pool["fence"])[:-len("-plans")]
+        return [f"{prefix}-{pool['ids']}-{p}.{s}" for p in range(int(pool["partitions"]))
+                for s in range(int(pool["slots"]))]
+
+    @classmethod
+    def _scanned_ids(cls, pool: dict[str, Any]) -> list[str]:
         """The ids a ballot looks at for leftovers: its own, and those of wider earlier plans (named
-        from the INTENT's plan fence ``{prefix}-plans``, not from this sink's settings)."""
+        from the INTENT's plan fence ``{prefix}-plans``, not from this sink's settings).  A ballot
+        on ids of its own (``pool["ids"]``, :meth:`plan_batch_job`) looks at those alone."""
+        if pool.get("ids"):
+            return cls._own_ids(pool)
         prefix = str(pool["fence"])[:-len("-plans")]
         return [f"{prefix}-{p}.{s}" for p in range(int(pool.get("widest") or pool["partitions"]))
                 for s in range(int(pool["slots"]))]
@@ -147,7 +201,8 @@ class _Pool(_KafkaSinkBase):
         decided transaction, and the newest ballot's own cleanup aborts what is a leftover.  An
         EndTxn that finds another epoch aborts nothing.  INTENTs of earlier versions (ids
         ``{prefix}-{partition}``, no "pool") are fenced as before: no ballot planned now uses those
-        ids.  Returns how many open transactions were aborted.
+        ids.  A ballot on ids of its own (:meth:`plan_batch_job`) aborts whatever is open on them and
+        not kept: no other ballot names them.  Returns how many open transactions were aborted.
         """
         from twophase.sinks.kafka import protocol as kp
 
@@ -183,9 +238,12 @@ class _Pool(_KafkaSinkBase):
                 left.append(tid)
                 continue
             listed = snapshot.get(tid) == [st.producer_id, st.producer_epoch]
-            if not listed and latest is None:
+            # rule: ids of its own (plan_batch_job) are named by this ballot alone, and its slot is
+            # filled (keep names every handle its decision counts): what is open there is its garbage.
+            own = bool(pool.get("ids"))
+            if not (listed or own) and latest is None:
                 latest = self._plan_fence_state(client, pool, closed) is True
-            if listed or latest:
+            if listed or own or latest:
                 # rule: listed = open under a plan of this object's whose ballot it saw closed, with
                 # the fence read after the plan's describe still at its epoch (no plan in between);
                 # latest = opened after this ballot's plan with no plan since (the fence, read after
@@ -237,6 +295,8 @@ class _Pool(_KafkaSinkBase):
         open (and was not held by that plan) for leftovers of closed ballots (:meth:`plan_batch`)."""
         fence, chain = pool.get("fence_producer"), self._chain
         if not fence or "held" not in pool:  # INTENTs of earlier versions did not tell what they held
+            return
+        if pool.get("ids"):  # ids of its own: it looked at none of the pool's, so it proves nothing of them
             return
         fence = list(closed) if closed is not None else [int(fence[0]), int(fence[1])]
         if chain is None or chain["fence"][0] != fence[0] or chain["fence"][1] < fence[1]:

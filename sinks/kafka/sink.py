@@ -15,7 +15,7 @@ from twophase.errors import ConfigurationError
 from twophase.sink import TwoPhaseCommitSink
 from twophase.sinks.kafka.claims import _Claims
 from twophase.sinks.kafka.committer import _Committer
-from twophase.sinks.kafka.common import KafkaTransaction, log
+from twophase.sinks.kafka.common import TRANSACTIONAL_IDS, KafkaTransaction, log
 from twophase.sinks.kafka.pool import _Pool
 from twophase.sinks.kafka.settings import (
     _OWNED,
@@ -43,7 +43,14 @@ class KafkaSink(_Pool, _Committer, _Claims, _Writer, TwoPhaseCommitSink[KafkaTra
     ``slots_per_partition`` of them per partition (default 4, Spark's ``spark.task.maxFailures``:
     each attempt of a task claims a free one), plus ``{prefix}-plans``, which holds no
     transaction (its epoch marks the latest plan).  The pool stays bounded: partitions x slots + 1
-    ids for the life of the query.
+    ids for the life of the query.  ``transactional_ids``: ``"auto"`` (the default) plans a
+    streaming query's batches on that pool and gives each ballot of a batch job
+    (``Coordinator.write``, ``df.write.format("twophase-kafka")``) ids of its own,
+    ``{prefix}-{pid}.{epoch}-{partition}.{slot}``, since two runs of a batch job may overlap;
+    ``"per-plan"`` does that for streaming batches too (no stalled task of another ballot can
+    abort a transaction on them, at the price of new ids on the brokers every batch, kept until
+    ``transactional.id.expiration.ms``); ``"pool"`` plans batch jobs on the pool too
+    (docs/kafka.md, "Transactional ids").
     ``producer_config`` passes through to confluent-kafka (librdkafka names, e.g.
     ``security.protocol``, ``sasl.username``, ``linger.ms``); secrets may be given
     as ``{"env": "VAR"}`` references and are never logged nor put in handles.
@@ -72,7 +79,8 @@ class KafkaSink(_Pool, _Committer, _Claims, _Writer, TwoPhaseCommitSink[KafkaTra
                  tombstones: bool = False, auto_create_topics: bool = False,
                  flush_timeout_s: float = 300.0, request_timeout_s: float = 30.0,
                  warn_age_fraction: float = 0.5, commit_margin_ms: int | None = None,
-                 slots_per_partition: int = DEFAULT_SLOTS_PER_PARTITION):
+                 slots_per_partition: int = DEFAULT_SLOTS_PER_PARTITION,
+                 transactional_ids: str = "auto"):
         if not bootstrap_servers or not isinstance(bootstrap_servers, str):
             raise ConfigurationError("KafkaSink needs bootstrap_servers='host:port[,host:port...]'")
         if not transactional_id_prefix or not _PREFIX_OK.match(transactional_id_prefix):
@@ -100,6 +108,10 @@ class KafkaSink(_Pool, _Committer, _Claims, _Writer, TwoPhaseCommitSink[KafkaTra
                 f"{int(transaction_timeout_ms)}, got {commit_margin_ms}")
         if not 1 <= int(slots_per_partition) <= 64:
             raise ConfigurationError(f"slots_per_partition must be between 1 and 64, got {slots_per_partition}")
+        if transactional_ids not in TRANSACTIONAL_IDS:
+            raise ConfigurationError(f"transactional_ids must be one of {', '.join(map(repr, TRANSACTIONAL_IDS))}, "
+                                     f"got {transactional_ids!r}")
+        self.transactional_ids = transactional_ids
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.transactional_id_prefix = transactional_id_prefix
@@ -134,6 +146,7 @@ class KafkaSink(_Pool, _Committer, _Claims, _Writer, TwoPhaseCommitSink[KafkaTra
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("transactional_ids", "auto")  # pickled by a version before the option
         self.__dict__.update(state)
         self._client_lock = threading.Lock()
 
@@ -157,7 +170,8 @@ class KafkaSink(_Pool, _Committer, _Claims, _Writer, TwoPhaseCommitSink[KafkaTra
                 "request_timeout_s": self.request_timeout_s,
                 "warn_age_fraction": self.warn_age_fraction,
                 "commit_margin_ms": self.commit_margin_ms,
-                "slots_per_partition": self.slots_per_partition}
+                "slots_per_partition": self.slots_per_partition,
+                "transactional_ids": self.transactional_ids}
 
     def close(self) -> None:
         """Close the driver's cached connections (optional; a new one opens on demand)."""

@@ -27,6 +27,14 @@ SCHEME = "explorer"
 LOG_URL = f"{SCHEME}://log"
 _QUIET_URL = f"{SCHEME}://checks"  # the same store, as the explorer's checks read it
 QUERY_ID = "explorer-query"
+#: A batch job's query id (the form of twophase.log.batch_query_id): the batch-jobs scenarios' log,
+#: whose protocol plans with the sink's plan_batch_job, as Coordinator.write's does.
+BATCH_QUERY_ID = "batch:pipe@0000000000000000"
+
+
+def query_id_of(batch_ids: list[int] | None) -> str:
+    """The query id of a scenario's log: a batch job's when its runs pick their batch ids."""
+    return QUERY_ID if batch_ids is None else BATCH_QUERY_ID
 NAME = "pipe"
 
 _local = threading.local()

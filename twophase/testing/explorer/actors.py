@@ -21,11 +21,11 @@ from twophase.sink import TwoPhaseCommitSink
 from twophase.testing.explorer._base import (
     LOG_URL,
     NAME,
-    QUERY_ID,
     TaskFailed,
     _Abandon,
     _RunView,
     _WorldView,
+    query_id_of,
 )
 from twophase.testing.explorer.points import _body, _scheduled
 
@@ -65,6 +65,10 @@ class ActorContext:
     @property
     def batches(self) -> int:
         return self.world.batches
+
+    @property
+    def query_id(self) -> str:
+        return query_id_of(self.world.batch_ids)
 
     @property
     def captured(self) -> Any:
@@ -174,7 +178,7 @@ def _batches(ctx: ActorContext, batches: Sequence[int] | None, until_last: bool)
 def _run_batches(ctx: ActorContext, protocol: TwoPhaseProtocol, sink: TwoPhaseCommitSink[Any, Any],
                  batches: list[int]) -> None:
     for b in batches:
-        prog = BatchProgress(NAME, b, QUERY_ID, "committed")
+        prog = BatchProgress(NAME, b, ctx.query_id, "committed")
         protocol.run_batch(b, ctx.work(sink, b), prog)
         ctx.note(f"batch {b} {prog.action}")
         ctx.spark_committed(b)
@@ -185,7 +189,7 @@ def _take_log(ctx: ActorContext) -> tuple[TwoPhaseCommitSink[Any, Any], TwoPhase
     sink = ctx.sink()
     sink.open()
     tlog = ctx.tlog()
-    tlog.acquire(QUERY_ID, NAME, takeover=True)
+    tlog.acquire(ctx.query_id, NAME, takeover=True)
     ctx.label(tlog)
     return sink, ctx.protocol(sink, tlog)
 
@@ -240,10 +244,10 @@ def datasource_run(batches: Sequence[int] | None = None, *, name: str = "ds", un
             psink = ctx.sink()                                           # plan step
             psink.open()
             tlog = ctx.tlog()
-            tlog.acquire(QUERY_ID, NAME, takeover=True)
+            tlog.acquire(ctx.query_id, NAME, takeover=True)
             ctx.label(tlog)
             planner = ctx.protocol(psink, tlog)
-            prog = BatchProgress(NAME, b, QUERY_ID, "committed")
+            prog = BatchProgress(NAME, b, ctx.query_id, "committed")
             opened = planner.open_ballot(b, lambda planned: planned or 1, prog)
             owner_id, epoch, generation = tlog.owner, tlog.epoch, tlog.generation
             if opened is None:
@@ -255,7 +259,7 @@ def datasource_run(batches: Sequence[int] | None = None, *, name: str = "ds", un
             def resumed(sink: TwoPhaseCommitSink[Any, Any], owner_id: str = owner_id, epoch: int | None = epoch,
                         generation: int | None = generation) -> TwoPhaseProtocol:
                 rlog = ctx.tlog()
-                rlog.resume(owner=owner_id, epoch=epoch, generation=generation, query_id=QUERY_ID)
+                rlog.resume(owner=owner_id, epoch=epoch, generation=generation, query_id=ctx.query_id)
                 p = ctx.protocol(sink, rlog)
                 p.dirty = False
                 return p
@@ -275,7 +279,7 @@ def datasource_run(batches: Sequence[int] | None = None, *, name: str = "ds", un
             except BaseException as e:
                 committer.give_up(opened, e)
                 raise
-            committer.decide_and_commit(opened, results, BatchProgress(NAME, b, QUERY_ID, "committed"))
+            committer.decide_and_commit(opened, results, BatchProgress(NAME, b, ctx.query_id, "committed"))
             committer.committed(b)
             ctx.note(f"batch {b} committed (ballot {opened.number})")
             ctx.spark_committed(b)
@@ -337,7 +341,7 @@ def batch_job(batch_id: int, *, name: str | None = None) -> Actor:
 
     def run(ctx: ActorContext) -> None:
         sink, protocol = _take_log(ctx)
-        prog = BatchProgress(NAME, batch_id, QUERY_ID, "committed")
+        prog = BatchProgress(NAME, batch_id, ctx.query_id, "committed")
         protocol.run_batch(batch_id, ctx.work(sink, batch_id), prog)
         ctx.note(f"batch {batch_id} {prog.action}")
         ctx.spark_committed(batch_id)
@@ -358,7 +362,7 @@ def _final_owner(world: _WorldView) -> Actor:
         for b in world.expected:
             if b in world.spark_committed:
                 continue
-            prog = BatchProgress(NAME, b, QUERY_ID, "committed")
+            prog = BatchProgress(NAME, b, ctx.query_id, "committed")
             if world.batch_ids is not None:
                 try:  # a re-run of a batch job whose run did not return
                     protocol.run_batch(b, ctx.work(sink, b), prog)

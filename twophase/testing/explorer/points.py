@@ -65,6 +65,8 @@ def _intent_text(intent: dict[str, Any] | None) -> str:
         def ids(d: Any) -> str:
             return "{" + ", ".join(f"{str(t).rsplit('-', 1)[-1]}: {pe[0]}/{pe[1]}" for t, pe in sorted((d or {}).items())) + "}"
         fence = pool.get("fence_producer") or ["?", "?"]
+        if pool.get("ids"):  # ids of its own (plan_batch_job)
+            return f"fence {fence[0]}/{fence[1]}, own ids {pool['ids']}-*"
         return (f"fence {fence[0]}/{fence[1]}, open {ids(pool.get('open'))}"
                 + (f", held {ids(pool.get('held'))}" if "held" in pool else ""))
     if set(intent) == {"staging"} and isinstance(intent["staging"], str):
@@ -116,6 +118,12 @@ class _ScheduledSink(TwoPhaseCommitSink[Any, Any]):
     def plan_batch(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
         out: dict[str, Any] = self._call("plan_batch", lambda: f"b{batch_id}, {num_partitions} partitions",
                                          lambda: self.inner.plan_batch(query_name, batch_id, num_partitions),
+                                         _intent_text)
+        return out
+
+    def plan_batch_job(self, query_name: str, batch_id: int, num_partitions: int) -> dict[str, Any]:
+        out: dict[str, Any] = self._call("plan_batch_job", lambda: f"b{batch_id}, {num_partitions} partitions",
+                                         lambda: self.inner.plan_batch_job(query_name, batch_id, num_partitions),
                                          _intent_text)
         return out
 

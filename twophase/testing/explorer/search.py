@@ -17,12 +17,12 @@ from twophase.testing.explorer._base import (
     _WORLD,
     LOG_URL,
     NAME,
-    QUERY_ID,
     Finding,
     Violation,
     _Abandon,
     _Entry,
     _local,
+    query_id_of,
 )
 from twophase.testing.explorer.actors import ActorContext, _final_owner
 from twophase.testing.explorer.determinism import _one_cpu, deterministic
@@ -163,7 +163,7 @@ class _Explorer:
         once, then copied into every schedule (with the uuid count and clock it leaves)."""
         if self._template is None:
             tlog = TransactionLog(LOG_URL, retain_batches=world.retain_batches)
-            tlog.acquire(QUERY_ID, NAME)
+            tlog.acquire(query_id_of(world.batch_ids), NAME)
             for name in [n for n in world.files if n.startswith("epochs/") or n == "lease.json"]:
                 del world.files[name]
             self._template = (dict(world.files), world.uuids, world.clock)

@@ -398,12 +398,15 @@ def _kafka_lost(broker: Any, envelopes: list[Any]) -> list[tuple[str, str]]:
     return out
 
 
-def kafka_sink(*, partitions: int = 2, slots_per_partition: int | None = None) -> SinkUnderTest:
+def kafka_sink(*, partitions: int = 2, slots_per_partition: int | None = None,
+               transactional_ids: str | None = None) -> SinkUnderTest:
     """The shipped :class:`twophase.sinks.kafka.KafkaSink` (its pool, plan fence, claims, held and open
     snapshots, verdicts) on an in-memory broker per schedule (:mod:`twophase.testing.kafka_model`:
     a topic of two partitions; every broker request, the driver's and the executors' kafka-python
     requests and the producers' and consumers' alike, is a scheduling point and a ``kafka.*`` trace
     line).  Batches have ``partitions`` tasks (default 2: a batch half committed shows).
+    ``transactional_ids``: the sink's (default its own default: a batch job's ballots on ids of
+    their own; ``"pool"``: on the shared pool).
     ``decided-aborted`` is checked by transaction: a decided handle whose transaction the broker
     aborted by an EndTxn; ``decided-fenced``: by an InitProducerId on its id.  No ``leftovers``
     check: the sink leaves a transaction it cannot attribute to the broker's transaction timeout,
@@ -425,9 +428,12 @@ def kafka_sink(*, partitions: int = 2, slots_per_partition: int | None = None) -
         return broker
 
     def sink(broker: Any) -> TwoPhaseCommitSink[Any, Any]:
-        if slots_per_partition is None:
-            return KafkaSink(KAFKA_MODEL_BOOTSTRAP, KAFKA_TOPIC, NAME + "-ids")
-        return KafkaSink(KAFKA_MODEL_BOOTSTRAP, KAFKA_TOPIC, NAME + "-ids", slots_per_partition=slots_per_partition)
+        kwargs: dict[str, Any] = {}
+        if slots_per_partition is not None:
+            kwargs["slots_per_partition"] = slots_per_partition
+        if transactional_ids is not None:
+            kwargs["transactional_ids"] = transactional_ids
+        return KafkaSink(KAFKA_MODEL_BOOTSTRAP, KAFKA_TOPIC, NAME + "-ids", **kwargs)
 
     return SinkUnderTest(
         "KafkaSink (shipped, broker model)", new_target=new_target, sink=sink, visible=_kafka_visible,
