@@ -16,6 +16,7 @@ On the real broker, without Spark (tests/inprocess.py drives the protocol in pro
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter
@@ -228,8 +229,6 @@ def test_a_task_paused_between_its_claim_and_its_producers_init_beside_a_backfil
     Y's InitProducerId aborts X's decided transaction, X's second commit fails, DataLossError, half of
     batch 5 visible.  By default a batch job's ballot plans on ids of its own: Y's InitProducerId
     lands on an id X never names, X commits whole."""
-    import threading
-
     bs = kafka_service["bootstrap_servers"]
     topic, prefix = _topic(bs, partitions=2), f"ci-{uuid.uuid4().hex[:8]}"
     log_url = str(tmp_path / "log")
@@ -309,3 +308,110 @@ def test_a_task_paused_between_its_claim_and_its_producers_init_beside_a_backfil
         for d in (x, y):
             d.sink.close()
             d.close()
+
+
+@pytest.mark.parametrize("ids", ["auto", "per-plan", "pool"])
+def test_a_stage_retrys_duplicate_attempt_claiming_from_a_stale_look_beside_a_decided_transaction(
+        kafka_service, tmp_path, ids):
+    """Found by the fresh-context review of the batch jobs' own ids.  One run of batch job 5.
+    Partition 1, attempt 0 (A) claims ``-1.0`` and initialises its producer: the id is Empty under
+    (pid, e).  The old stage attempt's task of partition 1, also attempt 0 (C: a stage retry's
+    duplicate), describes its slots, finds ``-1.0`` Empty and pauses before its claim.  A writes
+    and pre-commits; the batch is verified, decided, and its first transaction committed.  Then C
+    goes on.  On the pool (``"pool"``, the streaming default) C's claim (InitProducerId expecting
+    (pid, e)) lands while A's decided transaction is open: the broker aborts it, the second commit
+    fails, DataLossError (docs/kafka.md, "What is left").  Own ids (a batch job's by default,
+    ``"per-plan"``) are claimed only while the broker does not know them: C passes over ``-1.0``
+    and claims another; the batch commits whole."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=2), f"rv-{uuid.uuid4().hex[:8]}"
+    x = Driver(_sink(bs, topic, prefix, ids), str(tmp_path / "log"),
+               batch_query_id("daily", _sink(bs, topic, prefix).target()), takeover=True)
+    c_sink = _sink(bs, topic, prefix, ids)
+    c_sink.open()
+    described, resume = threading.Event(), threading.Event()
+    c_out: dict[str, Any] = {}
+    claim = c_sink._claim
+
+    def paused_before_the_claim(ctx, client, tid, expect, tried):
+        c_out.setdefault("slot", (tid, expect))
+        described.set()
+        assert resume.wait(120)
+        return claim(ctx, client, tid, expect, tried)
+
+    c_sink._claim = paused_before_the_claim  # type: ignore[method-assign]
+    thread = None
+    try:
+        opened = x.protocol.open_ballot(5, lambda p: 2, BatchProgress("pipe", 5, None, "committed"))
+        assert opened is not None and bool(opened.intent["pool"].get("ids")) == (ids != "pool")
+        ctx_a = TransactionContext(opened.query_name, 5, 1, 0, opened.intent, opened.run)
+        txn_a = x.sink.begin_transaction(ctx_a)            # claimed and initialised; nothing produced yet
+
+        def c_task() -> None:
+            try:
+                ctx_c = TransactionContext(opened.query_name, 5, 1, 0, opened.intent, "stale-stage")
+                c_out["handle"] = run_attempt(c_sink, ctx_c, _rows("dup-p1"))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                c_out["error"] = e
+
+        thread = threading.Thread(target=c_task, daemon=True)
+        thread.start()
+        assert described.wait(60), c_out
+        if ids == "pool":  # C claims A's id from what it described: Empty, the epoch A's init left
+            assert c_out["slot"][0] == txn_a.transactional_id, (c_out, txn_a.transactional_id)
+        else:  # C passes over A's id (the broker knows it) and claims a new one
+            assert c_out["slot"][0] != txn_a.transactional_id and c_out["slot"][1] is None, c_out
+        x.sink.write(txn_a, _rows("b5-p1"))
+        h1 = x.sink.pre_commit(txn_a)
+        started = time.time()
+        h0 = run_attempt(x.sink, TransactionContext(opened.query_name, 5, 0, 0, opened.intent, opened.run),
+                         _rows("b5-p0"))
+        results = [{"partition": p, "attempt": 0, "rows": 20, "handle": x.sink.encode_handle(h)}
+                   for p, h in ((0, h0), (1, h1))]
+        x.protocol.check_prepared(opened, results, started_at=started)
+        commit = x.sink.commit
+
+        def commit_then_c_claims(handle: dict) -> Any:
+            res = commit(handle)
+            if not resume.is_set():  # after the decision and the first commit: C's stale claim lands
+                resume.set()
+                thread.join(120)
+            return res
+
+        x.sink.commit = commit_then_c_claims  # type: ignore[method-assign]
+        if ids == "pool":
+            with pytest.raises(DataLossError):
+                x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
+            assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0")), "half of batch 5"
+            return
+        x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
+        assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0") + _values("b5-p1"))
+        thread.join(60)
+        assert "error" not in c_out and c_out["handle"]["transactional_id"] != txn_a.transactional_id, c_out
+    finally:
+        resume.set()
+        if thread is not None:
+            thread.join(60)
+        c_sink.close()
+        x.sink.close()
+        x.close()
+
+
+def test_a_batch_job_ballots_close_keeps_the_plan_fences_widest(kafka_service):
+    """Found by the same review: a batch job's ballot (one partition) closed after its decision wrote
+    its own width back to the plan fence, so the next pool plan of the prefix stopped looking at
+    the ids of the wider partitions (a leftover there held readers back until its timeout)."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=4), f"rw-{uuid.uuid4().hex[:8]}"
+    sink = _sink(bs, topic, prefix)
+    try:
+        wide = sink.plan_batch("q", 1, 4)
+        assert wide["pool"]["widest"] == 4
+        own = sink.plan_batch_job("q", 2, 1)
+        h = _prepare(sink, own, 2, 0, 0, _values("b2"))
+        assert sink.commit(h).outcome.name == "COMMITTED"
+        sink.abort_lingering("q", 2, own, [h])  # decided: closes its plan at the fence
+        narrow = sink.plan_batch("q", 3, 1)
+        assert narrow["pool"]["widest"] == 4, narrow["pool"]
+    finally:
+        sink.close()

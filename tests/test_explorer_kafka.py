@@ -429,6 +429,63 @@ def test_batch_jobs_kafka_a_task_paused_between_its_claim_and_its_producers_init
         t.startswith("pipe-ids-1000.0-") for t in b11), (b11, b5)
 
 
+def _own_late() -> ex.Scenario:
+    """One run of batch job 5 and a late attempt of its partition 1 with the same attempt number (a
+    stage retry's duplicate), found by the fresh-context review of the batch jobs' own ids."""
+    from twophase.testing.explorer.actors import batch_job, late_attempt
+
+    return ex.Scenario("own-late", "one run of batch job 5 and a same-numbered late attempt of its partition 1",
+                       [batch_job(5), late_attempt(5, partition=1, attempt=0)], 1, batch_ids=[5])
+
+
+#: The late attempt describes ``-1.0`` after b5's attempt initialised it (Empty: claimable on the pool)
+#: and claims after b5's decision and first commit.
+STALE_CLAIM = "0*33 1*2 0*8 1*7 0*9"
+
+
+@pytest.mark.parametrize("ids", ["auto", "pool"])
+def test_batch_jobs_kafka_a_same_numbered_late_attempt_claims_no_id_another_attempt_of_its_ballot_claimed(
+        capsys, ids):
+    """Own ids are claimed once (only while the broker does not know them): the late attempt passes
+    over ``-1.0``, which b5's attempt claimed, and b5 commits whole.  On the pool (``"pool"``, the
+    streaming default) its claim from a stale look aborts b5's decided transaction: the race
+    docs/kafka.md leaves to the pool ("What is left")."""
+    trace, broken = ex.replay(_own_late(), ex.parse_schedule(STALE_CLAIM),
+                              sut=ex.kafka_sink(transactional_ids=None if ids == "auto" else ids))
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, {ids}] own-late schedule {STALE_CLAIM}: {broken or 'clean'}")
+    if ids == "pool":
+        _in_order(trace, [r"late\[b5 ballot 0\]: kafka\.init_producer_id pipe-ids-1\.0 from \(pid \d+ epoch 0\) "
+                          r"-> CONCURRENT_TRANSACTIONS"])
+        assert broken is not None and broken.startswith("decided-fenced: "), broken
+        return
+    assert broken is None, "\n".join(trace)
+    _in_order(trace, [r"late\[b5 ballot 0\]: kafka\.describe_transactions 1\.0: Empty \d+/1; 1\.1: TRANSACTIONAL_ID_NOT_FOUND",
+                      r"b5\[e1\]: store\.create g0001/batch-000000000005\.prepared\.json",
+                      r"late\[b5 ballot 0\]: kafka\.init_producer_id pipe-ids-1000\.0-1\.1 from \(pid 9223372036854775807 "
+                      r"epoch 0\) -> NONE"])
+    assert not any(re.search(r"late.*init_producer_id pipe-ids-1000\.0-1\.0 ", line) for line in trace)
+
+
+def test_batch_jobs_kafka_a_same_numbered_late_attempt_keeps_every_invariant_at_bound_2(capsys):
+    report = ex.explore(_own_late(), preemptions=2, sut=ex.kafka_sink(), collect=True)
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, shipped] own-late\n{report.summary()}")
+    assert report.complete and report.schedules >= 150, report.summary()
+    assert [f.render() for f in report.findings] == [], report.summary()
+
+
+@pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
+                    reason="every schedule of bound 3 (2720, about a minute); CI explores bound 2 and replays the "
+                           "schedule above; TWOPHASE_FULL_CHAOS=1 runs it")
+def test_batch_jobs_kafka_a_same_numbered_late_attempt_keeps_every_invariant_at_bound_3(capsys):
+    report = ex.explore(_own_late(), preemptions=3, sut=ex.kafka_sink(), collect=True)
+    with capsys.disabled():
+        print(f"\n[explorer, KafkaSink, shipped] own-late\n{report.summary()}")
+    assert report.complete
+    assert [f.render() for f in report.findings] == [], report.summary()
+
+
 @pytest.mark.skipif(not os.environ.get("TWOPHASE_FULL_CHAOS"),
                     reason="the depth-first search of bound 2 on 2c1a611's plan up to scenario 2 (about 1,400 "
                            "schedules, 45 s idle); CI replays the schedule it finds; TWOPHASE_FULL_CHAOS=1 runs it")

@@ -577,7 +577,9 @@ def test_a_decided_batch_the_broker_timed_out_runs_again(kafka_service, spark, t
     # Wait until the broker has aborted the timed-out transaction.
     client = kp.TxnClient({"bootstrap_servers": bs})
     deadline = time.time() + 60
-    while client.describe_transactions([f"{prefix}-0.0"])[f"{prefix}-0.0"].state != "CompleteAbort":
+    tid = _decided_ids(log_dir, KafkaSink(bs, topic, prefix))[0]  # a batch job's ballot: ids of its own, {prefix}-{pid}.{epoch}-0.{slot}
+    assert tid.startswith(f"{prefix}-") and tid.endswith("-0.0"), tid
+    while client.describe_transactions([tid])[tid].state != "CompleteAbort":
         assert time.time() < deadline, "the broker did not abort the transaction"
         time.sleep(0.5)
     client.close()
@@ -588,6 +590,16 @@ def test_a_decided_batch_the_broker_timed_out_runs_again(kafka_service, spark, t
     assert Counter(v.decode() for v in read_committed(bs, topic, idle=2.0)) == Counter(rows)
     assert any(f.name.startswith("batch-000000000000.void") for f in log_dir.rglob("*.json")), \
         sorted(f.name for f in log_dir.rglob("*.json"))  # the first decision, recorded void
+
+
+def _decided_ids(log_dir: Path, sink: KafkaSink) -> list[str]:
+    """The transactional ids the commit decisions of a log name."""
+    from twophase.log import TransactionLog
+
+    tlog = TransactionLog(str(log_dir), readonly=True)
+    return sorted(sink.decode_handle(h)["transactional_id"]
+                  for g in tlog.generations() for view in tlog.views(int(g["generation"])).values()
+                  if view.decision is not None for h in view.decision.handles)
 
 
 @pytest.mark.kafka

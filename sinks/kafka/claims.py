@@ -131,6 +131,11 @@ class _Claims(_KafkaSinkBase):
         states = self._describe(client, slots)
         self._check_plan_fence(ctx, client, pool)  # after the ids: a plan seen here precedes them
         snapshot = pool.get("open") or {}
+        # rule: ids of its own (plan_batch_job) are claimed only while the broker does not know them
+        # (from the impossible producer id, which only a new id accepts): each has one claimant ever,
+        # so no claim sent from a stale look (a stage retry's duplicate attempt of this very ballot)
+        # can reach a transaction opened on it, a decided one included.
+        once = bool(pool.get("ids"))
         tried: list[str] = []
         freed: list[str] = []
         for tid in slots:
@@ -140,6 +145,9 @@ class _Claims(_KafkaSinkBase):
                 continue
             if d.error_code == kp.TRANSACTIONAL_ID_NOT_FOUND:
                 expect = None  # never used: only a new id accepts the impossible producer id
+            elif once:
+                tried.append(f"{tid}: claimed by another attempt of this ballot (its ids are claimed once)")
+                continue
             elif d.error_code != kp.NONE:
                 tried.append(f"{tid}: {kp.error_name(d.error_code)}")
                 continue

@@ -113,8 +113,12 @@ class _Pool(_KafkaSinkBase):
         """A ballot on ids of its own: ``{prefix}-{pid}.{epoch}-{partition}.{slot}``, named after the
         plan fence's (producer id, epoch) that this plan's bump returned, which the broker gives one
         plan only.  Nothing can be open on them yet: no describe, nothing ``open`` or ``held``.  The
-        bump still makes every earlier ballot's late attempts claim nothing."""
-        n, r = int(num_partitions), self.slots_per_partition
+        bump still makes every earlier ballot's late attempts claim nothing.  A task claims one of
+        them only while the broker does not know it (claims.py), so each has one claimant ever:
+        ``2 * slots_per_partition`` of them per partition."""
+        # Each id is claimed once (claims.py), so every attempt of a partition takes a slot of its
+        # own: twice the pool's, which costs the brokers nothing (an id exists once claimed).
+        n, r = int(num_partitions), 2 * self.slots_per_partition
         fence = self.plan_fence_id()
         pool: dict[str, Any] = {"version": POOL_VERSION, "partitions": n, "slots": r, "widest": n,
                                 "fence": fence, "fence_producer": None, "open": {}, "held": {}}
@@ -129,7 +133,11 @@ class _Pool(_KafkaSinkBase):
         widest = n  # the fence keeps the widest plan of the pool's ids (plan_batch): never lowered here
         if before is not None and before.error_code == kp.NONE:
             widest = max(n, int(before.timeout_ms))
-        fence_now = list(self._bump_plan_fence(client, batch_id, max(1, min(widest, self.transaction_timeout_ms))))
+        widest = min(widest, self.transaction_timeout_ms)
+        # Kept for the fence alone (this ballot looks at its own ids, _own_ids): the close of this
+        # plan writes it back, and must not lower it either (the review of this change).
+        pool["widest"] = max(n, widest)
+        fence_now = list(self._bump_plan_fence(client, batch_id, max(1, widest)))
         pool["fence_producer"] = fence_now
         pool["ids"] = f"{fence_now[0]}.{fence_now[1]}"  # rule: names no other plan can give
         intent["transactional_ids"] = self._own_ids(pool)

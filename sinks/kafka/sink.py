@@ -46,11 +46,11 @@ class KafkaSink(_Pool, _Committer, _Claims, _Writer, TwoPhaseCommitSink[KafkaTra
     ids for the life of the query.  ``transactional_ids``: ``"auto"`` (the default) plans a
     streaming query's batches on that pool and gives each ballot of a batch job
     (``Coordinator.write``, ``df.write.format("twophase-kafka")``) ids of its own,
-    ``{prefix}-{pid}.{epoch}-{partition}.{slot}``, since two runs of a batch job may overlap;
-    ``"per-plan"`` does that for streaming batches too (no stalled task of another ballot can
-    abort a transaction on them, at the price of new ids on the brokers every batch, kept until
-    ``transactional.id.expiration.ms``); ``"pool"`` plans batch jobs on the pool too
-    (docs/kafka.md, "Transactional ids").
+    ``{prefix}-{pid}.{epoch}-{partition}.{slot}``, each claimed once, since two runs of a batch
+    job may overlap; ``"per-plan"`` does that for streaming batches too (no late claim or
+    InitProducerId of another attempt can abort a transaction on them, at the price of new ids
+    on the brokers every batch, kept until ``transactional.id.expiration.ms``); ``"pool"`` plans
+    batch jobs on the pool too (docs/kafka.md, "How it recovers").
     ``producer_config`` passes through to confluent-kafka (librdkafka names, e.g.
     ``security.protocol``, ``sasl.username``, ``linger.ms``); secrets may be given
     as ``{"env": "VAR"}`` references and are never logged nor put in handles.
