@@ -290,8 +290,11 @@ def test_a_task_paused_between_its_claim_and_its_producers_init_beside_a_backfil
             assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0")), "half of batch 5"
             return
         x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
-        assert not thread.is_alive() and "error" not in y_out, y_out
-        y_ids = {y_out["claimed"], y.sink.decode_handle(y.sink.encode_handle(y_out["handle"]))["transactional_id"]}
+        # X's takeover closed Y's ballot and its cleanup fenced Y's ids (the claimed one bumped, the
+        # others claimed): Y's producer lands one epoch off, no other id is free, Y writes nothing.
+        assert not thread.is_alive() and "handle" not in y_out, y_out
+        assert "could be claimed" in str(y_out["error"]) and "this attempt is late" in str(y_out["error"]), y_out
+        y_ids = {t for t in y_opened.intent["transactional_ids"]}
         own_y, own_x = y_opened.intent["pool"]["ids"], opened.intent["pool"]["ids"]
         assert own_y != own_x and all(t.startswith(f"{prefix}-{own_y}-") for t in y_ids), (y_ids, own_y)
         assert all(t.startswith(f"{prefix}-{own_x}-") for t in x_ids) and not set(x_ids) & y_ids, (x_ids, y_ids)
@@ -333,11 +336,11 @@ def test_a_stage_retrys_duplicate_attempt_claiming_from_a_stale_look_beside_a_de
     c_out: dict[str, Any] = {}
     claim = c_sink._claim
 
-    def paused_before_the_claim(ctx, client, tid, expect, tried):
+    def paused_before_the_claim(ctx, client, tid, expect, tried, **kw):
         c_out.setdefault("slot", (tid, expect))
         described.set()
         assert resume.wait(120)
-        return claim(ctx, client, tid, expect, tried)
+        return claim(ctx, client, tid, expect, tried, **kw)
 
     c_sink._claim = paused_before_the_claim  # type: ignore[method-assign]
     thread = None
@@ -415,3 +418,107 @@ def test_a_batch_job_ballots_close_keeps_the_plan_fences_widest(kafka_service):
         assert narrow["pool"]["widest"] == 4, narrow["pool"]
     finally:
         sink.close()
+
+
+
+@pytest.mark.parametrize("ids", ["pool", "auto", "per-plan"])
+def test_a_late_attempt_that_read_the_plan_fence_before_the_close_leaves_nothing_open_after_the_next_batch(
+        kafka_service, tmp_path, ids):
+    """Found by the second fresh-context review.  One partition.  A late attempt C of batch 5
+    (attempt 1: a slot of its own) reads the plan fence while the ballot is open, then pauses before
+    its claim.  Attempt 0 writes; batch 5 is decided, committed, and its cleanup closes the plan.  C
+    resumes and claims.  Then batch 6 runs and commits on the same driver.  On the pool, batch 6's
+    plan lists C's transaction as a closed ballot's leftover and aborts it.  On ids of their own
+    (batch jobs by default, and streaming with ``"per-plan"``) no later plan looks at batch 5's ids:
+    before, C wrote and left its transaction open, and read_committed readers did not see batch 6
+    until the transaction timeout.  Now C reads the plan fence again after its claim, finds the
+    ballot closed and writes nothing."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"f1-{uuid.uuid4().hex[:8]}"
+
+    def sink() -> KafkaSink:
+        return _sink(bs, topic, prefix, ids)
+
+    # "per-plan": a streaming query's log (its query id is Spark's, not a batch job's)
+    qid = str(uuid.uuid4()) if ids == "per-plan" else batch_query_id("daily", sink().target())
+    x = Driver(sink(), str(tmp_path / "log"), qid, takeover=True)
+    c_sink = sink()
+    c_sink.open()
+    described, resume = threading.Event(), threading.Event()
+    c_out: dict[str, Any] = {}
+    claim = c_sink._claim
+
+    def paused_before_the_claim(ctx, client, tid, expect, tried, **kw):
+        described.set()
+        assert resume.wait(120)
+        return claim(ctx, client, tid, expect, tried, **kw)
+
+    c_sink._claim = paused_before_the_claim  # type: ignore[method-assign]
+    thread = None
+    try:
+        opened = x.protocol.open_ballot(5, lambda p: 1, BatchProgress("pipe", 5, None, "committed"))
+        assert opened is not None and bool(opened.intent["pool"].get("ids")) == (ids != "pool")
+
+        def c_task() -> None:
+            try:
+                ctx_c = TransactionContext(opened.query_name, 5, 0, 1, opened.intent, "late")
+                c_out["handle"] = run_attempt(c_sink, ctx_c, _rows("late-b5"))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                c_out["error"] = e
+
+        thread = threading.Thread(target=c_task, daemon=True)
+        thread.start()
+        assert described.wait(60), c_out
+        started = time.time()
+        h = run_attempt(x.sink, TransactionContext(opened.query_name, 5, 0, 0, opened.intent, opened.run),
+                        _rows("b5"))
+        results = [{"partition": 0, "attempt": 0, "rows": 20, "handle": x.sink.encode_handle(h)}]
+        x.protocol.check_prepared(opened, results, started_at=started)
+        x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
+        x.protocol.committed(5)
+        resume.set()
+        thread.join(120)
+        if ids == "pool":
+            assert "handle" in c_out, c_out  # C claimed after the cleanup, wrote and pre-committed
+        else:
+            assert "handle" not in c_out and "this task attempt is late" in str(c_out.get("error")), c_out
+        x.batch(6, _rows("b6"))
+        assert Counter(read_committed(bs, topic, timeout=15, idle=5)) == Counter(_values("b5") + _values("b6"))
+        if "handle" in c_out:
+            st = x.sink._txn_client().describe_transactions([c_out["handle"]["transactional_id"]])
+            assert all(d.state != "Ongoing" for d in st.values()), st
+    finally:
+        resume.set()
+        if thread is not None:
+            thread.join(60)
+        left = c_out.get("handle")
+        if left:  # never leave the topic held for the timeout
+            x.sink._abort_open(x.sink._txn_client(), left["transactional_id"], left["producer_id"],
+                               left["producer_epoch"], "test cleanup", wait=False)
+        c_sink.close()
+        x.sink.close()
+        x.close()
+
+
+def test_a_batch_job_ballots_cleanup_aborts_a_failed_attempts_transaction_after_another_run_planned(kafka_service):
+    """A decided batch-job ballot whose failed attempt (its task died after its pre-commit) left a
+    transaction open on one of the ballot's own ids; another run plans before the ballot's cleanup,
+    so the cleanup cannot close the plan and the fence no longer holds its epoch.  On the pool that
+    transaction would be left to its timeout (it may be the other run's); on ids only this ballot
+    names it is garbage: aborted, and readers see the batch at once."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"ol-{uuid.uuid4().hex[:8]}"
+    sink, other = _sink(bs, topic, prefix), _sink(bs, topic, prefix)
+    try:
+        own = sink.plan_batch_job("q", 5, 1)
+        dead = _prepare(sink, own, 5, 0, 1, _values("dead"))  # attempt 1: pre-committed, never reported
+        h = _prepare(sink, own, 5, 0, 0, _values("b5"))
+        assert sink.commit(h).outcome is CommitOutcome.COMMITTED
+        other.plan_batch_job("q", 6, 1)  # another run's plan: the fence moved on
+        assert sink.abort_lingering("q", 5, own, [h]) == 1
+        st = sink._txn_client().describe_transactions([dead["transactional_id"]])[dead["transactional_id"]]
+        assert st.state in ("PrepareAbort", "CompleteAbort"), st
+        assert Counter(read_committed(bs, topic)) == Counter(_values("b5"))
+    finally:
+        sink.close()
+        other.close()

@@ -403,9 +403,10 @@ def test_batch_jobs_kafka_on_the_pool_a_task_paused_between_its_claim_and_its_pr
 
 
 #: On the shipped default: b11 plans on ids of its own, claims ``{fence}-1.0`` of them and pauses
-#: before its producer's InitProducerId, for the whole of b5's run (b5 takes the log over, plans on
-#: ids of its own, decides and commits).
-PAUSED_AFTER_CLAIM = "0*32 1*400"
+#: before it reads the plan fence again (and before its producer's InitProducerId), for the whole of
+#: b5's run (b5 takes the log over, closes b11's ballot and fences its ids, plans on ids of its own,
+#: decides and commits).
+PAUSED_AFTER_CLAIM = "0*33 1*400"
 
 
 def test_batch_jobs_kafka_a_task_paused_between_its_claim_and_its_producers_init_fences_no_decided_transaction(
@@ -416,17 +417,17 @@ def test_batch_jobs_kafka_a_task_paused_between_its_claim_and_its_producers_init
     assert broken is None, "\n".join(trace)
     _in_order(trace, [r"b11\[e1\]: sink\.plan_batch_job b11, 2 partitions -> fence 1000/0, own ids 1000\.0-\*",
                       r"b11\[e1\]: kafka\.init_producer_id pipe-ids-1000\.0-1\.0 from \(pid 9223372036854775807 epoch 0\) -> NONE",
-                      r"b5\[e2\]: sink\.plan_batch_job b5, 2 partitions -> fence 1000/1, own ids 1000\.1-\*",
-                      r"b5\[e2\]: kafka\.end_txn pipe-ids-1000\.1-1\.0 commit .* -> NONE",
+                      r"b5\[e2\]: sink\.plan_batch_job b5, 2 partitions -> fence 1000/\d+, own ids 1000\.\d+-\*",
+                      r"b5\[e2\]: kafka\.end_txn pipe-ids-1000\.\d+-1\.0 commit .* -> NONE",
                       r"b5\[e2\]: ends",
-                      r"b11\[e1\]: kafka\.producer\.init_transactions pipe-ids-1000\.0-1\.0 -> NONE"])
-    # No id is named by both runs' plans.
+                      r"b11\[e1\]: stops: TwoPhaseError: .* this task attempt is late"])
+    # b11's producer never initialised its id, and no id is named by both runs' plans.
+    assert not any(re.search(r"b11.*init_transactions pipe-ids-1000\.0-1\.0", line) for line in trace)
     b11 = {m for line in trace if line.split(": ", 1)[0].endswith("b11[e1]")
            for m in re.findall(r"pipe-ids-[\d.]+-\d+\.\d+", line)}
-    b5 = {m for line in trace if line.split(": ", 1)[0].endswith("b5[e2]")
-          for m in re.findall(r"pipe-ids-1000\.1-\d+\.\d+", line)}
-    assert b5 and not b5 & {t for t in b11 if t.startswith("pipe-ids-1000.0-")} and all(
-        t.startswith("pipe-ids-1000.0-") for t in b11), (b11, b5)
+    b5 = {m for line in trace if line.split(": ", 1)[0].endswith("b5[e2]") and "plan_batch_job" not in line
+          for m in re.findall(r"pipe-ids-1000\.(?!0-)[\d.]+-\d+\.\d+", line)}
+    assert b5 and all(t.startswith("pipe-ids-1000.0-") for t in b11) and not b5 & b11, (b11, b5)
 
 
 def _own_late() -> ex.Scenario:
@@ -438,32 +439,37 @@ def _own_late() -> ex.Scenario:
                        [batch_job(5), late_attempt(5, partition=1, attempt=0)], 1, batch_ids=[5])
 
 
-#: The late attempt describes ``-1.0`` after b5's attempt initialised it (Empty: claimable on the pool)
-#: and claims after b5's decision and first commit.
-STALE_CLAIM = "0*33 1*2 0*8 1*7 0*9"
+#: The late attempt describes ``-1.0`` after b5's attempt claimed it (Empty: claimable on the pool) and
+#: claims after b5's decision: on the pool (its schedule) and on own ids (the shipped default's).
+STALE_CLAIM = {"pool": "0*30 1*3 0*9 1*4 0*9", "auto": "0*33 1*1 0*8 1*2 0*9"}
 
 
 @pytest.mark.parametrize("ids", ["auto", "pool"])
 def test_batch_jobs_kafka_a_same_numbered_late_attempt_claims_no_id_another_attempt_of_its_ballot_claimed(
         capsys, ids):
     """Own ids are claimed once (only while the broker does not know them): the late attempt passes
-    over ``-1.0``, which b5's attempt claimed, and b5 commits whole.  On the pool (``"pool"``, the
-    streaming default) its claim from a stale look aborts b5's decided transaction: the race
-    docs/kafka.md leaves to the pool ("What is left")."""
-    trace, broken = ex.replay(_own_late(), ex.parse_schedule(STALE_CLAIM),
+    over ``-1.0``, which b5's attempt claimed, claims ``-1.1`` after b5's decision, reads the plan
+    fence again, finds the ballot closed and writes nothing; b5 commits whole.  On the pool
+    (``"pool"``, the streaming default) its claim from a stale look aborts b5's decided transaction:
+    the race docs/kafka.md leaves to the pool ("What is left")."""
+    schedule = STALE_CLAIM[ids]
+    trace, broken = ex.replay(_own_late(), ex.parse_schedule(schedule),
                               sut=ex.kafka_sink(transactional_ids=None if ids == "auto" else ids))
     with capsys.disabled():
-        print(f"\n[explorer, KafkaSink, {ids}] own-late schedule {STALE_CLAIM}: {broken or 'clean'}")
+        print(f"\n[explorer, KafkaSink, {ids}] own-late schedule {schedule}: {broken or 'clean'}")
     if ids == "pool":
-        _in_order(trace, [r"late\[b5 ballot 0\]: kafka\.init_producer_id pipe-ids-1\.0 from \(pid \d+ epoch 0\) "
-                          r"-> CONCURRENT_TRANSACTIONS"])
+        # The late attempt and b5's meet on pipe-ids-1.0; an InitProducerId aborts b5's decided transaction.
+        _in_order(trace, [r"late\[b5 ballot 0\]: kafka\.init_producer_id pipe-ids-1\.0 from",
+                          r"b5\[e1\]: store\.create g0001/batch-000000000005\.prepared\.json",
+                          r"b5\[e1\]: kafka\.end_txn pipe-ids-1\.0 commit .* -> PRODUCER_FENCED"])
         assert broken is not None and broken.startswith("decided-fenced: "), broken
         return
     assert broken is None, "\n".join(trace)
-    _in_order(trace, [r"late\[b5 ballot 0\]: kafka\.describe_transactions 1\.0: Empty \d+/1; 1\.1: TRANSACTIONAL_ID_NOT_FOUND",
+    _in_order(trace, [r"late\[b5 ballot 0\]: kafka\.describe_transactions 1\.0: Empty \d+/0; 1\.1: TRANSACTIONAL_ID_NOT_FOUND",
                       r"b5\[e1\]: store\.create g0001/batch-000000000005\.prepared\.json",
                       r"late\[b5 ballot 0\]: kafka\.init_producer_id pipe-ids-1000\.0-1\.1 from \(pid 9223372036854775807 "
-                      r"epoch 0\) -> NONE"])
+                      r"epoch 0\) -> NONE",
+                      r"late\[b5 ballot 0\]: stops: TwoPhaseError: .* this task attempt is late"])
     assert not any(re.search(r"late.*init_producer_id pipe-ids-1000\.0-1\.0 ", line) for line in trace)
 
 

@@ -39,8 +39,8 @@ def test_r9_a_plan_landing_between_the_fence_bump_and_the_describe_is_not_proven
     topic, prefix = _topic(bs, partitions=2), f"r9k-{uuid.uuid4().hex[:8]}"
     log_url = str(tmp_path / "log")
 
-    def sink():
-        return _sink(bs, topic, prefix)
+    def sink():  # the pool's proof is what this tests: batch jobs on the pool (they have ids of their own by default)
+        return _sink(bs, topic, prefix, "pool")
 
     qid = batch_query_id("daily", sink().target())
     y = Driver(sink(), log_url, qid, takeover=True)

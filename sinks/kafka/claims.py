@@ -20,6 +20,7 @@ from twophase.context import TransactionContext
 from twophase.errors import TwoPhaseError
 from twophase.sinks.kafka.common import (
     _CLAIMABLE,
+    OWN_IDS_VERSION,
     POOL_VERSION,
     KafkaTransaction,
     _KafkaSinkBase,
@@ -113,7 +114,7 @@ class _Claims(_KafkaSinkBase):
             raise TwoPhaseError(f"{ctx.label}: the batch INTENT has no transactional ids (was it planned "
                                 "by another sink?)")
         pool = ctx.intent.get("pool")
-        if not isinstance(pool, dict) or pool.get("version") != POOL_VERSION:
+        if not isinstance(pool, dict) or pool.get("version") not in (POOL_VERSION, OWN_IDS_VERSION):
             raise TwoPhaseError(
                 f"{ctx.label}: the batch INTENT was planned by an earlier twophase version (one transactional "
                 "id per partition, no claims); nothing was written. Its replay plans the batch again.")
@@ -146,7 +147,8 @@ class _Claims(_KafkaSinkBase):
             if d.error_code == kp.TRANSACTIONAL_ID_NOT_FOUND:
                 expect = None  # never used: only a new id accepts the impossible producer id
             elif once:
-                tried.append(f"{tid}: claimed by another attempt of this ballot (its ids are claimed once)")
+                tried.append(f"{tid}: claimed before (this ballot's ids are claimed once: by another attempt, "
+                             "or by one whose answer was lost, or fenced by the ballot's cleanup)")
                 continue
             elif d.error_code != kp.NONE:
                 tried.append(f"{tid}: {kp.error_name(d.error_code)}")
@@ -161,7 +163,7 @@ class _Claims(_KafkaSinkBase):
                 continue
             else:
                 expect = (d.producer_id, d.producer_epoch)
-            txn = self._claim(ctx, client, tid, expect, tried)
+            txn = self._claim(ctx, client, tid, expect, tried, fence=pool if once else None)
             if txn is not None:
                 return txn
         # Every other id is taken: one whose leftover this attempt just aborted is free once the
@@ -182,6 +184,13 @@ class _Claims(_KafkaSinkBase):
                 elif d is not None and d.error_code == kp.NONE and d.state == "PrepareAbort":
                     waiting.append(tid)
             freed = waiting
+        if once:
+            raise TwoPhaseError(
+                f"{ctx.label}: none of the {len(slots)} transactional ids of partition {ctx.partition_id} could be "
+                f"claimed: {'; '.join(tried)}. Nothing was written. Each id of this ballot is claimed once: "
+                "other attempts of this partition took them, or the ballot was closed and its cleanup fenced "
+                "them (this attempt is late). A run of the batch plans new ones (raise slots_per_partition "
+                "if attempts of one ballot run out of ids).")
         raise TwoPhaseError(
             f"{ctx.label}: none of the {len(slots)} transactional ids of partition {ctx.partition_id} could be "
             f"claimed: {'; '.join(tried)}. Nothing was written. Other attempts of this partition hold them "
@@ -206,8 +215,13 @@ class _Claims(_KafkaSinkBase):
                 "transactional id and writes nothing.")
 
     def _claim(self, ctx: TransactionContext, client, tid: str, expect: tuple[int, int] | None,
-               tried: list[str]) -> KafkaTransaction | None:
-        """Claim ``tid`` from ``expect`` (None: a new id), then initialise a producer on it; None if lost."""
+               tried: list[str], fence: dict[str, Any] | None = None) -> KafkaTransaction | None:
+        """Claim ``tid`` from ``expect`` (None: a new id), then initialise a producer on it; None if lost.
+
+        ``fence``: the INTENT's pool, whose plan fence is read again after the claim (an own id,
+        :meth:`~twophase.sinks.kafka.pool._Pool.plan_batch_job`): a claim that landed after the
+        ballot's cleanup closed the plan finds the fence moved and stops, writing nothing; one that
+        landed before is seen by that cleanup, which fences it (``_fence_own_ids``)."""
         from twophase.sinks.kafka import protocol as kp
 
         ck = require("confluent_kafka", "KafkaSink")
@@ -223,7 +237,9 @@ class _Claims(_KafkaSinkBase):
                 tried.append(f"{tid}: taken by another attempt ({kp.error_name(code)})")
                 return None
             if code in kp.RETRIABLE and time.monotonic() < deadline:
-                # A claim that was applied but whose answer was lost is answered again, unbumped.
+                # A claim of a known id that was applied but whose answer was lost is answered again,
+                # unbumped; of a new id (from the impossible producer id) it is refused: that id is
+                # given up below (PRODUCER_FENCED) and stays unused, a slot lost, never a transaction.
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -233,6 +249,8 @@ class _Claims(_KafkaSinkBase):
             raise TwoPhaseError(f"{ctx.label}: cannot claim transactional id {tid} on {self.bootstrap_servers}: "
                                 f"{kp.error_name(code)}. Check the ACLs for transactional ids with this prefix "
                                 "(Write); nothing was written.")
+        if fence is not None:
+            self._check_plan_fence(ctx, client, fence)  # rule: after the claim (see the docstring)
         handler = _LibrdkafkaLog(f"{ctx.label} ({tid})")
         rdk_logger = logging.Logger(f"twophase.rdkafka.{tid}")
         rdk_logger.setLevel(logging.DEBUG)

@@ -31,6 +31,9 @@ _rdlog = logging.getLogger("twophase.sinks.kafka.librdkafka")
 #: ``intent["pool"]["version"]`` of INTENTs planned with slots and the plan fence.  INTENTs without
 #: "pool" were written by earlier versions (ids ``{prefix}-{partition}``); they are still cleaned up.
 POOL_VERSION = 2
+#: The "version" of an INTENT whose ballot has ids of its own (pool.py, plan_batch_job): an earlier
+#: version's task would claim them by the pool's rules, so it refuses them.
+OWN_IDS_VERSION = 3
 #: KafkaSink(transactional_ids=...): whose ballots get ids of their own (pool.py, plan_batch_job).
 TRANSACTIONAL_IDS = ("auto", "pool", "per-plan")
 #: States of a transactional id in which a claim can take it (no transaction open or closing).

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from twophase.errors import TwoPhaseError
-from twophase.sinks.kafka.common import POOL_VERSION, _KafkaSinkBase, log
+from twophase.sinks.kafka.common import OWN_IDS_VERSION, POOL_VERSION, _KafkaSinkBase, log
 
 
 class _Pool(_KafkaSinkBase):
@@ -120,7 +120,7 @@ class _Pool(_KafkaSinkBase):
         # own: twice the pool's, which costs the brokers nothing (an id exists once claimed).
         n, r = int(num_partitions), 2 * self.slots_per_partition
         fence = self.plan_fence_id()
-        pool: dict[str, Any] = {"version": POOL_VERSION, "partitions": n, "slots": r, "widest": n,
+        pool: dict[str, Any] = {"version": OWN_IDS_VERSION, "partitions": n, "slots": r, "widest": n,
                                 "fence": fence, "fence_producer": None, "open": {}, "held": {}}
         intent: dict[str, Any] = {"transactional_ids": [], "transaction_timeout_ms": self.transaction_timeout_ms,
                                   "pool": pool}
@@ -261,6 +261,8 @@ class _Pool(_KafkaSinkBase):
                     aborted += 1
             else:
                 left.append(tid)
+        if pool.get("ids"):
+            self._fence_own_ids(client, pool, tids, states, kept, closed, batch_id)
         if left:
             log.info("batch %d: left %d open transactions on this execution's ids alone (%s): another "
                      "execution or batch was planned before or since, and they may be its own; its cleanup "
@@ -268,6 +270,39 @@ class _Pool(_KafkaSinkBase):
                      batch_id, len(left), ", ".join(left[:5]))
         self._closed_plan(pool, closed)
         return aborted
+
+    def _fence_own_ids(self, client, pool: dict[str, Any], tids: list[str], states: dict[str, Any],
+                       kept: set[tuple[str, int, int]], closed: list[int] | None, batch_id: int) -> None:
+        """After the cleanup of a ballot on ids of its own: no late attempt of it may open a
+        transaction there afterwards (nothing later looks at these ids again, and one left open
+        would hold read_committed readers back until its timeout; the second review of this change).
+
+        An id claimed but with no transaction (Empty, not kept) is bumped from the exact producer id
+        and epoch described: the attempt's producer, initialised or not, is fenced (its
+        ``init_transactions`` lands one epoch off and gives the id up, or its first produce is
+        refused).  An id the broker does not know is left to the attempt's own check of the plan
+        fence after its claim (claims.py) when this cleanup closed the plan (``closed``); otherwise
+        (an undecided ballot's cleanup, or a close that did not land) it is claimed here, from the
+        impossible producer id, so that no attempt can ever claim it (each own id has one claimant).
+        Best effort: an answer other than success leaves the id to the broker's timeout."""
+        from twophase.sinks.kafka import protocol as kp
+
+        for tid in tids:
+            st = states.get(tid)
+            if st is None:
+                continue
+            if st.error_code == kp.TRANSACTIONAL_ID_NOT_FOUND:
+                if closed is not None:
+                    continue
+                expect = (kp.UNUSED_PRODUCER_ID, 0)
+            elif st.error_code == kp.NONE and st.state == "Empty" and (tid, st.producer_id, st.producer_epoch) not in kept:
+                expect = (st.producer_id, st.producer_epoch)  # rule: this closed ballot's id alone
+            else:
+                continue
+            code, _, _ = client.init_producer_id(tid, self.transaction_timeout_ms, *expect)
+            if code != kp.NONE:
+                log.debug("batch %d: %s not fenced (%s): a late attempt's transaction there, if any, is left to "
+                          "its timeout", batch_id, tid, kp.error_name(code))
 
     def _close_plan_fence(self, client, pool: dict[str, Any]) -> list[int] | None:
         """Bump the plan fence from exactly ``pool``'s epoch (a conditional InitProducerId: the
