@@ -290,10 +290,10 @@ def test_a_task_paused_between_its_claim_and_its_producers_init_beside_a_backfil
             assert Counter(read_committed(bs, topic)) == Counter(_values("b5-p0")), "half of batch 5"
             return
         x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
-        # X's takeover closed Y's ballot and its cleanup fenced Y's ids (the claimed one bumped, the
-        # others claimed): Y's producer lands one epoch off, no other id is free, Y writes nothing.
+        # X's takeover closed Y's ballot, and its cleanup closed Y's plan and bumped Y's claimed id:
+        # Y's producer lands one epoch off, Y's claim of another id finds the plan closed: nothing written.
         assert not thread.is_alive() and "handle" not in y_out, y_out
-        assert "could be claimed" in str(y_out["error"]) and "this attempt is late" in str(y_out["error"]), y_out
+        assert "this task attempt is late" in str(y_out["error"]), y_out  # its next id: the fence read after the claim
         y_ids = {t for t in y_opened.intent["transactional_ids"]}
         own_y, own_x = y_opened.intent["pool"]["ids"], opened.intent["pool"]["ids"]
         assert own_y != own_x and all(t.startswith(f"{prefix}-{own_y}-") for t in y_ids), (y_ids, own_y)
@@ -522,3 +522,173 @@ def test_a_batch_job_ballots_cleanup_aborts_a_failed_attempts_transaction_after_
     finally:
         sink.close()
         other.close()
+
+
+def test_a_late_attempts_init_between_the_cleanups_describe_and_its_bump_leaves_nothing_open(kafka_service, tmp_path):
+    """Found by the third fresh-context review.  A late attempt C claimed an own id (Empty, epoch 0)
+    and read the plan fence (still open) before the ballot's cleanup closed the plan; C's producer
+    InitProducerId (librdkafka's, unconditional) lands between the cleanup's describe and its bump.
+    Before: the bump from epoch 0 was refused (PRODUCER_FENCED), C wrote and pre-committed after the
+    cleanup, on an id no later plan looks at: batch 6 unread until the transaction timeout.  Now the
+    cleanup describes the id again and bumps it from where it is: C's producer is fenced."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"r3-{uuid.uuid4().hex[:8]}"
+    x = Driver(_sink(bs, topic, prefix), str(tmp_path / "log"),
+               batch_query_id("daily", _sink(bs, topic, prefix).target()), takeover=True)
+    c_sink = _sink(bs, topic, prefix)
+    c_sink.open()
+    checked, go_init, inited, go_write = (threading.Event() for _ in range(4))
+    c_out: dict[str, Any] = {}
+    conf = c_sink._producer_config
+
+    def paused_after_the_check(tid, box):  # after the claim and the post-claim fence check
+        c_out["tid"] = tid
+        checked.set()
+        assert go_init.wait(120)
+        return conf(tid, box)
+
+    c_sink._producer_config = paused_after_the_check  # type: ignore[method-assign]
+    write = c_sink.write
+
+    def paused_before_produce(txn, batch):  # init_transactions done, nothing produced yet
+        inited.set()
+        assert go_write.wait(120)
+        return write(txn, batch)
+
+    c_sink.write = paused_before_produce  # type: ignore[method-assign]
+    fence_own = x.sink._fence_own_ids
+    seen: dict[str, Any] = {}
+
+    def cleanup_bump_after_c_init(client, pool, tids, states, kept, closed, batch_id):
+        seen["described"] = {t: (d.state, d.producer_id, d.producer_epoch) for t, d in states.items()
+                             if t == c_out.get("tid")}
+        seen["closed"] = closed
+        go_init.set()               # C's producer InitProducerId lands now
+        assert inited.wait(60)
+        return fence_own(client, pool, tids, states, kept, closed, batch_id)
+
+    x.sink._fence_own_ids = cleanup_bump_after_c_init  # type: ignore[method-assign]
+    thread = None
+    try:
+        opened = x.protocol.open_ballot(5, lambda p: 1, BatchProgress("pipe", 5, None, "committed"))
+        assert opened is not None and opened.intent["pool"].get("ids")
+
+        def c_task() -> None:
+            try:
+                ctx = TransactionContext(opened.query_name, 5, 0, 1, opened.intent, "late")
+                c_out["handle"] = run_attempt(c_sink, ctx, _rows("late-b5"))
+            except BaseException as e:  # noqa: BLE001
+                c_out["error"] = e
+
+        thread = threading.Thread(target=c_task, daemon=True)
+        thread.start()
+        assert checked.wait(60), c_out
+        started = time.time()
+        h = run_attempt(x.sink, TransactionContext(opened.query_name, 5, 0, 0, opened.intent, opened.run),
+                        _rows("b5"))
+        results = [{"partition": 0, "attempt": 0, "rows": 20, "handle": x.sink.encode_handle(h)}]
+        x.protocol.check_prepared(opened, results, started_at=started)
+        x.protocol.decide_and_commit(opened, results, BatchProgress("pipe", 5, None, "committed"))
+        x.protocol.committed(5)
+        go_write.set()
+        thread.join(120)
+        print("cleanup described C's id:", seen)
+        print("C:", {k: (v if k != "error" else repr(v)) for k, v in c_out.items()})
+        st = x.sink._txn_client().describe_transactions([c_out["tid"]])[c_out["tid"]]
+        print("after cleanup and C:", st.state, st.producer_id, st.producer_epoch)
+        x.batch(6, _rows("b6"))
+        got = Counter(read_committed(bs, topic, timeout=15, idle=5))
+        print("read_committed sees", sum(got.values()), "records; expected", 40)
+        assert "handle" not in c_out, f"late attempt C pre-committed after the cleanup: {c_out.get('handle')}"
+        assert st.state != "Ongoing", st
+        assert got == Counter(_values("b5") + _values("b6"))
+    finally:
+        go_init.set()
+        go_write.set()
+        if thread is not None:
+            thread.join(60)
+        left = c_out.get("handle")
+        if left:
+            x.sink._abort_open(x.sink._txn_client(), left["transactional_id"], left["producer_id"],
+                               left["producer_epoch"], "test cleanup", wait=False)
+        c_sink.close()
+        x.sink.close()
+        x.close()
+
+
+def test_a_late_attempt_claiming_beside_an_undecided_ballots_cleanup_leaves_nothing_open(kafka_service, tmp_path):
+    """Found by the third fresh-context review.  An undecided ballot's cleanup (give_up) did not close
+    the plan, and claimed the ids the broker did not know one by one after a single describe: a late
+    attempt C that claimed one in between passed both its reads of the plan fence and wrote, on an
+    id no later plan looks at (batch 6 unread until the transaction timeout).  Now an own-id
+    ballot's cleanup closes the plan first: C finds the fence moved after its claim and writes nothing."""
+    bs = kafka_service["bootstrap_servers"]
+    topic, prefix = _topic(bs, partitions=1), f"r3u-{uuid.uuid4().hex[:8]}"
+    x = Driver(_sink(bs, topic, prefix), str(tmp_path / "log"),
+               batch_query_id("daily", _sink(bs, topic, prefix).target()), takeover=True)
+    c_sink = _sink(bs, topic, prefix)
+    c_sink.open()
+    before_produce, go_write = threading.Event(), threading.Event()
+    c_out: dict[str, Any] = {}
+    write = c_sink.write
+
+    def paused_before_produce(txn, batch):
+        c_out["tid"] = txn.transactional_id
+        before_produce.set()  # (never reached now: C stops at its read of the plan fence)
+        assert go_write.wait(120)
+        return write(txn, batch)
+
+    c_sink.write = paused_before_produce  # type: ignore[method-assign]
+    fence_own = x.sink._fence_own_ids
+    seen: dict[str, Any] = {}
+    thread = None
+    try:
+        opened = x.protocol.open_ballot(5, lambda p: 1, BatchProgress("pipe", 5, None, "committed"))
+        assert opened is not None and opened.intent["pool"].get("ids")
+
+        def c_task() -> None:
+            try:
+                ctx = TransactionContext(opened.query_name, 5, 0, 1, opened.intent, "late")
+                c_out["handle"] = run_attempt(c_sink, ctx, _rows("late-b5"))
+            except BaseException as e:  # noqa: BLE001
+                c_out["error"] = e
+
+        def cleanup_claims_after_c(client, pool, tids, states, kept, closed, batch_id):
+            nonlocal thread
+            seen["closed"] = closed
+            seen["unknown_at_describe"] = sorted(t for t, d in states.items() if d.error_code != 0)
+            thread = threading.Thread(target=c_task, daemon=True)  # C: describe, claim, check, init
+            thread.start()
+            deadline = time.time() + 60  # C runs to its end (before: to its first produce) between the describe and the claims
+            while thread.is_alive() and not before_produce.is_set() and time.time() < deadline:
+                time.sleep(0.05)
+            return fence_own(client, pool, tids, states, kept, closed, batch_id)
+
+        x.sink._fence_own_ids = cleanup_claims_after_c  # type: ignore[method-assign]
+        # Attempt 0 failed; the ballot is given up (closed as aborted, then cleaned up with keep=[]).
+        x.protocol.give_up(opened, RuntimeError("attempt 0 failed"))
+        x.sink._fence_own_ids = fence_own  # type: ignore[method-assign]
+        go_write.set()
+        thread.join(120)
+        print("cleanup:", seen)
+        print("C:", {k: (v if k != "error" else repr(v)) for k, v in c_out.items()})
+        assert seen["closed"] is not None  # the undecided own-id ballot's plan closed by its cleanup
+        assert "this task attempt is late" in str(c_out.get("error")), c_out
+        # The failed job is not re-run at once; the next run is batch 6 (a re-run of batch 5 would look
+        # at the given-up ballot's ids again in _close_earlier_ballots, but only if C wrote before it).
+        x.batch(6, _rows("b6"))
+        got = Counter(read_committed(bs, topic, timeout=15, idle=5))
+        print("read_committed sees", sum(got.values()), "records; expected", 20)
+        assert "handle" not in c_out, f"late attempt C pre-committed after the cleanup: {c_out.get('handle')}"
+        assert got == Counter(_values("b6"))
+    finally:
+        go_write.set()
+        if thread is not None:
+            thread.join(60)
+        left = c_out.get("handle")
+        if left:
+            x.sink._abort_open(x.sink._txn_client(), left["transactional_id"], left["producer_id"],
+                               left["producer_epoch"], "test cleanup", wait=False)
+        c_sink.close()
+        x.sink.close()
+        x.close()

@@ -227,8 +227,11 @@ class _Pool(_KafkaSinkBase):
         # retry's duplicate) claims nothing from now on instead of opening a transaction after this
         # cleanup, which another run's plan cannot attribute (it holds it) and which would hold
         # read_committed readers back until its timeout.  An undecided ballot's plan is not closed:
-        # the sink's contract lets a caller clean up (keep=[]) before running its INTENT again.
-        closed = self._close_plan_fence(client, pool) if kept else None
+        # the sink's contract lets a caller clean up (keep=[]) before running its INTENT again.  A
+        # ballot on ids of its own is closed either way: its ids are fenced below, so its INTENT
+        # cannot run again, and a late attempt must find the fence moved after its claim (the third
+        # review: an undecided ballot's cleanup raced a live attempt for the ids it claimed).
+        closed = self._close_plan_fence(client, pool) if kept or pool.get("ids") else None
         states = self._describe(client, tids)
         latest: bool | None = None  # the plan fence, asked after the ids (see the docstring) and
         snapshot = pool.get("open") or {}  # only if an open transaction depends on it
@@ -280,29 +283,47 @@ class _Pool(_KafkaSinkBase):
         An id claimed but with no transaction (Empty, not kept) is bumped from the exact producer id
         and epoch described: the attempt's producer, initialised or not, is fenced (its
         ``init_transactions`` lands one epoch off and gives the id up, or its first produce is
-        refused).  An id the broker does not know is left to the attempt's own check of the plan
-        fence after its claim (claims.py) when this cleanup closed the plan (``closed``); otherwise
-        (an undecided ballot's cleanup, or a close that did not land) it is claimed here, from the
-        impossible producer id, so that no attempt can ever claim it (each own id has one claimant).
-        Best effort: an answer other than success leaves the id to the broker's timeout."""
+        refused).  A bump refused because the id moved (the attempt's own ``init_transactions``
+        landed in between: the third review) is followed by a new describe and the same rules, an
+        open transaction not kept aborted: each own id has one claimant, which sends one
+        unconditional InitProducerId, so this settles in a round or two.  An id the broker does not
+        know is left to the attempt's own check of the plan fence after its claim (claims.py) when
+        this cleanup closed the plan (``closed``); otherwise (the close did not land) it is claimed
+        here, from the impossible producer id, so that no attempt can ever claim it.  Best effort:
+        an id still moving after a few rounds is left to the broker's transaction timeout."""
         from twophase.sinks.kafka import protocol as kp
 
-        for tid in tids:
-            st = states.get(tid)
-            if st is None:
-                continue
-            if st.error_code == kp.TRANSACTIONAL_ID_NOT_FOUND:
-                if closed is not None:
+        todo = list(tids)
+        for rounds in range(4):
+            moved: list[str] = []
+            for tid in todo:
+                st = states.get(tid)
+                if st is None:
                     continue
-                expect = (kp.UNUSED_PRODUCER_ID, 0)
-            elif st.error_code == kp.NONE and st.state == "Empty" and (tid, st.producer_id, st.producer_epoch) not in kept:
-                expect = (st.producer_id, st.producer_epoch)  # rule: this closed ballot's id alone
-            else:
-                continue
-            code, _, _ = client.init_producer_id(tid, self.transaction_timeout_ms, *expect)
-            if code != kp.NONE:
-                log.debug("batch %d: %s not fenced (%s): a late attempt's transaction there, if any, is left to "
-                          "its timeout", batch_id, tid, kp.error_name(code))
+                if st.error_code == kp.TRANSACTIONAL_ID_NOT_FOUND:
+                    if closed is not None:
+                        continue
+                    expect = (kp.UNUSED_PRODUCER_ID, 0)
+                elif st.error_code != kp.NONE or (tid, st.producer_id, st.producer_epoch) in kept:
+                    continue
+                elif st.state == "Ongoing":  # rule: not kept, on an id this closed ballot alone names
+                    if rounds:  # (the first describe's were aborted by abort_lingering already)
+                        self._abort_open(client, tid, st.producer_id, st.producer_epoch, f"batch {batch_id}",
+                                         wait=False)
+                    continue
+                elif st.state == "Empty":
+                    expect = (st.producer_id, st.producer_epoch)  # rule: this closed ballot's id alone
+                else:
+                    continue
+                code, _, _ = client.init_producer_id(tid, self.transaction_timeout_ms, *expect)
+                if code != kp.NONE:
+                    moved.append(tid)
+            if not moved:
+                return
+            todo, states = moved, self._describe(client, moved)
+        log.info("batch %d: %d ids of this ballot still moving after its cleanup (%s): a late attempt's "
+                 "transaction there, if any, is left to the broker's timeout", batch_id, len(todo),
+                 ", ".join(todo[:5]))
 
     def _close_plan_fence(self, client, pool: dict[str, Any]) -> list[int] | None:
         """Bump the plan fence from exactly ``pool``'s epoch (a conditional InitProducerId: the
