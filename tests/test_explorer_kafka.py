@@ -269,6 +269,49 @@ def test_the_kafka_model_answers_as_the_real_broker(kafka_service):
     assert real == model
 
 
+def _retry_after_an_unconditional_bump(init: Any) -> str:
+    """One new id: a claim from the impossible producer id (epoch 0), an unconditional InitProducerId
+    (a producer's init_transactions: epoch 1), then a conditional one from (pid, 0): not a retry."""
+    tid = f"eqr-{uuid.uuid4().hex[:8]}"
+    code, pid, ep = init(tid, 60000, kp.UNUSED_PRODUCER_ID, 0)
+    assert code == kp.NONE and ep == 0, (code, pid, ep)
+    code, pid1, ep1 = init(tid, 60000)
+    assert code == kp.NONE and (pid1, ep1) == (pid, 1), (code, pid1, ep1)
+    return kp.error_name(init(tid, 60000, pid, 0)[0])
+
+
+def _close_after_another_plan(init: Any) -> tuple[str, bool]:
+    """A plan fence: plan P (unconditional), another run's plan (unconditional), then P's close
+    (conditional from P's epoch), as KafkaSink's cleanup sends it."""
+    tid = f"eqp-{uuid.uuid4().hex[:8]}-plans"
+    code, pid, ep = init(tid, 1)
+    assert code == kp.NONE
+    assert init(tid, 1)[0] == kp.NONE
+    code, cpid, cep = init(tid, 1, pid, ep)
+    return kp.error_name(code), (cpid, cep) == (pid, ep + 1)
+
+
+@pytest.mark.kafka
+def test_the_kafka_model_refuses_a_conditional_init_from_before_an_unconditional_bump_as_the_broker_does(
+        kafka_service):
+    """Found by the third fresh-context review of the batch jobs' own ids: the model answered these as
+    retries (NONE, unbumped), the real broker PRODUCER_FENCED; the explorer then explored schedules a
+    broker cannot produce (a close taken for landed after another run's plan)."""
+    from twophase.sinks.kafka import KafkaSink
+    from twophase.testing.kafka_model_broker import ModelBroker
+
+    sink = KafkaSink(kafka_service["bootstrap_servers"], "unused", "eqr")
+    try:
+        real = sink._txn_client().init_producer_id
+        assert _retry_after_an_unconditional_bump(real) == "PRODUCER_FENCED"
+        assert _close_after_another_plan(real) == ("PRODUCER_FENCED", False)
+    finally:
+        sink.close()
+    model = ModelBroker().init_producer_id
+    assert _retry_after_an_unconditional_bump(model) == "PRODUCER_FENCED"
+    assert _close_after_another_plan(model) == ("PRODUCER_FENCED", False)
+
+
 # ============================================================================ batch-jobs on KafkaSink
 #: The schedule of bound 2 in which the explorer found scenario 2 by itself on 2c1a611's plan (schedule
 #: 1399 of the depth-first search when this was written): b11 bumps the plan fence and pauses; b5 takes

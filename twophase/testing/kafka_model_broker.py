@@ -80,6 +80,10 @@ class TxnId:
     timeout_ms: int
     state: str = "Empty"  # Empty | Ongoing | CompleteCommit | CompleteAbort
     txn: Txn | None = None  # the open (Ongoing) or last transaction
+    #: The epoch a conditional InitProducerId bumped from (a retry of it is answered unbumped); -1
+    #: after any other bump, as Kafka's lastProducerEpoch (a conditional one from the epoch before
+    #: an unconditional bump is PRODUCER_FENCED on the real broker: the third review).
+    last_epoch: int = -1
 
 
 class ModelBroker:
@@ -166,12 +170,14 @@ class ModelBroker:
         if st.state == "Ongoing":
             # Fenced: the open transaction is aborted under a bumped epoch; the client asks again.
             st.epoch += 1
+            st.last_epoch = -1
             self._end(st, "abort", st.epoch, by="init_producer_id")
             return kp.CONCURRENT_TRANSACTIONS, -1, -1
         if conditional and epoch != st.epoch:
-            if epoch == st.epoch - 1:  # a retry of the claim that bumped it
+            if epoch == st.last_epoch:  # a retry of the conditional claim that bumped it
                 return kp.NONE, st.producer_id, st.epoch
             return kp.PRODUCER_FENCED, -1, -1
+        st.last_epoch = st.epoch if conditional else -1
         st.epoch += 1
         st.timeout_ms = int(timeout_ms)
         st.state, st.txn = "Empty", None  # (the real broker too: Empty, no start time)
